@@ -1,0 +1,31 @@
+"""Bias objects for scaled dot product attention, run on the fastest exact kernel."""
+
+from attnbias.bias import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CausalVariant,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+)
+from attnbias.functional import explain, patch_sdpa, sdpa
+
+__all__ = [
+    "AlibiBias",
+    "AttnBias",
+    "CausalBias",
+    "CausalVariant",
+    "DocumentBias",
+    "SlidingWindowBias",
+    "SoftcapBias",
+    "TensorBias",
+    "causal_lower_right",
+    "causal_upper_left",
+    "explain",
+    "patch_sdpa",
+    "sdpa",
+]

@@ -1,0 +1,757 @@
+"""Bias objects for scaled dot product attention.
+
+Shape legend used throughout:
+
+    B   batch size              L   query sequence length
+    Hq  query heads             S   key/value sequence length
+    Hkv key/value heads         E   head dimension
+
+Every bias follows one set of semantics (see the README): query row ``i`` in ``[0, L)``, key
+column ``j`` in ``[0, S)``; the score is ``s = scale * q_i . k_j``, then soft-capped, then the
+additive biases are added, then the masks are applied (a pair is kept when every mask keeps it).
+A query row that keeps no key produces a zero output and zero gradients.
+
+``materialize`` returns the additive float form of a bias: ``0`` where attended, ``-inf`` where
+masked, finite values for score biases such as ALiBi. It returns the fewest dimensions it needs
+(a causal mask is ``(L, S)``), broadcastable to ``(B, H, L, S)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "AlibiBias",
+    "AttnBias",
+    "CausalBias",
+    "CausalVariant",
+    "CompositeBias",
+    "DocumentBias",
+    "SlidingWindowBias",
+    "SoftcapBias",
+    "TensorBias",
+    "alibi_slopes",
+    "causal_lower_right",
+    "causal_upper_left",
+]
+
+_Device = torch.device | str | int | None
+_Shape = Sequence[int] | torch.Size | None
+
+
+def _resolve_lengths(
+    shape: _Shape, seq_len_q: int | None, seq_len_kv: int | None, owner: str
+) -> tuple[int, int]:
+    """Return ``(L, S)`` from ``shape=(..., L, S)`` and/or lengths the bias carries itself."""
+    shape_l = shape_s = None
+    if shape is not None:
+        shape = tuple(shape)
+        if len(shape) < 2:
+            raise ValueError(f"{owner}.materialize: shape must end with (L, S), got shape={shape}")
+        shape_l, shape_s = int(shape[-2]), int(shape[-1])
+    length_q = seq_len_q if seq_len_q is not None else shape_l
+    length_kv = seq_len_kv if seq_len_kv is not None else shape_s
+    if length_q is None or length_kv is None:
+        raise ValueError(
+            f"{owner}.materialize needs the sequence lengths: pass shape=(B, H, L, S) or build "
+            f"the bias with its lengths (e.g. causal_lower_right(L, S))"
+        )
+    if shape_l is not None and (shape_l, shape_s) != (length_q, length_kv):
+        raise ValueError(
+            f"{owner} was built for L={length_q}, S={length_kv} but shape={shape} asks for "
+            f"L={shape_l}, S={shape_s}; build the bias with the lengths of this call"
+        )
+    return length_q, length_kv
+
+
+def _keep_to_additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    zeros = torch.zeros((), dtype=dtype, device=keep.device)
+    return torch.where(keep, zeros, torch.full((), -math.inf, dtype=dtype, device=keep.device))
+
+
+def _band_keep(
+    length_q: int, length_kv: int, lo: int | None, hi: int | None, device: _Device
+) -> Tensor:
+    """``(L, S)`` bool: ``lo <= j - i <= hi`` (``None`` = unbounded side)."""
+    rows = torch.arange(length_q, device=device)[:, None]
+    cols = torch.arange(length_kv, device=device)[None, :]
+    offset = cols - rows
+    keep = torch.ones(length_q, length_kv, dtype=torch.bool, device=device)
+    if lo is not None:
+        keep &= offset >= lo
+    if hi is not None:
+        keep &= offset <= hi
+    return keep
+
+
+class AttnBias(ABC):
+    """Base class of every bias object accepted as ``attn_mask`` by :func:`attnbias.sdpa`.
+
+    A subclass provides at least one of two paths:
+
+    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes an additive
+      float tensor and stock SDPA runs with it. This is all a custom bias needs.
+    * ``dispatch`` (and ``needs_materialization() -> False``): the bias runs attention itself,
+      e.g. through a fused kernel.
+
+    Biases compose with ``+``: ``a + b`` adds the additive parts and intersects the masks.
+
+    Example, a prefix-LM mask (the first ``prefix`` keys are visible to every query)::
+
+        @dataclass(frozen=True)
+        class PrefixLMBias(AttnBias):
+            prefix: int
+
+            def materialize(self, device=None, *, shape=None, dtype=None):
+                L, S = shape[-2], shape[-1]
+                i = torch.arange(L, device=device)[:, None]
+                j = torch.arange(S, device=device)[None, :]
+                keep = (j <= i) | (j < self.prefix)
+                return torch.zeros(L, S, dtype=dtype, device=device).masked_fill(~keep, -inf)
+
+            def needs_materialization(self):
+                return True
+    """
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """Additive float tensor broadcastable to ``shape=(B, H, L, S)``."""
+        raise TypeError(
+            f"{type(self).__name__} has no materialized form; it can only run through its "
+            f"dispatch (its needs_materialization() must return False)"
+        )
+
+    @abstractmethod
+    def needs_materialization(self) -> bool:
+        """True when ``sdpa`` should call stock SDPA with ``materialize(...)``."""
+
+    @staticmethod
+    def dispatch(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: AttnBias,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        """Compute attention with this bias without materializing it."""
+        raise TypeError(
+            f"{type(attn_bias).__name__}.needs_materialization() returned False but the class "
+            f"does not implement dispatch(); implement dispatch() or return True from "
+            f"needs_materialization() and implement materialize()"
+        )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.materialize is AttnBias.materialize and cls.dispatch is AttnBias.dispatch:
+            raise TypeError(
+                f"{cls.__name__} implements neither materialize() nor dispatch(); an AttnBias "
+                f"subclass must implement at least one of them"
+            )
+
+    def __add__(self, other: object) -> CompositeBias:
+        if not isinstance(other, AttnBias):
+            return NotImplemented
+        return CompositeBias((*_parts(self), *_parts(other)))
+
+    def __radd__(self, other: object) -> AttnBias:
+        # sum([a, b]) starts from 0
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        """Raise ``ValueError`` when the bias cannot apply to a ``(B, Hq, L, S)`` call."""
+        return None
+
+
+def _parts(bias: AttnBias) -> tuple[AttnBias, ...]:
+    if isinstance(bias, CompositeBias):
+        return bias.parts
+    return (bias,)
+
+
+class _BuiltinBias(AttnBias):
+    """A bias the library knows how to lower to its kernel (band, documents, score modifiers)."""
+
+    def needs_materialization(self) -> bool:
+        return False
+
+    @staticmethod
+    def dispatch(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: AttnBias,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        from attnbias.routing import run_builtin
+
+        return run_builtin(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class TensorBias(AttnBias):
+    """A plain additive (float) or keep (bool) tensor, broadcastable to ``(B, Hq, L, S)``.
+
+    Always materialised: ``sdpa`` passes it to stock SDPA. A float bias that requires grad gets
+    its gradient. A bool tensor keeps ``True`` pairs (PyTorch's convention).
+
+    >>> TensorBias(torch.tensor([[0.0, -1.0], [float("-inf"), 0.5]])).materialize()
+    tensor([[ 0.0000, -1.0000],
+            [   -inf,  0.5000]])
+    """
+
+    bias: Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bias, Tensor):
+            raise TypeError(
+                f"TensorBias expects a torch.Tensor, got {type(self.bias).__name__}; "
+                f"wrap values with torch.tensor(...)"
+            )
+        if self.bias.dtype != torch.bool and not self.bias.is_floating_point():
+            raise TypeError(
+                f"TensorBias expects a floating point (additive) or bool (keep) tensor, got "
+                f"dtype={self.bias.dtype}; convert it with .float() or .bool()"
+            )
+        if self.bias.dim() > 4:
+            raise ValueError(
+                f"TensorBias must broadcast to (B, H, L, S), got a {self.bias.dim()}-D tensor "
+                f"of shape {tuple(self.bias.shape)}"
+            )
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        bias = self.bias
+        if shape is not None:
+            self._check_broadcast(tuple(shape))
+        if bias.dtype == torch.bool:
+            bias = _keep_to_additive(bias, dtype or torch.float32)
+        elif dtype is not None:
+            bias = bias.to(dtype)
+        if device is not None:
+            bias = bias.to(device)
+        return bias
+
+    def needs_materialization(self) -> bool:
+        return True
+
+    def _check_broadcast(self, shape: tuple[int, ...]) -> None:
+        try:
+            torch.broadcast_shapes(tuple(self.bias.shape), shape)
+            ok = torch.broadcast_shapes(tuple(self.bias.shape), shape) == torch.Size(shape)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"TensorBias of shape {tuple(self.bias.shape)} does not broadcast to the "
+                f"attention scores of shape (B, Hq, L, S)={shape}; give it a shape such as "
+                f"(L, S), (B, 1, L, S) or (B, Hq, L, S)"
+            )
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        self._check_broadcast((batch, heads, length_q, length_kv))
+
+    def __repr__(self) -> str:
+        return f"TensorBias(shape={tuple(self.bias.shape)}, dtype={self.bias.dtype})"
+
+
+# --------------------------------------------------------------------------------------------
+# Causal
+
+
+class CausalVariant(enum.IntEnum):
+    """Alignment of a causal mask when ``L != S`` (the values match PyTorch's enum).
+
+    ``UPPER_LEFT`` keeps ``j <= i``; ``LOWER_RIGHT`` keeps ``j <= i + (S - L)``, so the last
+    query sees every key (KV cache, chunked prefill).
+    """
+
+    UPPER_LEFT = 1
+    LOWER_RIGHT = 2
+
+
+@dataclass(frozen=True)
+class CausalBias(_BuiltinBias):
+    """Causal mask, aligned to the top-left or bottom-right corner of the ``(L, S)`` scores.
+
+    ``seq_len_q`` / ``seq_len_kv`` are optional; when given, the bias materializes on its own
+    (``materialize(device)``) and ``sdpa`` checks them against the inputs.
+
+    >>> causal_lower_right(2, 3).materialize()
+    tensor([[0., 0., -inf],
+            [0., 0., 0.]])
+    """
+
+    variant: CausalVariant = CausalVariant.UPPER_LEFT
+    seq_len_q: int | None = None
+    seq_len_kv: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.variant, CausalVariant):
+            try:
+                object.__setattr__(self, "variant", CausalVariant(self.variant))
+            except ValueError:
+                raise ValueError(
+                    f"CausalBias variant must be CausalVariant.UPPER_LEFT or LOWER_RIGHT, got "
+                    f"{self.variant!r}"
+                ) from None
+        for name in ("seq_len_q", "seq_len_kv"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"CausalBias {name} must be a positive int, got {value!r}")
+
+    def offset_hi(self, length_q: int, length_kv: int) -> int:
+        """The largest kept ``j - i``."""
+        return 0 if self.variant is CausalVariant.UPPER_LEFT else length_kv - length_q
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        length_q, length_kv = _resolve_lengths(shape, self.seq_len_q, self.seq_len_kv, "CausalBias")
+        keep = _band_keep(length_q, length_kv, None, self.offset_hi(length_q, length_kv), device)
+        return _keep_to_additive(keep, dtype or torch.float32)
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        _resolve_lengths((length_q, length_kv), self.seq_len_q, self.seq_len_kv, "CausalBias")
+
+    def __repr__(self) -> str:
+        lengths = ""
+        if self.seq_len_q is not None or self.seq_len_kv is not None:
+            lengths = f", seq_len_q={self.seq_len_q}, seq_len_kv={self.seq_len_kv}"
+        return f"CausalBias({self.variant.name}{lengths})"
+
+
+def causal_upper_left(seq_len_q: int | None = None, seq_len_kv: int | None = None) -> CausalBias:
+    """Causal mask keeping ``j <= i`` (PyTorch's ``is_causal=True``)."""
+    return CausalBias(CausalVariant.UPPER_LEFT, seq_len_q, seq_len_kv)
+
+
+def causal_lower_right(seq_len_q: int | None = None, seq_len_kv: int | None = None) -> CausalBias:
+    """Causal mask keeping ``j <= i + (S - L)``; rows ``i < L - S`` are fully masked."""
+    return CausalBias(CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv)
+
+
+# --------------------------------------------------------------------------------------------
+# ALiBi
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's head slopes for any number of heads.
+
+    For a power of two ``n`` the slopes are the geometric sequence starting at
+    ``2 ** (-8 / n)``; otherwise the slopes of the closest smaller power of two are followed by
+    every other slope of twice that power (Press et al., 2022).
+
+    >>> alibi_slopes(4)
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"alibi_slopes needs a positive number of heads, got {num_heads!r}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**k for k in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+@dataclass(frozen=True, eq=False)
+class AlibiBias(_BuiltinBias):
+    """ALiBi: adds ``-slope_h * |i + (S - L) - j|`` to the scores of head ``h``.
+
+    Bottom-right aligned and symmetric, as FlashAttention 2; under a causal mask it equals the
+    paper's ``slope_h * (j - i')`` up to a per-row constant, so the outputs agree. Give either
+    ``num_heads`` (the paper's slopes, for any head count) or ``slopes`` of shape ``(Hq,)`` or
+    ``(B, Hq)``.
+
+    >>> AlibiBias(num_heads=2).materialize(shape=(1, 2, 2, 2))[1]
+    tensor([[ 0.0000, -0.0625],
+            [-0.0625,  0.0000]])
+    """
+
+    num_heads: int | None = None
+    slopes: Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.num_heads is None) == (self.slopes is None):
+            raise ValueError(
+                f"AlibiBias takes exactly one of num_heads or slopes, got num_heads="
+                f"{self.num_heads!r} and slopes={'None' if self.slopes is None else 'a tensor'}"
+            )
+        if self.num_heads is not None and (
+            not isinstance(self.num_heads, int) or self.num_heads < 1
+        ):
+            raise ValueError(f"AlibiBias num_heads must be a positive int, got {self.num_heads!r}")
+        if self.slopes is not None:
+            if not isinstance(self.slopes, Tensor):
+                raise TypeError(
+                    f"AlibiBias slopes must be a torch.Tensor of shape (Hq,) or (B, Hq), got "
+                    f"{type(self.slopes).__name__}"
+                )
+            if self.slopes.dim() not in (1, 2) or not self.slopes.is_floating_point():
+                raise ValueError(
+                    f"AlibiBias slopes must be a float tensor of shape (Hq,) or (B, Hq), got "
+                    f"shape {tuple(self.slopes.shape)} and dtype {self.slopes.dtype}"
+                )
+
+    @property
+    def heads(self) -> int:
+        if self.slopes is not None:
+            return int(self.slopes.shape[-1])
+        assert self.num_heads is not None  # guaranteed by __post_init__
+        return self.num_heads
+
+    def slope_tensor(self, device: _Device = None) -> Tensor:
+        """Slopes as a float32 tensor of shape ``(1, Hq)`` or ``(B, Hq)``."""
+        if self.slopes is None:
+            return torch.tensor([alibi_slopes(self.heads)], dtype=torch.float32, device=device)
+        slopes = self.slopes.to(device=device, dtype=torch.float32)
+        return slopes if slopes.dim() == 2 else slopes[None]
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        length_q, length_kv = _resolve_lengths(shape, None, None, "AlibiBias")
+        device = (
+            device
+            if device is not None
+            else (self.slopes.device if self.slopes is not None else None)
+        )
+        rows = torch.arange(length_q, device=device, dtype=torch.float64)[:, None]
+        cols = torch.arange(length_kv, device=device, dtype=torch.float64)[None, :]
+        distance = (rows + (length_kv - length_q) - cols).abs()
+        slopes = self.slope_tensor(device).to(torch.float64)[..., None, None]  # (B|1, H, 1, 1)
+        bias = (-slopes * distance).to(dtype or torch.float32)
+        return bias if self.slopes is not None and self.slopes.dim() == 2 else bias[0]
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        if self.heads != heads:
+            raise ValueError(
+                f"AlibiBias has slopes for {self.heads} heads but the query has Hq={heads}; "
+                f"build it with AlibiBias(num_heads={heads})"
+            )
+        shape = () if self.slopes is None else tuple(self.slopes.shape)
+        if len(shape) == 2 and shape[0] not in (1, batch):
+            raise ValueError(
+                f"AlibiBias slopes of shape {shape} do not match batch "
+                f"size B={batch}; use shape (Hq,) or (B, Hq)"
+            )
+
+    def __repr__(self) -> str:
+        if self.slopes is None:
+            return f"AlibiBias(num_heads={self.num_heads})"
+        return f"AlibiBias(slopes of shape {tuple(self.slopes.shape)})"
+
+
+# --------------------------------------------------------------------------------------------
+# Sliding window
+
+
+@dataclass(frozen=True)
+class SlidingWindowBias(_BuiltinBias):
+    """Local attention, FlashAttention 2's ``window_size=(window_left, window_right)``.
+
+    Keeps ``i + (S - L) - window_left <= j <= i + (S - L) + window_right`` (bottom-right
+    aligned, inclusive); ``None`` leaves that side unbounded. ``SlidingWindowBias(W - 1)``
+    keeps ``W`` keys per query: the query's own position and the ``W - 1`` before it.
+
+    >>> SlidingWindowBias(1).materialize(shape=(3, 3))
+    tensor([[0., -inf, -inf],
+            [0., 0., -inf],
+            [-inf, 0., 0.]])
+    """
+
+    window_left: int | None
+    window_right: int | None = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SlidingWindowBias {name} must be an int or None, got {value!r}")
+            if value < 0:
+                raise ValueError(
+                    f"SlidingWindowBias {name} must be >= 0 (or None for unbounded), got "
+                    f"{value}; window_left=W-1 keeps W keys per query"
+                )
+
+    def offsets(self, length_q: int, length_kv: int) -> tuple[int | None, int | None]:
+        """``(lo, hi)`` such that the kept pairs are ``lo <= j - i <= hi``."""
+        shift = length_kv - length_q
+        lo = None if self.window_left is None else shift - self.window_left
+        hi = None if self.window_right is None else shift + self.window_right
+        return lo, hi
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        length_q, length_kv = _resolve_lengths(shape, None, None, "SlidingWindowBias")
+        lo, hi = self.offsets(length_q, length_kv)
+        return _keep_to_additive(
+            _band_keep(length_q, length_kv, lo, hi, device), dtype or torch.float32
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Documents
+
+
+def _check_doc_ids(ids: Tensor, name: str) -> None:
+    if not isinstance(ids, Tensor):
+        raise TypeError(
+            f"DocumentBias {name} must be a torch.Tensor of integer ids, got {type(ids).__name__}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(
+            f"DocumentBias {name} must hold integer document ids, got dtype={ids.dtype}; "
+            f"convert with .long()"
+        )
+    if ids.dim() not in (1, 2) or ids.shape[-1] == 0:
+        raise ValueError(
+            f"DocumentBias {name} must have shape (L,) or (B, L) with L > 0, got {tuple(ids.shape)}"
+        )
+    if torch.compiler.is_compiling():
+        return
+    if ids.shape[-1] > 1 and bool((ids[..., 1:] < ids[..., :-1]).any()):
+        position = int((ids[..., 1:] < ids[..., :-1]).nonzero()[0, -1]) + 1
+        raise ValueError(
+            f"DocumentBias {name} must be non-decreasing along the sequence (packed documents), "
+            f"but it decreases at position {position}; sort the sequences by document or build "
+            f"the ids with DocumentBias.from_seqlens(...)"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentBias(_BuiltinBias):
+    """Packed documents: query ``i`` attends to key ``j`` only when ``doc_q[i] == doc_kv[j]``.
+
+    ``q_doc_ids`` has shape ``(L,)`` or ``(B, L)``, ``kv_doc_ids`` ``(S,)`` or ``(B, S)``
+    (default: the query ids, for self-attention); ids are non-decreasing along the sequence.
+    Combine with :class:`CausalBias` for causal packed training.
+
+    >>> DocumentBias.from_seqlens([1, 2]).materialize()
+    tensor([[0., -inf, -inf],
+            [-inf, 0., 0.],
+            [-inf, 0., 0.]])
+    """
+
+    q_doc_ids: Tensor = field(repr=False)
+    kv_doc_ids: Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_doc_ids(self.q_doc_ids, "q_doc_ids")
+        if self.kv_doc_ids is not None:
+            _check_doc_ids(self.kv_doc_ids, "kv_doc_ids")
+            if self.kv_doc_ids.device != self.q_doc_ids.device:
+                raise ValueError(
+                    f"DocumentBias q_doc_ids is on {self.q_doc_ids.device} but kv_doc_ids is on "
+                    f"{self.kv_doc_ids.device}; put both on the device of the inputs"
+                )
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        q_seqlens: Sequence[int] | Tensor,
+        kv_seqlens: Sequence[int] | Tensor | None = None,
+        *,
+        device: _Device = None,
+    ) -> Self:
+        """Document ids for sequences packed back to back.
+
+        ``q_seqlens[d]`` query tokens (and ``kv_seqlens[d]`` keys, default the same) belong to
+        document ``d``; ``sum(q_seqlens) == L``, ``sum(kv_seqlens) == S``.
+        """
+        q_ids = cls._ids_from_seqlens(q_seqlens, "q_seqlens", device)
+        if kv_seqlens is None:
+            return cls(q_ids)
+        kv_ids = cls._ids_from_seqlens(kv_seqlens, "kv_seqlens", device)
+        if len(kv_seqlens) != len(q_seqlens):
+            raise ValueError(
+                f"DocumentBias.from_seqlens needs one kv length per document: got "
+                f"{len(q_seqlens)} query lengths and {len(kv_seqlens)} kv lengths"
+            )
+        return cls(q_ids, kv_ids)
+
+    @staticmethod
+    def _ids_from_seqlens(seqlens: Sequence[int] | Tensor, name: str, device: _Device) -> Tensor:
+        lengths = torch.as_tensor(seqlens, dtype=torch.long, device=device)
+        if lengths.dim() != 1 or lengths.numel() == 0:
+            raise ValueError(f"DocumentBias.from_seqlens: {name} must be a non-empty 1-D list")
+        if bool((lengths < 0).any()) or int(lengths.sum()) == 0:
+            raise ValueError(
+                f"DocumentBias.from_seqlens: {name} must be non-negative with a positive sum, "
+                f"got {lengths.tolist()}"
+            )
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+
+    @property
+    def kv_ids(self) -> Tensor:
+        return self.q_doc_ids if self.kv_doc_ids is None else self.kv_doc_ids
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        q_ids, kv_ids = self.q_doc_ids, self.kv_ids
+        if shape is not None:
+            shape = tuple(shape)
+            self._validate_call(
+                shape[0] if len(shape) == 4 else 1, 1, int(shape[-2]), int(shape[-1])
+            )
+        keep = q_ids[..., :, None] == kv_ids[..., None, :]
+        if keep.dim() == 3:  # (B, L, S) -> (B, 1, L, S)
+            keep = keep[:, None]
+        if device is not None:
+            keep = keep.to(device)
+        return _keep_to_additive(keep, dtype or torch.float32)
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        for name, ids, length, letter in (
+            ("q_doc_ids", self.q_doc_ids, length_q, "L"),
+            ("kv_doc_ids", self.kv_ids, length_kv, "S"),
+        ):
+            if ids.shape[-1] != length:
+                raise ValueError(
+                    f"DocumentBias {name} has length {ids.shape[-1]} but the call has "
+                    f"{letter}={length}; give one id per {'query' if letter == 'L' else 'key'}"
+                    + (
+                        " (pass kv_doc_ids when S != L)"
+                        if self.kv_doc_ids is None and letter == "S"
+                        else ""
+                    )
+                )
+            if ids.dim() == 2 and ids.shape[0] not in (1, batch):
+                raise ValueError(
+                    f"DocumentBias {name} of shape {tuple(ids.shape)} does not match batch size "
+                    f"B={batch}; use shape ({letter},) or (B, {letter})"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"DocumentBias(q_doc_ids of shape {tuple(self.q_doc_ids.shape)}, kv_doc_ids of "
+            f"shape {tuple(self.kv_ids.shape)})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Soft-cap
+
+
+@dataclass(frozen=True)
+class SoftcapBias(_BuiltinBias):
+    """Logit soft-capping (Gemma 2): ``s = cap * tanh(s / cap)`` after scaling, before the
+    additive biases and the masks.
+
+    It is not additive, so it has no materialized form: ``materialize`` raises and the bias
+    always dispatches (to the fused kernel on CUDA, to the exact eager path elsewhere).
+    """
+
+    cap: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)):
+            raise TypeError(f"SoftcapBias cap must be a positive float, got {self.cap!r}")
+        if not (math.isfinite(self.cap) and self.cap > 0):
+            raise ValueError(
+                f"SoftcapBias cap must be finite and > 0, got cap={self.cap}; Gemma 2 uses 50.0"
+            )
+        object.__setattr__(self, "cap", float(self.cap))
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        raise TypeError(
+            "SoftcapBias transforms the scores (cap * tanh(s / cap)) and has no additive "
+            "tensor form; pass it to attnbias.sdpa as attn_mask instead of materializing it"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Composition
+
+
+@dataclass(frozen=True, eq=False)
+class CompositeBias(AttnBias):
+    """The sum of several biases (``a + b``): additive parts add up, masks intersect."""
+
+    parts: tuple[AttnBias, ...]
+
+    _max_softcaps: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("CompositeBias needs at least one part")
+        for part in self.parts:
+            if not isinstance(part, AttnBias) or isinstance(part, CompositeBias):
+                raise TypeError(f"CompositeBias parts must be flat AttnBias objects, got {part!r}")
+        caps = [p for p in self.parts if isinstance(p, SoftcapBias)]
+        if len(caps) > self._max_softcaps:
+            raise ValueError(
+                f"a bias can hold at most one SoftcapBias, got {caps}; soft-capping twice is "
+                f"ambiguous, keep the one you mean"
+            )
+
+    def needs_materialization(self) -> bool:
+        if any(isinstance(p, SoftcapBias) for p in self.parts):
+            return False
+        return not all(isinstance(p, _BuiltinBias) for p in self.parts)
+
+    def materialize(
+        self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        total: Tensor | None = None
+        for part in self.parts:
+            term = part.materialize(device, shape=shape, dtype=dtype)
+            total = term if total is None else total + term
+        assert total is not None  # parts is non-empty
+        return total
+
+    @staticmethod
+    def dispatch(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: AttnBias,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        from attnbias.routing import run_builtin
+
+        return run_builtin(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+
+    def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
+        for part in self.parts:
+            part._validate_call(batch, heads, length_q, length_kv)
+
+    def __repr__(self) -> str:
+        return " + ".join(repr(p) for p in self.parts)
