@@ -1,0 +1,131 @@
+"""Hypothesis strategies that build valid attention problems (never filter them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CausalVariant,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Problem:
+    batch: int
+    heads_q: int
+    heads_kv: int
+    length_q: int
+    length_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    bias: AttnBias | None
+    is_causal: bool
+    scale: float | None
+
+    def tensors(self, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+
+        def draw(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(self.dtype)
+
+        q = draw(self.batch, self.heads_q, self.length_q, self.head_dim)
+        k = draw(self.batch, self.heads_kv, self.length_kv, self.head_dim)
+        v = draw(self.batch, self.heads_kv, self.length_kv, self.head_dim)
+        grad_out = draw(self.batch, self.heads_q, self.length_q, self.head_dim)
+        return q, k, v, grad_out
+
+
+@st.composite
+def seqlens(draw: st.DrawFn, total: int, count: int) -> list[int]:
+    """``count`` non-negative lengths summing to ``total`` (cut points drawn in [0, total])."""
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=count - 1, max_size=count - 1)))
+    bounds = [0, *cuts, total]
+    return [bounds[n + 1] - bounds[n] for n in range(count)]
+
+
+@st.composite
+def document_bias(draw: st.DrawFn, batch: int, length_q: int, length_kv: int) -> DocumentBias:
+    count = draw(st.integers(1, 4))
+    if length_q == length_kv and draw(st.booleans()):
+        if draw(st.booleans()) and batch > 1:
+            rows = [draw(seqlens(length_q, count)) for _ in range(batch)]
+            ids = torch.stack(
+                [torch.repeat_interleave(torch.arange(count), torch.tensor(r)) for r in rows]
+            )
+            return DocumentBias(ids)
+        return DocumentBias.from_seqlens(draw(seqlens(length_q, count)))
+    return DocumentBias.from_seqlens(
+        draw(seqlens(length_q, count)), draw(seqlens(length_kv, count))
+    )
+
+
+@st.composite
+def problems(
+    draw: st.DrawFn,
+    *,
+    max_len: int = 40,
+    head_dims: tuple[int, ...] = (16, 32),
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    allow_tensor_bias: bool = True,
+) -> Problem:
+    batch = draw(st.integers(1, 2))
+    heads_kv = draw(st.integers(1, 2))
+    heads_q = heads_kv * draw(st.integers(1, 2))
+    length_q = draw(st.integers(1, max_len))
+    length_kv = draw(st.integers(1, max_len))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    parts: list[AttnBias] = []
+    kinds = draw(
+        st.lists(
+            st.sampled_from(["causal", "window", "docs", "alibi", "softcap", "tensor"]),
+            max_size=3,
+            unique=True,
+        )
+    )
+    for kind in kinds:
+        if kind == "causal":
+            parts.append(CausalBias(draw(st.sampled_from(list(CausalVariant)))))
+        elif kind == "window":
+            left = draw(st.one_of(st.none(), st.integers(0, max_len)))
+            right = draw(st.one_of(st.none(), st.integers(0, max_len)))
+            parts.append(SlidingWindowBias(left, right))
+        elif kind == "docs":
+            parts.append(draw(document_bias(batch, length_q, length_kv)))
+        elif kind == "alibi":
+            if draw(st.booleans()):
+                parts.append(AlibiBias(num_heads=heads_q))
+            else:
+                rows = draw(st.sampled_from([None, 1, batch]))
+                shape = (heads_q,) if rows is None else (rows, heads_q)
+                parts.append(AlibiBias(slopes=torch.rand(shape, generator=generator) * 0.5))
+        elif kind == "softcap":
+            parts.append(SoftcapBias(draw(st.sampled_from([0.5, 2.0, 20.0]))))
+        elif kind == "tensor" and allow_tensor_bias:
+            parts.append(TensorBias(torch.randn(length_q, length_kv, generator=generator)))
+    bias: AttnBias | None = None
+    for part in parts:
+        bias = part if bias is None else bias + part
+    return Problem(
+        batch=batch,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        length_q=length_q,
+        length_kv=length_kv,
+        head_dim=draw(st.sampled_from(head_dims)),
+        dtype=draw(st.sampled_from(dtypes)),
+        bias=bias,
+        is_causal=draw(st.booleans()) if bias is not None else False,
+        scale=draw(st.sampled_from([None, 0.3])),
+    )

@@ -1,0 +1,196 @@
+"""``attnbias.sdpa`` against the fp64 oracle: every bias, random sums, every route."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracle import assert_close_to_oracle, attention, run_with_grads
+from strategies import Problem, problems
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+    sdpa,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["default", "fallback"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``default``: the route sdpa picks (the Triton kernel, interpreted on CPU in CI).
+    ``fallback``: with the kernel unavailable, the materialized / eager routes."""
+    if request.param == "fallback":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        if DEVICE == "cuda":
+            pytest.skip("the fallback routes are exercised on CPU")
+    return str(request.param)
+
+
+def check_problem(problem: Problem, seed: int) -> None:
+    q, k, v, grad_out = (x.to(DEVICE) for x in problem.tensors(seed))
+    kwargs = dict(
+        scale=problem.scale,
+        is_causal=problem.is_causal,
+        enable_gqa=problem.heads_q != problem.heads_kv,
+    )
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, attn_mask=problem.bias, **kwargs)
+
+    def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, problem.bias, **kwargs)
+
+    def stock_low(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, problem.bias, dtype=problem.dtype, **kwargs)
+
+    results = run_with_grads(ours, (q, k, v), grad_out)
+    expected = run_with_grads(oracle, (q.double(), k.double(), v.double()), grad_out.double())
+    low = run_with_grads(stock_low, (q, k, v), grad_out)
+    assert results[0].dtype == problem.dtype
+    assert results[0].shape == (problem.batch, problem.heads_q, problem.length_q, problem.head_dim)
+    assert_close_to_oracle(results, expected, low, problem.dtype, ("out", "dq", "dk", "dv"))
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=problems(), seed=st.integers(0, 2**16))
+def test_matches_oracle(route: str, problem: Problem, seed: int) -> None:
+    check_problem(problem, seed)
+
+
+BIASES = {
+    "causal_upper_left": causal_upper_left(),
+    "causal_lower_right": causal_lower_right(),
+    "window": SlidingWindowBias(5),
+    "window_two_sided": SlidingWindowBias(3, 4),
+    "window_left_unbounded": SlidingWindowBias(None, 2),
+    "documents": DocumentBias.from_seqlens([7, 1, 12, 10], [9, 3, 10, 8]),
+    "alibi": AlibiBias(num_heads=4),
+    "alibi_batched_slopes": AlibiBias(slopes=torch.tensor([[0.5, 0.25, 0.1, 0.9]] * 2)),
+    "softcap": SoftcapBias(1.5),
+    "gemma2": causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(2.0),
+    "alibi_causal": AlibiBias(num_heads=4) + causal_lower_right(),
+    "docs_causal_alibi_softcap": DocumentBias.from_seqlens([7, 1, 12, 10], [9, 3, 10, 8])
+    + causal_lower_right()
+    + AlibiBias(num_heads=4)
+    + SoftcapBias(3.0),
+    "tensor": TensorBias(torch.randn(30, 30)),
+    "tensor_softcap": TensorBias(torch.randn(4, 30, 30)) + SoftcapBias(2.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(BIASES))
+def test_each_bias(route: str, name: str, dtype: torch.dtype) -> None:
+    bias = BIASES[name]
+    problem = Problem(2, 4, 2, 30, 30, 16, dtype, bias, False, None)
+    check_problem(problem, seed=0)
+
+
+@pytest.mark.parametrize(("length_q", "length_kv"), [(9, 30), (30, 9), (1, 17)])
+@pytest.mark.parametrize(
+    "name", ["causal_lower_right", "window", "alibi", "softcap", "gemma2", "documents"]
+)
+def test_unequal_lengths(route: str, name: str, length_q: int, length_kv: int) -> None:
+    bias = BIASES[name]
+    if name == "documents":
+        bias = DocumentBias.from_seqlens([length_q], [length_kv])
+    problem = Problem(1, 4, 4, length_q, length_kv, 16, torch.float32, bias, False, None)
+    check_problem(problem, seed=1)
+
+
+def test_is_causal_adds_upper_left(route: str) -> None:
+    bias = SlidingWindowBias(None, 3)
+    problem = Problem(1, 2, 2, 12, 20, 16, torch.float32, bias, True, None)
+    check_problem(problem, seed=2)
+    # is_causal=True with a bias means bias + CausalBias(UPPER_LEFT): compare the two spellings
+    q, k, v, _ = problem.tensors(3)
+    a = sdpa(q, k, v, attn_mask=bias, is_causal=True)
+    b = sdpa(q, k, v, attn_mask=bias + causal_upper_left())
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+FULLY_MASKED = {
+    # rows i < L - S see no key
+    "lower_right": (causal_lower_right(), 12, 5),
+    # window (0, 0) keeps j = i + (S - L) only, and causal lower-right then drops rows with j < 0
+    "empty_band": (SlidingWindowBias(0, 0) + causal_upper_left(), 12, 5),
+    # the queries of document 1 find no key of document 1, which has none
+    "documents": (DocumentBias.from_seqlens([4, 4, 4], [6, 0, 6]), 12, 12),
+}
+
+
+@pytest.mark.parametrize("name", list(FULLY_MASKED))
+def test_fully_masked_rows_are_zero_with_zero_grads(route: str, name: str) -> None:
+    bias, length_q, length_kv = FULLY_MASKED[name]
+    q = torch.randn(1, 2, length_q, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 2, length_kv, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 2, length_kv, 16, device=DEVICE, requires_grad=True)
+    masked = bias.materialize(DEVICE, shape=(1, 2, length_q, length_kv)).isinf().all(-1)
+    masked = masked.expand(1, 2, length_q)
+    assert masked.any(), "the case must contain a fully masked row"
+
+    out = sdpa(q, k, v, attn_mask=bias)
+    out.backward(torch.randn_like(out))
+    assert (out.detach()[masked] == 0).all()
+    for tensor in (q, k, v):
+        assert tensor.grad is not None and torch.isfinite(tensor.grad).all()
+    assert q.grad is not None and (q.grad[masked] == 0).all()
+    expected = attention(q.detach(), k.detach(), v.detach(), bias)
+    torch.testing.assert_close(out.detach().double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_bias_gets_its_gradient() -> None:
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+    out = sdpa(q, k, v, attn_mask=TensorBias(table))
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, table, grad_out)
+    leaf = table.detach().clone().requires_grad_(True)
+    expected_out = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + leaf, -1) @ v
+    (expected,) = torch.autograd.grad(expected_out, leaf, grad_out)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_plain_tensor_mask_warns_and_matches_stock() -> None:
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    mask = torch.randn(6, 6)
+    with pytest.warns(UserWarning, match="TensorBias"):
+        out = sdpa(q, k, v, attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_no_mask_and_is_causal_match_stock() -> None:
+    q, k, v = (torch.randn(2, 2, 7, 8) for _ in range(3))
+    for causal in (False, True):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(sdpa(q, k, v, is_causal=causal), expected, rtol=0, atol=0)
+
+
+def test_dropout(route: str) -> None:
+    q, k, v = (torch.randn(1, 2, 16, 8, device=DEVICE) for _ in range(3))
+    for bias in (SoftcapBias(2.0) + causal_lower_right(), SlidingWindowBias(3)):
+        torch.manual_seed(0)
+        first = sdpa(q, k, v, attn_mask=bias, dropout_p=0.5)
+        torch.manual_seed(0)
+        again = sdpa(q, k, v, attn_mask=bias, dropout_p=0.5)
+        plain = sdpa(q, k, v, attn_mask=bias)
+        assert "dropout" in attnbias.explain(q, k, v, attn_mask=bias, dropout_p=0.5) or (
+            DEVICE == "cpu"
+        )
+        torch.testing.assert_close(first, again)
+        assert not torch.allclose(first, plain)
+        # inverted dropout keeps the expectation: average many draws
+        mean = torch.stack([sdpa(q, k, v, attn_mask=bias, dropout_p=0.5) for _ in range(400)]).mean(
+            0
+        )
+        torch.testing.assert_close(mean, plain, atol=0.35, rtol=0)
