@@ -1,0 +1,161 @@
+"""Bad input gets a ValueError / TypeError that names the values and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    sdpa,
+)
+
+
+def qkv(
+    batch: int = 1, heads_q: int = 4, heads_kv: int = 4, length_q: int = 6, length_kv: int = 6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.randn(batch, heads_q, length_q, 8),
+        torch.randn(batch, heads_kv, length_kv, 8),
+        torch.randn(batch, heads_kv, length_kv, 8),
+    )
+
+
+def test_inputs_must_be_4d() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"query must be 4-D .* got shape \(4, 6, 8\)"):
+        sdpa(q[0], k, v)
+
+
+def test_mismatched_batch_head_dim_dtype_device() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        sdpa(q, k.expand(2, -1, -1, -1), v)
+    with pytest.raises(ValueError, match="E=8 and 4"):
+        sdpa(q, k[..., :4], v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        sdpa(q, k.double(), v)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        sdpa(q, k.tolist(), v)  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            sdpa(q, k.cuda(), v)
+
+
+def test_gqa_errors() -> None:
+    q, k, v = qkv(heads_q=6, heads_kv=4)
+    with pytest.raises(ValueError, match="Hq=6 and Hkv=4. Hq must be a multiple of Hkv"):
+        sdpa(q, k, v, enable_gqa=True)
+    q, k, v = qkv(heads_q=8, heads_kv=4)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        sdpa(q, k, v)
+    assert sdpa(q, k, v, enable_gqa=True).shape == q.shape
+
+
+def test_bad_dropout_and_scale() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dropout_p"):
+        sdpa(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match="scale"):
+        sdpa(q, k, v, scale=math.nan)
+    with pytest.raises(TypeError, match="attn_mask must be"):
+        sdpa(q, k, v, attn_mask="causal")  # type: ignore[arg-type]
+
+
+def test_tensor_bias_that_does_not_broadcast() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"shape \(5, 6\) does not broadcast .*\(1, 4, 6, 6\)"):
+        sdpa(q, k, v, attn_mask=TensorBias(torch.zeros(5, 6)))
+    with pytest.raises(TypeError, match="dtype=torch.int64"):
+        TensorBias(torch.zeros(6, 6, dtype=torch.long))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        TensorBias([[0.0]])  # type: ignore[arg-type]
+
+
+def test_document_ids() -> None:
+    with pytest.raises(ValueError, match="decreases at position 2"):
+        DocumentBias(torch.tensor([0, 1, 0]))
+    with pytest.raises(TypeError, match="integer document ids"):
+        DocumentBias(torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"shape \(L,\) or \(B, L\)"):
+        DocumentBias(torch.zeros(1, 2, 3, dtype=torch.long))
+    q, k, v = qkv(length_q=6, length_kv=6)
+    with pytest.raises(ValueError, match="length 5 but the call has L=6"):
+        sdpa(q, k, v, attn_mask=DocumentBias.from_seqlens([2, 3]))
+    q, k, v = qkv(length_q=5, length_kv=6)
+    with pytest.raises(ValueError, match="pass kv_doc_ids when S != L"):
+        sdpa(q, k, v, attn_mask=DocumentBias.from_seqlens([2, 3]))
+    q, k, v = qkv(batch=3)
+    with pytest.raises(ValueError, match="batch size B=3"):
+        sdpa(q, k, v, attn_mask=DocumentBias(torch.zeros(2, 6, dtype=torch.long)))
+    with pytest.raises(ValueError, match="one kv length per document"):
+        DocumentBias.from_seqlens([2, 3], [5])
+    with pytest.raises(ValueError, match="non-negative"):
+        DocumentBias.from_seqlens([2, -1])
+
+
+def test_softcap_and_window_values() -> None:
+    for cap in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="cap must be finite and > 0"):
+            SoftcapBias(cap)
+    with pytest.raises(TypeError, match="positive float"):
+        SoftcapBias("50")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window_left must be >= 0.*got -1"):
+        SlidingWindowBias(-1)
+    with pytest.raises(ValueError, match="window_right must be >= 0"):
+        SlidingWindowBias(3, -2)
+    with pytest.raises(TypeError, match="int or None"):
+        SlidingWindowBias(2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at most one SoftcapBias"):
+        SoftcapBias(1.0) + SoftcapBias(2.0)
+
+
+def test_alibi_values() -> None:
+    with pytest.raises(ValueError, match="exactly one of num_heads or slopes"):
+        AlibiBias()
+    with pytest.raises(ValueError, match="exactly one"):
+        AlibiBias(num_heads=4, slopes=torch.ones(4))
+    with pytest.raises(ValueError, match="shape"):
+        AlibiBias(slopes=torch.ones(1, 2, 4))
+    q, k, v = qkv(heads_q=4, heads_kv=4)
+    with pytest.raises(ValueError, match="slopes for 3 heads but the query has Hq=4"):
+        sdpa(q, k, v, attn_mask=AlibiBias(num_heads=3))
+    q, k, v = qkv(batch=3)
+    with pytest.raises(ValueError, match="batch size B=3"):
+        sdpa(q, k, v, attn_mask=AlibiBias(slopes=torch.ones(2, 4)))
+
+
+def test_causal_variant() -> None:
+    from attnbias import CausalBias
+
+    with pytest.raises(ValueError, match="UPPER_LEFT or LOWER_RIGHT"):
+        CausalBias(7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive int"):
+        causal_lower_right(0, 4)
+
+
+def test_subclass_with_neither_path() -> None:
+    with pytest.raises(TypeError, match="neither materialize\\(\\) nor dispatch\\(\\)"):
+
+        class Empty(AttnBias):
+            def needs_materialization(self) -> bool:
+                return False
+
+    class MaterializeOnly(AttnBias):
+        def materialize(self, device=None, *, shape=None, dtype=None):  # type: ignore[no-untyped-def]
+            return torch.zeros(6, 6)
+
+        def needs_materialization(self) -> bool:
+            return False  # a lie: it has no dispatch
+
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="does not implement dispatch"):
+        sdpa(q, k, v, attn_mask=MaterializeOnly())
