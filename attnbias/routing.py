@@ -213,11 +213,15 @@ def _kernel_obstacle(
         )
     if query.shape[-1] > _MAX_KERNEL_HEAD_DIM:
         return f"head dim {query.shape[-1]} is above the kernel's {_MAX_KERNEL_HEAD_DIM}"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if not torch.compiler.is_compiling() and not _triton_installed():
         return "Triton is not installed"
     return None
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _stock(
@@ -250,7 +254,7 @@ _original_sdpa = F.scaled_dot_product_attention
 def _run_kernel(
     query: Tensor, key: Tensor, value: Tensor, lowered: Lowered, scale: float
 ) -> Tensor:
-    from kernels import block_sparse_attention  # type: ignore[attr-defined]
+    from kernels import block_sparse_attention
 
     return block_sparse_attention(
         query,
