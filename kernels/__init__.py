@@ -1,0 +1,28 @@
+"""Triton block-sparse flash-attention kernels.
+
+Importing this package does not import Triton: each name below loads its module on first
+access (module ``__getattr__``), so CPU-only users of ``attnbias`` never pay for Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["attention_backward", "attention_forward", "block_sparse_attention"]
+
+_MODULE_OF = {
+    "attention_backward": ".attention",
+    "attention_forward": ".attention",
+    "block_sparse_attention": ".ops",
+}
+
+if TYPE_CHECKING:
+    from .attention import attention_backward, attention_forward
+    from .ops import block_sparse_attention
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1427 @@
+"""Block-sparse flash attention for a diagonal band intersected with packed documents.
+
+Mask model (``i`` a query row in ``[0, L)``, ``j`` a key column in ``[0, S)``)::
+
+    keep(i, j) = band_lo <= j - i <= band_hi          (either side may be unbounded)
+                 and q_doc[b, i] == kv_doc[b, j]      (when document ids are given)
+
+Document ids are non-decreasing along the sequence, so the keys a query row keeps form one
+contiguous range ``[row_lo[i], row_hi[i])`` and the queries a key column is kept by form one
+contiguous range ``[col_lo[j], col_hi[j])``; both bounds are non-decreasing in the index.
+The launchers fold the document part of these ranges out of the ids with
+``torch.searchsorted`` (device-side, no host sync) and the kernels add the band part. Hence:
+
+* a tile of rows ``[first, last]`` touches only keys in ``[row_lo[first], row_hi[last])``:
+  one contiguous run of key blocks, everything else is skipped;
+* a key block inside ``[row_lo[last], row_hi[first])`` is *full* (every pair of the tile is
+  kept, no element mask is built); the blocks between the touched run and the full run are
+  *partial* and take the masked variant of the inner loop (a ``tl.constexpr`` flag).
+
+Scores are kept in base 2: ``s2 = log2(e) * s`` so the softmax uses ``exp2``; the
+log-sum-exp written out is in natural log. A row that keeps no key gets output 0 and
+``lse = -inf``; the backward kernels read such a row's ``lse`` as ``+inf`` so every
+probability recomputed from it is exactly 0 and no gradient from it is NaN.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq % Hkv == 0``;
+query head ``h`` reads key/value head ``h // (Hq // Hkv)``), ``L`` queries, ``S`` keys,
+``E`` head dim (16 to 256; padded to the next power of two inside the kernels).
+"""
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+__all__ = ["KernelConfig", "attention_backward", "attention_forward"]
+
+LOG2E = 1.4426950408889634  # log2(e): scores are pre-scaled by it so the softmax can use exp2
+LN2 = 0.6931471805599453  # ln(2): turns the base-2 log-sum-exp back into a natural log
+
+# How the soft-cap evaluates tanh: an exact formula built from exp (the interpreter has no
+# libdevice and no inline asm), libdevice's tanh (fp32 inputs on the GPU, where the error
+# budget is fp32's), or the hardware's tanh.approx.f32 (fp16/bf16 inputs: its ~2^-11
+# relative error is below what rounding the scores to 16 bits costs eager PyTorch).
+TANH_EXACT = 0
+TANH_LIBDEVICE = 1
+TANH_APPROX = 2
+
+
+# --------------------------------------------------------------------------------------
+# Shared jit helpers
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x, TANH_MODE: tl.constexpr):
+    if TANH_MODE == 2:
+        y = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;",
+            "=r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    elif TANH_MODE == 1:
+        y = libdevice.tanh(x)
+    else:
+        # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, so nothing overflows; near 0
+        # that quotient cancels, so small |x| takes the odd Taylor series (error < 1e-9).
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        big = (1.0 - e) / (1.0 + e)
+        x2 = ax * ax
+        small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        r = tl.where(ax < 0.125, small, big)
+        y = tl.where(x < 0, -r, r)
+    return y
+
+
+@triton.jit
+def _log2_scores(
+    qk,
+    rel,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    slope_log2,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+):
+    """Base-2 scores from raw dot products; ``rel = i + (S - L) - j`` (read only for ALiBi).
+
+    Returns ``(s2, t)`` where ``t = tanh(scale * qk / cap)`` under a soft-cap (the backward
+    pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then).
+    """
+    if HAS_SOFTCAP:
+        t = _tanh(qk * softcap_in, TANH_MODE)
+        s = t * softcap_out
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - slope_log2 * tl.abs(rel).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _load_tile(
+    ptrs,
+    offs_rows,
+    n_rows,
+    ROW_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Load a ``[ROWS, BLOCK_E]`` tile, masking rows past ``n_rows`` and padded head dims."""
+    offs_e = tl.arange(0, BLOCK_E)
+    if ROW_MASK:
+        if BLOCK_E == HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)  # [ROWS, BLOCK_E]
+        else:
+            mask = (offs_rows[:, None] < n_rows) & (offs_e[None, :] < HEAD_DIM)
+            x = tl.load(ptrs, mask=mask, other=0.0)  # [ROWS, BLOCK_E]
+    else:
+        if BLOCK_E == HEAD_DIM:
+            x = tl.load(ptrs)  # [ROWS, BLOCK_E]
+        else:
+            x = tl.load(ptrs, mask=offs_e[None, :] < HEAD_DIM, other=0.0)  # [ROWS, BLOCK_E]
+    return x
+
+
+@triton.jit
+def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut the index range ``[lo, hi)`` into block ranges.
+
+    ``[full_lo, full_hi)`` is the sub-range kept for every row (column) of the tile. Returns
+    ``(first, full_first, full_end, end)``: blocks ``[first, full_first)`` and
+    ``[full_end, end)`` are partial, ``[full_first, full_end)`` full. All divisions see
+    non-negative operands (Triton's integer division truncates).
+    """
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.maximum(full_lo, lo)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    first = lo // BLOCK
+    end = (hi + BLOCK - 1) // BLOCK
+    end = tl.where(hi > lo, end, first)
+    full_first = (full_lo + BLOCK - 1) // BLOCK
+    full_end = full_hi // BLOCK
+    no_full = full_end <= full_first
+    full_first = tl.where(no_full, end, full_first)
+    full_end = tl.where(no_full, end, full_end)
+    return first, full_first, full_end, end
+
+
+@triton.jit
+def _key_block_range(
+    start_m,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks seen by query rows ``[start_m, start_m + BLOCK_M)`` (see ``_split_blocks``)."""
+    first = start_m
+    last = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    lo = first * 0
+    hi = lo + seq_k
+    full_lo = lo
+    full_hi = hi
+    if HAS_LO:
+        lo = tl.maximum(lo, first + band_lo)
+        full_lo = tl.maximum(full_lo, last + band_lo)
+    if HAS_HI:
+        hi = tl.minimum(hi, last + band_hi + 1)
+        full_hi = tl.minimum(full_hi, first + band_hi + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(RowLo + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last))
+        hi = tl.minimum(hi, tl.load(RowHi + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first))
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _row_bounds(
+    offs_m,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Per query row, the kept keys ``[row_lo, row_hi)`` (``row_hi <= S``), both ``[BLOCK_M]``."""
+    row_lo = offs_m * 0
+    row_hi = row_lo + seq_k
+    if HAS_LO:
+        row_lo = tl.maximum(row_lo, offs_m + band_lo)
+    if HAS_HI:
+        row_hi = tl.minimum(row_hi, offs_m + band_hi + 1)
+    if HAS_DOCS:
+        in_rows = offs_m < seq_q
+        doc_lo = tl.load(RowLo + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        doc_hi = tl.load(RowHi + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        row_lo = tl.maximum(row_lo, doc_lo)
+        row_hi = tl.minimum(row_hi, doc_hi)
+    return row_lo, row_hi
+
+
+@triton.jit
+def _query_block_range(
+    start_n,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    ColLo,
+    ColHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query blocks that see key columns ``[start_n, start_n + BLOCK_N)``."""
+    first = start_n
+    last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+    lo = first * 0
+    hi = lo + seq_q
+    full_lo = lo
+    full_hi = hi
+    if HAS_HI:  # j - i <= band_hi  <=>  i >= j - band_hi
+        lo = tl.maximum(lo, first - band_hi)
+        full_lo = tl.maximum(full_lo, last - band_hi)
+    if HAS_LO:  # j - i >= band_lo  <=>  i <= j - band_lo
+        hi = tl.minimum(hi, last - band_lo + 1)
+        full_hi = tl.minimum(full_hi, first - band_lo + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(ColLo + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(ColLo + doc_off + last))
+        hi = tl.minimum(hi, tl.load(ColHi + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(ColHi + doc_off + first))
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def _col_bounds(
+    offs_n,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    ColLo,
+    ColHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S``."""
+    in_cols = offs_n < seq_k
+    col_lo = offs_n * 0
+    col_hi = tl.where(in_cols, col_lo + seq_q, 0)
+    if HAS_HI:
+        col_lo = tl.maximum(col_lo, offs_n - band_hi)
+    if HAS_LO:
+        col_hi = tl.minimum(col_hi, offs_n - band_lo + 1)
+    if HAS_DOCS:
+        doc_lo = tl.load(ColLo + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+        doc_hi = tl.load(ColHi + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+        col_lo = tl.maximum(col_lo, doc_lo)
+        col_hi = tl.minimum(col_hi, doc_hi)
+    return col_lo, col_hi
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kk,
+    stride_vn,
+    stride_vk,
+    offs_m,
+    row_lo,
+    row_hi,
+    block_first,
+    block_end,
+    seq_k,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    slope_log2,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    start = (block_first * BLOCK_N).to(tl.int64)
+    k_ptrs = (
+        k_head
+        + start * stride_kn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
+        + offs_e[None, :] * stride_kk
+    )
+    v_ptrs = (
+        v_head
+        + start * stride_vn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
+        + offs_e[None, :] * stride_vk
+    )
+    for _ in range(block_first, block_end):
+        k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if not PLAIN:
+            rel = offs_m[:, None] + shift - offs_n[None, :]
+            qk, _t = _log2_scores(
+                qk,
+                rel,
+                qk_scale,
+                softcap_in,
+                softcap_out,
+                slope_log2,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                TANH_MODE,
+            )
+        if MASKED:
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+        # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
+        if PLAIN:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+        if MASKED:
+            # A row with nothing kept so far has m_new = -inf; subtract 0 so exp2 gives 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if PLAIN:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        m_i = m_new
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    RowLo,
+    RowHi,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    pid_m = tl.program_id(0)
+    if REVERSE:  # rows late in the sequence see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hk = (off_h // group_size).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    q_ptrs = (
+        Q
+        + off_b * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + start_m.to(tl.int64) * stride_qm
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
+        + offs_e[None, :] * stride_qk
+    )
+    q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    k_head = K + off_b * stride_kb + off_hk * stride_kh
+    v_head = V + off_b * stride_vb + off_hk * stride_vh
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _key_block_range(
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    row_lo, row_hi = _row_bounds(
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
+    else:
+        slope_log2 = 0.0
+    shift = seq_k - seq_q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    # partial prefix, full middle, partial suffix
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(
+        empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+    )
+    in_rows = offs_m < seq_q
+    lse_ptrs = Lse + (off_b * num_heads + off_h) * seq_q + offs_m
+    tl.store(lse_ptrs, lse, mask=in_rows)
+    o_ptrs = (
+        Out
+        + off_b * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_om
+        + tl.arange(0, BLOCK_M)[:, None] * stride_om
+        + offs_e[None, :] * stride_ok
+    )
+    tl.store(
+        o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    Out,
+    DO,
+    Delta,
+    DLse,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    stride_dob, stride_doh, stride_dom, stride_dok,
+    num_heads,
+    seq_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):  # fmt: skip
+    """``delta = rowsum(dO * O) - dLse`` in fp32: the row term of the softmax gradient."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    o_ptrs = (
+        Out
+        + off_b * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_om
+        + tl.arange(0, BLOCK_M)[:, None] * stride_om
+        + offs_e[None, :] * stride_ok
+    )
+    do_ptrs = (
+        DO
+        + off_b * stride_dob
+        + off_h.to(tl.int64) * stride_doh
+        + start_m.to(tl.int64) * stride_dom
+        + tl.arange(0, BLOCK_M)[:, None] * stride_dom
+        + offs_e[None, :] * stride_dok
+    )
+    o = _load_tile(o_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    do = _load_tile(do_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row_ptrs = (off_b * num_heads + off_h) * seq_q + offs_m
+    in_rows = offs_m < seq_q
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
+    tl.store(Delta + row_ptrs, delta, mask=in_rows)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_head,
+    do_head,
+    lse_head,
+    delta_head,
+    stride_qm,
+    stride_qk,
+    stride_dom,
+    stride_dok,
+    offs_n,
+    col_lo,
+    col_hi,
+    block_first,
+    block_end,
+    seq_q,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    slope_log2,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile.
+
+    Works on transposed tiles ``[BLOCK_N, BLOCK_M]`` so that ``dK``/``dV`` rows stay in place.
+    """
+    offs_m = block_first * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    start = (block_first * BLOCK_M).to(tl.int64)
+    q_ptrs = (
+        q_head
+        + start * stride_qm
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
+        + offs_e[None, :] * stride_qk
+    )
+    do_ptrs = (
+        do_head
+        + start * stride_dom
+        + tl.arange(0, BLOCK_M)[:, None] * stride_dom
+        + offs_e[None, :] * stride_dok
+    )
+    for _ in range(block_first, block_end):
+        q = _load_tile(q_ptrs, offs_m, seq_q, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        if MASKED:
+            in_rows = offs_m < seq_q
+            lse = tl.load(lse_head + offs_m, mask=in_rows, other=float("inf"))  # [BLOCK_M]
+            delta = tl.load(delta_head + offs_m, mask=in_rows, other=0.0)  # [BLOCK_M]
+        else:
+            lse = tl.load(lse_head + offs_m)  # [BLOCK_M]
+            delta = tl.load(delta_head + offs_m)  # [BLOCK_M]
+        # A row that kept nothing has lse = -inf: read it as +inf so its probabilities are 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            relT = offs_m[None, :] + shift - offs_n[:, None]
+            sT, tT = _log2_scores(
+                qkT,
+                relT,
+                qk_scale,
+                softcap_in,
+                softcap_out,
+                slope_log2,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                TANH_MODE,
+            )
+            pT = tl.math.exp2(sT - lse2[None, :])
+        else:
+            tT = qkT
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if MASKED:
+            keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        do = _load_tile(do_ptrs, offs_m, seq_q, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        offs_m += BLOCK_M
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    ColLo,
+    ColHi,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_dob, stride_doh, stride_dom, stride_dok,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkk,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvk,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    sm_scale,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads."""
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    pid_n = tl.program_id(0)
+    if REVERSE:  # keys early in the sequence are seen by the fewest queries: start them last
+        pid_n = tl.num_programs(0) - 1 - pid_n
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    k_ptrs = (
+        K
+        + off_b * stride_kb
+        + off_hk.to(tl.int64) * stride_kh
+        + start_n.to(tl.int64) * stride_kn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
+        + offs_e[None, :] * stride_kk
+    )
+    v_ptrs = (
+        V
+        + off_b * stride_vb
+        + off_hk.to(tl.int64) * stride_vh
+        + start_n.to(tl.int64) * stride_vn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
+        + offs_e[None, :] * stride_vk
+    )
+    k = _load_tile(k_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+    v = _load_tile(v_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _query_block_range(
+        start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    col_lo, col_hi = _col_bounds(
+        offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    shift = seq_k - seq_q
+
+    dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    # The query heads of a GQA group share this key tile: loop over them here, no atomics.
+    for g in range(0, group_size):
+        off_h = (off_hk * group_size + g).to(tl.int64)
+        q_head = Q + off_b * stride_qb + off_h * stride_qh
+        do_head = DO + off_b * stride_dob + off_h * stride_doh
+        lse_head = Lse + (off_b * num_heads + off_h) * seq_q
+        delta_head = Delta + (off_b * num_heads + off_h) * seq_q
+        if HAS_ALIBI:
+            slope_log2 = (
+                tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
+            )
+        else:
+            slope_log2 = 0.0
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, slope_log2,
+            True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, slope_log2,
+            False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, slope_log2,
+            True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk *= sm_scale
+    store_mask = (offs_n[:, None] < seq_k) & (offs_e[None, :] < HEAD_DIM)
+    dk_ptrs = (
+        DK
+        + off_b * stride_dkb
+        + off_hk.to(tl.int64) * stride_dkh
+        + start_n.to(tl.int64) * stride_dkn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_dkn
+        + offs_e[None, :] * stride_dkk
+    )
+    dv_ptrs = (
+        DV
+        + off_b * stride_dvb
+        + off_hk.to(tl.int64) * stride_dvh
+        + start_n.to(tl.int64) * stride_dvn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_dvn
+        + offs_e[None, :] * stride_dvk
+    )
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kk,
+    stride_vn,
+    stride_vk,
+    offs_m,
+    row_lo,
+    row_hi,
+    block_first,
+    block_end,
+    seq_k,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    slope_log2,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    start = (block_first * BLOCK_N).to(tl.int64)
+    k_ptrs = (
+        k_head
+        + start * stride_kn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
+        + offs_e[None, :] * stride_kk
+    )
+    v_ptrs = (
+        v_head
+        + start * stride_vn
+        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
+        + offs_e[None, :] * stride_vk
+    )
+    for _ in range(block_first, block_end):
+        k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            rel = offs_m[:, None] + shift - offs_n[None, :]
+            s, t = _log2_scores(
+                qk,
+                rel,
+                qk_scale,
+                softcap_in,
+                softcap_out,
+                slope_log2,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                TANH_MODE,
+            )
+            p = tl.math.exp2(s - lse2[:, None])
+        else:
+            t = qk
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    RowLo,
+    RowHi,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_dob, stride_doh, stride_dom, stride_dok,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqk,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    sm_scale,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``dQ`` of one query tile of one query head."""
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    pid_m = tl.program_id(0)
+    if REVERSE:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hk = (off_h // group_size).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    q_ptrs = (
+        Q
+        + off_b * stride_qb
+        + off_h.to(tl.int64) * stride_qh
+        + start_m.to(tl.int64) * stride_qm
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
+        + offs_e[None, :] * stride_qk
+    )
+    do_ptrs = (
+        DO
+        + off_b * stride_dob
+        + off_h.to(tl.int64) * stride_doh
+        + start_m.to(tl.int64) * stride_dom
+        + tl.arange(0, BLOCK_M)[:, None] * stride_dom
+        + offs_e[None, :] * stride_dok
+    )
+    q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    do = _load_tile(do_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    in_rows = offs_m < seq_q
+    row_ptrs = (off_b * num_heads + off_h) * seq_q + offs_m
+    lse = tl.load(Lse + row_ptrs, mask=in_rows, other=float("inf"))  # [BLOCK_M]
+    delta = tl.load(Delta + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    k_head = K + off_b * stride_kb + off_hk * stride_kh
+    v_head = V + off_b * stride_vb + off_hk * stride_vh
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _key_block_range(
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    row_lo, row_hi = _row_bounds(
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
+    else:
+        slope_log2 = 0.0
+    shift = seq_k - seq_q
+
+    dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _attn_bwd_dq_inner(
+        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, slope_log2,
+        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+    dq *= sm_scale
+    dq_ptrs = (
+        DQ
+        + off_b * stride_dqb
+        + off_h.to(tl.int64) * stride_dqh
+        + start_m.to(tl.int64) * stride_dqm
+        + tl.arange(0, BLOCK_M)[:, None] * stride_dqm
+        + offs_e[None, :] * stride_dqk
+    )
+    tl.store(
+        dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch parameters of one kernel (``BLOCK_M`` queries, ``BLOCK_N`` keys)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by (GPU major compute capability, head dim padded to a power of two, bytes per
+# element). Capability 0 holds the rows for GPUs without their own (Ampere and older, ROCm).
+# Retune here; nothing else in this module depends on the numbers.
+_C = KernelConfig
+FORWARD_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
+    (9, 16, 2): _C(128, 128, 4, 3),
+    (9, 32, 2): _C(128, 128, 4, 3),
+    (9, 64, 2): _C(128, 128, 8, 3),
+    (9, 128, 2): _C(128, 128, 8, 2),
+    (9, 256, 2): _C(128, 64, 8, 2),
+    (0, 16, 2): _C(128, 64, 4, 3),
+    (0, 32, 2): _C(128, 64, 4, 3),
+    (0, 64, 2): _C(128, 64, 4, 3),
+    (0, 128, 2): _C(128, 64, 8, 3),
+    (0, 256, 2): _C(64, 32, 4, 2),
+    (0, 16, 4): _C(64, 32, 4, 2),
+    (0, 32, 4): _C(64, 32, 4, 2),
+    (0, 64, 4): _C(64, 32, 4, 2),
+    (0, 128, 4): _C(64, 32, 4, 2),
+    (0, 256, 4): _C(32, 32, 4, 1),
+}
+# dK/dV kernel: BLOCK_N keys stay resident while BLOCK_M query tiles stream past.
+DKDV_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
+    (9, 16, 2): _C(64, 128, 8, 3),
+    (9, 32, 2): _C(64, 128, 8, 3),
+    (9, 64, 2): _C(64, 128, 8, 3),
+    (9, 128, 2): _C(64, 128, 8, 2),
+    (9, 256, 2): _C(64, 64, 8, 1),
+    (0, 16, 2): _C(32, 64, 4, 2),
+    (0, 32, 2): _C(32, 64, 4, 2),
+    (0, 64, 2): _C(32, 64, 4, 2),
+    (0, 128, 2): _C(32, 64, 4, 2),
+    (0, 256, 2): _C(32, 32, 4, 1),
+    (0, 16, 4): _C(32, 32, 4, 1),
+    (0, 32, 4): _C(32, 32, 4, 1),
+    (0, 64, 4): _C(32, 32, 4, 1),
+    (0, 128, 4): _C(32, 32, 4, 1),
+    (0, 256, 4): _C(16, 32, 4, 1),
+}
+# dQ kernel: BLOCK_M queries stay resident while BLOCK_N key tiles stream past.
+DQ_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
+    (9, 16, 2): _C(128, 64, 8, 3),
+    (9, 32, 2): _C(128, 64, 8, 3),
+    (9, 64, 2): _C(128, 64, 8, 3),
+    (9, 128, 2): _C(128, 64, 8, 2),
+    (9, 256, 2): _C(64, 64, 8, 1),
+    (0, 16, 2): _C(64, 32, 4, 2),
+    (0, 32, 2): _C(64, 32, 4, 2),
+    (0, 64, 2): _C(64, 32, 4, 2),
+    (0, 128, 2): _C(64, 32, 4, 2),
+    (0, 256, 2): _C(32, 32, 4, 1),
+    (0, 16, 4): _C(32, 32, 4, 1),
+    (0, 32, 4): _C(32, 32, 4, 1),
+    (0, 64, 4): _C(32, 32, 4, 1),
+    (0, 128, 4): _C(32, 32, 4, 1),
+    (0, 256, 4): _C(32, 16, 4, 1),
+}
+del _C
+# The interpreter runs each program in numpy: small tiles keep CPU tests fast.
+INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
+_PREPROCESS_BLOCK_M = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _arch(device: torch.device) -> int:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return 0
+    major, _ = torch.cuda.get_device_capability(device)
+    return 9 if major >= 9 else 0
+
+
+def _pick_config(
+    table: dict[tuple[int, int, int], KernelConfig], q: Tensor, block_e: int
+) -> KernelConfig:
+    if _interpreting():
+        return INTERPRETER_CONFIG
+    elem = 4 if q.dtype == torch.float32 else 2
+    return table.get((_arch(q.device), block_e, elem)) or table[(0, block_e, elem)]
+
+
+def _tanh_mode(q: Tensor) -> int:
+    if _interpreting():
+        return TANH_EXACT
+    if q.dtype == torch.float32 or torch.version.hip is not None:
+        return TANH_LIBDEVICE
+    return TANH_APPROX
+
+
+def _launch(kernel: Any) -> Any:
+    """The kernel itself, or its traceable wrapper so ``torch.compile`` sees the launch."""
+    if _interpreting():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MaskArgs:
+    """Kernel arguments describing the mask and score modifiers of one call."""
+
+    has_lo: bool
+    has_hi: bool
+    band_lo: int
+    band_hi: int
+    row_lo: Tensor | None  # (Bd, L) int32: first key of each query row's document
+    row_hi: Tensor | None  # (Bd, L) int32: one past its last key
+    col_lo: Tensor | None  # (Bd, S) int32: first query of each key column's document
+    col_hi: Tensor | None  # (Bd, S) int32: one past its last query
+    stride_doc: int  # 0 when the ids are shared by the whole batch
+    slopes: Tensor | None
+    stride_sb: int
+    stride_sh: int
+    qk_scale: float
+    softcap_in: float
+    softcap_out: float
+
+
+def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """For each id of ``ids``, the positions ``[lo, hi)`` of that id in ``sorted_ids``."""
+    lo = torch.searchsorted(sorted_ids, ids, side="left", out_int32=True)
+    hi = torch.searchsorted(sorted_ids, ids, side="right", out_int32=True)
+    return lo, hi
+
+
+def _mask_args(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    rows: bool,
+    cols: bool,
+) -> _MaskArgs:
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    # Every pair has 1 - L <= j - i <= S - 1: a bound outside that range keeps everything and is
+    # dropped; a bound beyond the other end keeps nothing and is clamped to stay in int32.
+    has_lo = band_lo is not None and band_lo > 1 - seq_q
+    has_hi = band_hi is not None and band_hi < seq_k - 1
+    lo = min(int(band_lo), seq_k) if has_lo and band_lo is not None else 0
+    hi = max(int(band_hi), -seq_q) if has_hi and band_hi is not None else 0
+
+    row_lo = row_hi = col_lo = col_hi = None
+    stride_doc = 0
+    if q_doc is not None and kv_doc is not None:
+        q_ids = q_doc if q_doc.dim() == 2 else q_doc.unsqueeze(0)
+        kv_ids = kv_doc if kv_doc.dim() == 2 else kv_doc.unsqueeze(0)
+        nb = max(q_ids.shape[0], kv_ids.shape[0])
+        q_ids = q_ids.to(torch.int64).expand(nb, seq_q).contiguous()
+        kv_ids = kv_ids.to(torch.int64).expand(nb, seq_k).contiguous()
+        if rows:
+            row_lo, row_hi = _doc_ranges(kv_ids, q_ids)
+        if cols:
+            col_lo, col_hi = _doc_ranges(q_ids, kv_ids)
+        stride_doc = 0 if nb == 1 else -1  # resolved per tensor length by the launcher
+
+    slopes = None
+    stride_sb = stride_sh = 0
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+        if slopes.dim() == 1:
+            stride_sh = slopes.stride(0)
+        else:
+            stride_sb = 0 if slopes.shape[0] == 1 else slopes.stride(0)
+            stride_sh = slopes.stride(1)
+
+    if softcap is not None:
+        softcap_in, softcap_out = scale / softcap, softcap * LOG2E
+    else:
+        softcap_in = softcap_out = 0.0
+    return _MaskArgs(
+        has_lo=has_lo,
+        has_hi=has_hi,
+        band_lo=lo,
+        band_hi=hi,
+        row_lo=row_lo,
+        row_hi=row_hi,
+        col_lo=col_lo,
+        col_hi=col_hi,
+        stride_doc=stride_doc,
+        slopes=slopes,
+        stride_sb=stride_sb,
+        stride_sh=stride_sh,
+        qk_scale=scale * LOG2E,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+    )
+
+
+def _doc_stride(mask: _MaskArgs, length: int) -> int:
+    return 0 if mask.stride_doc == 0 else length
+
+
+def _block_e(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention forward.
+
+    Args:
+        q: ``(B, Hq, L, E)``; k, v: ``(B, Hkv, S, E)``, same dtype (fp16, bf16 or fp32) and
+            device, any strides.
+        scale: multiplies ``q @ k^T``.
+        band_lo, band_hi: keep ``band_lo <= j - i <= band_hi``; ``None`` leaves a side open.
+        q_doc, kv_doc: non-decreasing integer document ids ``(1 | B, L)`` and ``(1 | B, S)``
+            (both or neither); a pair is kept only within one document.
+        alibi_slopes: fp32 ``(1 | B, Hq)``; adds ``-slope * |i + (S - L) - j|``.
+        softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
+
+    Returns:
+        ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
+        natural log; a row that keeps no key has ``out = 0`` and ``lse = -inf``.
+
+    Inputs are assumed valid (the caller validates them).
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    mask = _mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=False,
+    )  # fmt: skip
+    block_e = _block_e(head_dim)
+    cfg = _pick_config(FORWARD_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    _launch(_attn_fwd)[grid](
+        q, k, v, out, lse, mask.row_lo, mask.row_hi, mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        _doc_stride(mask, seq_q),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, num_heads // num_kv_heads, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=_tanh_mode(q),
+        REVERSE=mask.has_hi and not mask.has_lo,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    grad_lse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_forward`, in the inputs' dtype and shapes.
+
+    ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
+    ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
+    Rows that kept no key contribute nothing.
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if seq_q == 0 or batch == 0 or num_heads == 0:
+        return dq, dk.zero_(), dv.zero_()
+    mask = _mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=True,
+    )  # fmt: skip
+    lse = lse.to(torch.float32).contiguous()
+    block_e = _block_e(head_dim)
+    group_size = num_heads // num_kv_heads
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=_tanh_mode(q),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+    delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    pre_block_m = INTERPRETER_CONFIG.block_m if _interpreting() else _PREPROCESS_BLOCK_M
+    _launch(_attn_bwd_preprocess)[(triton.cdiv(seq_q, pre_block_m), num_heads, batch)](
+        out, grad_out, delta, grad_lse,
+        *out.stride(),
+        *grad_out.stride(),
+        num_heads, seq_q,
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=pre_block_m,
+        HAS_DLSE=grad_lse is not None,
+    )  # fmt: skip
+
+    if seq_k > 0:
+        cfg = _pick_config(DKDV_CONFIGS, q, block_e)
+        grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
+        _launch(_attn_bwd_dkdv)[grid](
+            q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *grad_out.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            _doc_stride(mask, seq_k),
+            mask.stride_sb, mask.stride_sh,
+            num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+            scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            REVERSE=mask.has_lo and not mask.has_hi,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **common,
+        )  # fmt: skip
+
+    cfg = _pick_config(DQ_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    _launch(_attn_bwd_dq)[grid](
+        q, k, v, grad_out, lse, delta, dq, mask.row_lo, mask.row_hi, mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *grad_out.stride(),
+        *dq.stride(),
+        _doc_stride(mask, seq_q),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        REVERSE=mask.has_hi and not mask.has_lo,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )  # fmt: skip
+    return dq, dk, dv

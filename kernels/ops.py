@@ -1,0 +1,159 @@
+"""The launchers as PyTorch custom ops, with autograd, and the public attention function.
+
+``attnbias::attention_fwd`` returns ``(out, lse)`` and ``attnbias::attention_bwd`` returns
+``(dq, dk, dv)``. Both are ``torch.library.triton_op``s whose kernels are launched through
+``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces into them without a graph break.
+Under Triton's interpreter (CPU tensors) the same launchers run through a plain
+``torch.autograd.Function`` instead, because tracing interpreted kernels is not supported.
+"""
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from .attention import attention_backward, attention_forward
+
+__all__ = ["block_sparse_attention"]
+
+
+@triton_op("attnbias::attention_fwd", mutates_args=())
+def _attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    return attention_forward(
+        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap,
+    )  # fmt: skip
+
+
+@triton_op("attnbias::attention_bwd", mutates_args=())
+def _attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Tensor | None,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(
+        grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
+        q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
+        grad_lse=grad_lse,
+    )  # fmt: skip
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_doc, kv_doc, alibi_slopes)
+    ctx.scale = scale
+    ctx.band_lo = band_lo
+    ctx.band_hi = band_hi
+    ctx.softcap = softcap
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, q_doc, kv_doc, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.attnbias.attention_bwd(
+        grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
+        q_doc, kv_doc, alibi_slopes, ctx.softcap,
+    )  # fmt: skip
+    # No gradient for the scale, the band, document ids, slopes or the cap.
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same launchers without the custom-op boundary (interpreter and CPU tensors)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        band_lo: int | None,
+        band_hi: int | None,
+        q_doc: Tensor | None,
+        kv_doc: Tensor | None,
+        alibi_slopes: Tensor | None,
+        softcap: float | None,
+    ) -> Tensor:
+        out, lse = attention_forward(
+            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+            alibi_slopes=alibi_slopes, softcap=softcap,
+        )  # fmt: skip
+        _setup_context(
+            ctx,
+            (q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap),
+            (out, lse),
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, q_doc, kv_doc, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = attention_backward(
+            grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,
+            band_hi=ctx.band_hi, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes,
+            softcap=ctx.softcap,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None = None,
+    band_hi: int | None = None,
+    q_doc: Tensor | None = None,
+    kv_doc: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Attention over the pairs kept by a band and packed documents, differentiable in q, k, v.
+
+    Shapes: ``q`` ``(B, Hq, L, E)``, ``k``/``v`` ``(B, Hkv, S, E)`` with ``Hq % Hkv == 0``;
+    returns ``(B, Hq, L, E)`` in ``q.dtype``. A pair ``(i, j)`` is kept when
+    ``band_lo <= j - i <= band_hi`` (``None`` leaves a side open) and, given document ids
+    ``q_doc`` ``(1 | B, L)`` / ``kv_doc`` ``(1 | B, S)`` (non-decreasing), when
+    ``q_doc[i] == kv_doc[j]``. Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap)``
+    if ``softcap`` is set, then ``- slope[b, h] * |i + S - L - j|`` if ``alibi_slopes``
+    ``(1 | B, Hq)`` is set. Rows that keep nothing give 0 and zero gradients.
+
+    Inputs are not validated here; the ``attnbias`` front-end does that.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1" or q.device.type == "cpu":
+        return _EagerAttention.apply(
+            q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap
+        )
+    out, _ = torch.ops.attnbias.attention_fwd(
+        q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap
+    )
+    return out
