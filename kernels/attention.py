@@ -56,6 +56,19 @@ TANH_LIBDEVICE = 1
 TANH_APPROX = 2
 
 
+# Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; widening them
+# to fp32 first is exact, so the interpreter then matches the GPU up to summation order.
+_INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if _INTERPRETER and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)  # [rows of a, cols of b]
+
+
 # --------------------------------------------------------------------------------------
 # Shared jit helpers
 # --------------------------------------------------------------------------------------
@@ -352,7 +365,7 @@ def _attn_fwd_inner(
     )
     for _ in range(block_first, block_end):
         k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if not PLAIN:
             rel = offs_m[:, None] + shift - offs_n[None, :]
             qk, _t = _log2_scores(
@@ -386,7 +399,7 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         m_i = m_new
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
@@ -630,7 +643,7 @@ def _attn_bwd_dkdv_inner(
             delta = tl.load(delta_head + offs_m)  # [BLOCK_M]
         # A row that kept nothing has lse = -inf: read it as +inf so its probabilities are 0.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP or HAS_ALIBI:
             relT = offs_m[None, :] + shift - offs_n[:, None]
             sT, tT = _log2_scores(
@@ -652,12 +665,12 @@ def _attn_bwd_dkdv_inner(
             keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
             pT = tl.where(keep, pT, 0.0)
         do = _load_tile(do_ptrs, offs_m, seq_q, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         offs_m += BLOCK_M
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -859,7 +872,7 @@ def _attn_bwd_dq_inner(
     for _ in range(block_first, block_end):
         k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP or HAS_ALIBI:
             rel = offs_m[:, None] + shift - offs_n[None, :]
             s, t = _log2_scores(
@@ -880,11 +893,11 @@ def _attn_bwd_dq_inner(
         if MASKED:
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
             p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn

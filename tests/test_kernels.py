@@ -1,0 +1,558 @@
+"""Tests of the Triton kernels in ``kernels`` directly, against an fp64 eager oracle.
+
+Error budget: inputs are drawn in the target dtype and copied to fp64 for the oracle; the
+kernel's largest error against the oracle must stay within twice the error that the same
+eager composition makes in the target dtype (plus one unit of that dtype's epsilon, relative
+to the largest reference value), for the output, the log-sum-exp and every gradient.
+
+Without CUDA the kernels run under Triton's interpreter (``conftest.py`` sets it), with
+16x16 tiles, so the shapes here are small but span several partial and full blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor
+
+from kernels import attention_backward, attention_forward, block_sparse_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+# --------------------------------------------------------------------------------------
+# Oracle
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The keyword arguments of the kernels other than the tensors q, k, v."""
+
+    scale: float
+    band_lo: int | None = None
+    band_hi: int | None = None
+    q_doc: Tensor | None = None
+    kv_doc: Tensor | None = None
+    alibi_slopes: Tensor | None = None
+    softcap: float | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "band_lo": self.band_lo,
+            "band_hi": self.band_hi,
+            "q_doc": self.q_doc,
+            "kv_doc": self.kv_doc,
+            "alibi_slopes": self.alibi_slopes,
+            "softcap": self.softcap,
+        }
+
+
+def keep_mask(mask: Mask, batch: int, seq_q: int, seq_k: int, device: Any) -> Tensor:
+    """``(B, 1, L, S)`` bool: the pairs the mask keeps, straight from the definition."""
+    i = torch.arange(seq_q, device=device)[:, None]
+    j = torch.arange(seq_k, device=device)[None, :]
+    keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if mask.band_lo is not None:
+        keep &= j - i >= mask.band_lo
+    if mask.band_hi is not None:
+        keep &= j - i <= mask.band_hi
+    keep = keep.expand(batch, 1, seq_q, seq_k)
+    if mask.q_doc is not None and mask.kv_doc is not None:
+        same_doc = mask.q_doc[:, :, None] == mask.kv_doc[:, None, :]
+        keep = keep & same_doc[:, None].expand(batch, 1, seq_q, seq_k)
+    return keep
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:
+    """Eager attention in ``q.dtype``: ``(out, lse)``; rows that keep nothing give 0, -inf."""
+    batch, num_heads, seq_q, _ = q.shape
+    seq_k = k.shape[2]
+    group = num_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    keep = keep_mask(mask, batch, seq_q, seq_k, q.device)
+    s = (q @ k.transpose(-1, -2)) * mask.scale
+    if mask.softcap is not None:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
+    if mask.alibi_slopes is not None:
+        i = torch.arange(seq_q, device=q.device)[:, None]
+        j = torch.arange(seq_k, device=q.device)[None, :]
+        distance = (i + (seq_k - seq_q) - j).abs().double()
+        slopes = mask.alibi_slopes.double().expand(batch, num_heads)
+        # a materialised additive bias is in the query dtype, as stock SDPA requires
+        s = s + (-slopes[:, :, None, None] * distance).to(q.dtype)
+    empty = ~keep.any(dim=-1, keepdim=True)
+    # empty rows get finite dummy scores so that nothing (forward or backward) turns NaN
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(empty, 0.0)
+    out = torch.softmax(s, dim=-1).masked_fill(empty, 0.0) @ v
+    lse = torch.logsumexp(s, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    return out, lse
+
+
+def make_qkv(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_q, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, seq_k, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, seq_k, head_dim, generator=gen)
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def docs_from_seqlens(seqlens: list[int]) -> Tensor:
+    return torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens)).to(DEVICE)
+
+
+def max_error(got: Tensor, ref: Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    return (got.double() - ref.double()).abs().max().item()
+
+
+def assert_within_budget(name: str, got: Tensor, oracle: Tensor, eager: Tensor) -> None:
+    assert got.shape == oracle.shape, f"{name}: shape {tuple(got.shape)} != {tuple(oracle.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values in the kernel's result"
+    err = max_error(got, oracle)
+    eager_err = max_error(eager, oracle)
+    magnitude = oracle.abs().max().item() if oracle.numel() else 0.0
+    floor = torch.finfo(eager.dtype).eps * max(1.0, magnitude)
+    assert err <= 2 * eager_err + floor, (
+        f"{name}: kernel error {err:.3g} exceeds 2 x eager {eager.dtype} error {eager_err:.3g}"
+        f" + {floor:.3g}"
+    )
+
+
+def check(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    *,
+    grads: bool = True,
+    seed: int = 1,
+    grad_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run forward (and backward) and hold every result to the error budget."""
+    out, lse = attention_forward(q, k, v, **mask.kwargs())
+    assert out.dtype == q.dtype and out.is_contiguous()
+    assert lse.dtype == torch.float32
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference(q64, k64, v64, mask)
+    out_e, lse_e = reference(qe, ke, ve, mask)
+
+    assert_within_budget("out", out, out64, out_e)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse64)), "lse: -inf rows differ"
+    finite = torch.isfinite(lse64)
+    assert_within_budget("lse", lse[finite], lse64[finite], lse_e[finite])
+    assert (out[torch.isinf(lse)] == 0).all(), "rows that keep nothing must be 0"
+    if not grads:
+        return out, lse
+
+    if grad_out is None:
+        gen = torch.Generator().manual_seed(seed)
+        grad_out = torch.randn(out.shape, generator=gen).to(device=DEVICE, dtype=q.dtype)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
+    g64 = torch.autograd.grad(out64, (q64, k64, v64), grad_out.double())
+    g_e = torch.autograd.grad(out_e, (qe, ke, ve), grad_out)
+    for name, got, ref64, ref_e, like in zip(
+        ("dq", "dk", "dv"), (dq, dk, dv), g64, g_e, (q, k, v), strict=True
+    ):
+        assert got.dtype == like.dtype and got.shape == like.shape
+        assert_within_budget(name, got, ref64, ref_e)
+    return out, lse
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every ``torch.empty`` start as NaN (or a huge int) so unwritten outputs fail."""
+    real_empty = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def scale_of(head_dim: int) -> float:
+    return head_dim**-0.5
+
+
+# --------------------------------------------------------------------------------------
+# Bands
+# --------------------------------------------------------------------------------------
+
+BANDS = {
+    "none": lambda L, S: (None, None),
+    "causal_upper_left": lambda L, S: (None, 0),
+    "causal_lower_right": lambda L, S: (None, S - L),
+    "sliding_window": lambda L, S: (S - L - 7, S - L),
+    "window_both_sides": lambda L, S: (S - L - 5, S - L + 9),
+    "left_only": lambda L, S: (-3, None),
+    "narrow_off_diagonal": lambda L, S: (2, 3),
+    "empty_band": lambda L, S: (5, 2),
+}
+
+
+@pytest.mark.parametrize("band", list(BANDS))
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(40, 56), (56, 37)])
+def test_bands(band: str, seq_q: int, seq_k: int) -> None:
+    band_lo, band_hi = BANDS[band](seq_q, seq_k)
+    q, k, v = make_qkv(2, 2, 1, seq_q, seq_k, 32, BF16)
+    check(q, k, v, Mask(scale_of(32), band_lo=band_lo, band_hi=band_hi))
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
+@pytest.mark.parametrize("band", ["none", "causal_lower_right", "window_both_sides"])
+def test_dtypes(dtype: torch.dtype, band: str) -> None:
+    band_lo, band_hi = BANDS[band](33, 48)
+    q, k, v = make_qkv(1, 2, 2, 33, 48, 32, dtype)
+    check(q, k, v, Mask(scale_of(32), band_lo=band_lo, band_hi=band_hi))
+
+
+# --------------------------------------------------------------------------------------
+# Documents, ALiBi, soft-cap
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc_batch", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_documents(doc_batch: int, causal: bool) -> None:
+    q_lens = [[10, 0, 21, 14], [3, 30, 5, 7]][:doc_batch]
+    kv_lens = [[20, 6, 10, 20], [1, 40, 0, 15]][:doc_batch]  # S = 56 != L = 45
+    q_doc = torch.stack([docs_from_seqlens(x) for x in q_lens])
+    kv_doc = torch.stack([docs_from_seqlens(x) for x in kv_lens])
+    q, k, v = make_qkv(2, 2, 1, 45, 56, 32, FP16)
+    band_hi = 56 - 45 if causal else None
+    mask = Mask(scale_of(32), band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc)
+    check(q, k, v, mask)
+
+
+@pytest.mark.parametrize("slope_batch", [1, 2])
+@pytest.mark.parametrize("band", ["none", "causal_lower_right"])
+def test_alibi(slope_batch: int, band: str) -> None:
+    band_lo, band_hi = BANDS[band](40, 50)
+    slopes = torch.rand(slope_batch, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    q, k, v = make_qkv(2, 3, 3, 40, 50, 16, BF16)
+    check(q, k, v, Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi, alibi_slopes=slopes))
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
+@pytest.mark.parametrize("cap", [0.5, 20.0])
+def test_softcap(dtype: torch.dtype, cap: float) -> None:
+    q, k, v = make_qkv(1, 2, 1, 35, 40, 32, dtype)
+    check(q, k, v, Mask(1.0, band_hi=40 - 35, softcap=cap))
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
+def test_all_features_with_gqa(dtype: torch.dtype) -> None:
+    q_doc = torch.stack([docs_from_seqlens([30, 20]), docs_from_seqlens([5, 45])])
+    kv_doc = torch.stack([docs_from_seqlens([25, 19]), docs_from_seqlens([10, 34])])
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
+    q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
+    mask = Mask(
+        scale_of(24),
+        band_lo=44 - 50 - 20,
+        band_hi=44 - 50 + 2,
+        q_doc=q_doc,
+        kv_doc=kv_doc,
+        alibi_slopes=slopes,
+        softcap=5.0,
+    )
+    check(q, k, v, mask)
+
+
+# --------------------------------------------------------------------------------------
+# Shapes, head dims, layouts
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq_q", "seq_k", "band"),
+    [
+        (6, 2, 33, 33, "causal_upper_left"),
+        (4, 1, 17, 50, "none"),
+        (2, 2, 1, 45, "causal_lower_right"),
+        (2, 2, 1, 45, "sliding_window"),
+        (2, 1, 70, 20, "causal_upper_left"),
+        (2, 1, 64, 1, "none"),
+        (3, 3, 16, 16, "window_both_sides"),
+    ],
+)
+def test_shapes(heads: int, kv_heads: int, seq_q: int, seq_k: int, band: str) -> None:
+    band_lo, band_hi = BANDS[band](seq_q, seq_k)
+    q, k, v = make_qkv(2, heads, kv_heads, seq_q, seq_k, 16, FP16)
+    check(q, k, v, Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi))
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 128, 160, 256])
+def test_head_dims(head_dim: int) -> None:
+    q, k, v = make_qkv(1, 2, 1, 20, 23, head_dim, FP16)
+    check(q, k, v, Mask(scale_of(head_dim), band_hi=3))
+
+
+def test_zero_keys() -> None:
+    q, k, v = make_qkv(1, 2, 1, 5, 0, 16, FP32)
+    out, lse = attention_forward(q, k, v, **Mask(0.25).kwargs())
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [FP16, FP32])
+def test_non_contiguous(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    # (B, L, H, E) storage seen as (B, H, L, E), and a head dim with stride 2
+    q = torch.randn(2, 37, 4, 32, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    kv = torch.randn(2, 41, 2, 2, 64, generator=gen).to(DEVICE, dtype)
+    k = kv[:, :, 0, :, ::2].transpose(1, 2)
+    v = kv[:, :, 1, :, 1::2].transpose(1, 2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    grad_out = torch.randn(2, 37, 4, 32, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    q_doc = docs_from_seqlens([20, 17])[None]
+    kv_doc = docs_from_seqlens([21, 20])[None]
+    mask = Mask(scale_of(32), band_hi=4, q_doc=q_doc, kv_doc=kv_doc)
+    check(q, k, v, mask, grad_out=grad_out)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32)])
+def test_unequal_tiles(monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int) -> None:
+    if DEVICE == "cuda":
+        pytest.skip("tile sizes come from the GPU tables on a GPU")
+    from kernels import attention
+
+    monkeypatch.setattr(attention, "INTERPRETER_CONFIG", attention.KernelConfig(block_m, block_n, 1, 1))
+    q_doc = docs_from_seqlens([13, 40, 18])[None]
+    kv_doc = docs_from_seqlens([30, 20, 21])[None]
+    q, k, v = make_qkv(1, 2, 1, 71, 71, 16, BF16)
+    check(q, k, v, Mask(scale_of(16), band_lo=-20, band_hi=0, q_doc=q_doc, kv_doc=kv_doc))
+
+
+# --------------------------------------------------------------------------------------
+# Rows that keep nothing
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_fully_masked_rows(dtype: torch.dtype) -> None:
+    # Document 1 has queries but no keys and document 2 keys but no queries; the band also
+    # leaves the first rows of document 3 without keys.
+    q_doc = docs_from_seqlens([12, 9, 0, 19])[None]
+    kv_doc = docs_from_seqlens([15, 0, 11, 14])[None]
+    slopes = torch.full((1, 2), 0.3, device=DEVICE)
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 16, dtype)
+    mask = Mask(
+        scale_of(16), band_lo=-2, band_hi=1, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=slopes
+    )
+    out, lse = check(q, k, v, mask)
+    empty_rows = torch.isinf(lse)
+    assert empty_rows[..., 12:21].all(), "document 1 has no keys"
+    grad_out = torch.randn_like(out)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+    assert (dq[empty_rows] == 0).all()
+    assert (dk[:, :, 15:26] == 0).all() and (dv[:, :, 15:26] == 0).all()  # keys nobody sees
+
+
+def test_everything_masked() -> None:
+    q, k, v = make_qkv(1, 2, 1, 20, 30, 16, FP16)
+    mask = Mask(0.25, band_lo=3, band_hi=-3)
+    out, lse = attention_forward(q, k, v, **mask.kwargs())
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    grads = attention_backward(torch.randn_like(out), q, k, v, out, lse, **mask.kwargs())
+    for g in grads:
+        assert (g == 0).all()
+
+
+# --------------------------------------------------------------------------------------
+# Autograd wrapper, gradient of lse, lazy import
+# --------------------------------------------------------------------------------------
+
+
+def test_block_sparse_attention_autograd() -> None:
+    q, k, v = make_qkv(2, 4, 2, 30, 30, 16, FP32)
+    slopes = torch.tensor([[0.1, 0.2, 0.3, 0.4]], device=DEVICE)
+    mask = Mask(scale_of(16), band_lo=-8, band_hi=0, alibi_slopes=slopes, softcap=3.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = block_sparse_attention(*leaves, **mask.kwargs())
+    gen = torch.Generator().manual_seed(2)
+    grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+    out.backward(grad_out)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*ref_leaves, mask)
+    ref.backward(grad_out.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_of_lse() -> None:
+    q, k, v = make_qkv(1, 2, 1, 24, 40, 16, FP32)
+    mask = Mask(scale_of(16), band_hi=40 - 24)
+    out, lse = attention_forward(q, k, v, **mask.kwargs())
+    gen = torch.Generator().manual_seed(4)
+    grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+    grad_lse = torch.randn(lse.shape, generator=gen).to(DEVICE)
+    grads = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs(), grad_lse=grad_lse)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*leaves, mask)
+    want = torch.autograd.grad((ref_out, ref_lse), leaves, (grad_out.double(), grad_lse.double()))
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_import_is_lazy() -> None:
+    code = (
+        "import sys, kernels\n"
+        "assert 'triton' not in sys.modules, 'import kernels imported triton'\n"
+        "assert kernels.__all__ == sorted(kernels.__all__)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+
+
+# --------------------------------------------------------------------------------------
+# Property test
+# --------------------------------------------------------------------------------------
+
+
+def _split(draw: st.DrawFn, total: int, parts: int) -> list[int]:
+    """Non-negative lengths of ``parts`` documents summing to ``total``."""
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
+    bounds = [0, *cuts, total]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@st.composite
+def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Mask, int]:
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    seq_q = draw(st.integers(1, 48))
+    seq_k = draw(st.integers(1, 48))
+    head_dim = draw(st.sampled_from([16, 24, 32]))
+    dtype = draw(st.sampled_from([FP16, BF16, FP32]))
+    offset = st.integers(-seq_q - 2, seq_k + 2)
+    band_lo = draw(st.none() | offset)
+    band_hi = draw(st.none() | offset)
+    q_doc = kv_doc = slopes = None
+    if draw(st.booleans()):
+        doc_batch = draw(st.sampled_from([1, batch]))
+        num_docs = draw(st.integers(1, 4))
+        q_doc = torch.stack(
+            [docs_from_seqlens(_split(draw, seq_q, num_docs)) for _ in range(doc_batch)]
+        )
+        kv_doc = torch.stack(
+            [docs_from_seqlens(_split(draw, seq_k, num_docs)) for _ in range(doc_batch)]
+        )
+    if draw(st.booleans()):
+        slope_batch = draw(st.sampled_from([1, batch]))
+        values = draw(st.lists(st.floats(0.0, 1.0), min_size=slope_batch * heads, max_size=slope_batch * heads))
+        slopes = torch.tensor(values, dtype=torch.float32, device=DEVICE).reshape(slope_batch, heads)
+    softcap = draw(st.none() | st.floats(0.5, 30.0))
+    mask = Mask(
+        scale_of(head_dim),
+        band_lo=band_lo,
+        band_hi=band_hi,
+        q_doc=q_doc,
+        kv_doc=kv_doc,
+        alibi_slopes=slopes,
+        softcap=softcap,
+    )
+    shape = (batch, heads, kv_heads, seq_q, seq_k, head_dim)
+    return shape, dtype, mask, draw(st.integers(0, 2**16))
+
+
+@given(attention_configs())
+def test_property(config: tuple[tuple[int, ...], torch.dtype, Mask, int]) -> None:
+    shape, dtype, mask, seed = config
+    q, k, v = make_qkv(*shape, dtype, seed=seed)  # type: ignore[misc]
+    check(q, k, v, mask, seed=seed + 1)
+
+
+# --------------------------------------------------------------------------------------
+# Real sizes on a GPU
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_causal_gqa(dtype: torch.dtype, head_dim: int) -> None:
+    seq = 1024 if head_dim == 256 or dtype == FP32 else 2048
+    q, k, v = make_qkv(1, 4, 2, seq, seq, head_dim, dtype)
+    check(q, k, v, Mask(scale_of(head_dim), band_hi=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+def test_gpu_all_features(dtype: torch.dtype) -> None:
+    seq_q, seq_k = 1000, 1100
+    q_doc = torch.stack([docs_from_seqlens([300, 450, 250]), docs_from_seqlens([999, 0, 1])])
+    kv_doc = torch.stack([docs_from_seqlens([330, 470, 300]), docs_from_seqlens([1000, 50, 50])])
+    slopes = torch.rand(2, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 0.1
+    q, k, v = make_qkv(2, 8, 2, seq_q, seq_k, 128, dtype)
+    mask = Mask(
+        scale_of(128),
+        band_lo=seq_k - seq_q - 256,
+        band_hi=seq_k - seq_q,
+        q_doc=q_doc,
+        kv_doc=kv_doc,
+        alibi_slopes=slopes,
+        softcap=30.0,
+    )
+    check(q, k, v, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("band", ["none", "sliding_window", "left_only"])
+def test_gpu_bands_real_size(band: str) -> None:
+    band_lo, band_hi = BANDS[band](2048, 2048)
+    band_lo = None if band_lo is None else band_lo - 250
+    q, k, v = make_qkv(2, 4, 4, 2048, 2048, 128, BF16)
+    check(q, k, v, Mask(scale_of(128), band_lo=band_lo, band_hi=band_hi))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph() -> None:
+    q, k, v = make_qkv(2, 8, 2, 1024, 1024, 128, BF16)
+    doc = docs_from_seqlens([400, 624])[None]
+    mask = Mask(scale_of(128), band_hi=0, q_doc=doc, kv_doc=doc, softcap=20.0)
+
+    def loss(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return block_sparse_attention(q, k, v, **mask.kwargs()).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*leaves).backward()
+    eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss(*eager_leaves).backward()
+    for got, want in zip(leaves, eager_leaves, strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad)
