@@ -11,6 +11,7 @@ Without CUDA the kernels run under Triton's interpreter (``conftest.py`` sets it
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -344,7 +345,9 @@ def test_unequal_tiles(monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: i
         pytest.skip("tile sizes come from the GPU tables on a GPU")
     from kernels import attention
 
-    monkeypatch.setattr(attention, "INTERPRETER_CONFIG", attention.KernelConfig(block_m, block_n, 1, 1))
+    monkeypatch.setattr(
+        attention, "INTERPRETER_CONFIG", attention.KernelConfig(block_m, block_n, 1, 1)
+    )
     q_doc = docs_from_seqlens([13, 40, 18])[None]
     kv_doc = docs_from_seqlens([30, 20, 21])[None]
     q, k, v = make_qkv(1, 2, 1, 71, 71, 16, BF16)
@@ -446,7 +449,7 @@ def _split(draw: st.DrawFn, total: int, parts: int) -> list[int]:
     """Non-negative lengths of ``parts`` documents summing to ``total``."""
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
     bounds = [0, *cuts, total]
-    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 @st.composite
@@ -473,8 +476,9 @@ def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Ma
         )
     if draw(st.booleans()):
         slope_batch = draw(st.sampled_from([1, batch]))
-        values = draw(st.lists(st.floats(0.0, 1.0), min_size=slope_batch * heads, max_size=slope_batch * heads))
-        slopes = torch.tensor(values, dtype=torch.float32, device=DEVICE).reshape(slope_batch, heads)
+        count = slope_batch * heads
+        values = draw(st.lists(st.floats(0.0, 1.0), min_size=count, max_size=count))
+        slopes = torch.tensor(values, device=DEVICE).reshape(slope_batch, heads)
     softcap = draw(st.none() | st.floats(0.5, 30.0))
     mask = Mask(
         scale_of(head_dim),
