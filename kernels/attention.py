@@ -447,6 +447,10 @@ def _attn_fwd(
 ):  # fmt: skip
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
     pid_m = tl.program_id(0)
     if REVERSE:  # rows late in the sequence see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -724,6 +728,11 @@ def _attn_bwd_dkdv(
     """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
     pid_n = tl.program_id(0)
     if REVERSE:  # keys early in the sequence are seen by the fewest queries: start them last
         pid_n = tl.num_programs(0) - 1 - pid_n
@@ -949,6 +958,11 @@ def _attn_bwd_dq(
     """``dQ`` of one query tile of one query head."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
     pid_m = tl.program_id(0)
     if REVERSE:
         pid_m = tl.num_programs(0) - 1 - pid_m
