@@ -106,8 +106,8 @@ def main() -> None:
         ms = timed(lambda b=bias, qq=query: sdpa(qq, k, v, attn_mask=b, enable_gqa=True))
         rows.append((name, route, f"{error:.2e}", f"{ms:.3f}"))
 
-    widths = [max(len(r[c]) for r in [*rows, ("bias", "route", "max error", "ms")]) for c in range(4)]
     header = ("bias", "route", "max error", "ms")
+    widths = [max(len(row[c]) for row in [*rows, header]) for c in range(4)]
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     print(
