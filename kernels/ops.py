@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from .attention import attention_backward, attention_forward
+from .attention import attention_backward, attention_forward, traceable_launches
 
 __all__ = ["block_sparse_attention"]
 
@@ -32,10 +32,11 @@ def _attention_fwd(
     alibi_slopes: Tensor | None,
     softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
-    return attention_forward(
-        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap,
-    )  # fmt: skip
+    with traceable_launches():
+        return attention_forward(
+            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+            alibi_slopes=alibi_slopes, softcap=softcap,
+        )  # fmt: skip
 
 
 @triton_op("attnbias::attention_bwd", mutates_args=())
@@ -55,11 +56,12 @@ def _attention_bwd(
     alibi_slopes: Tensor | None,
     softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_backward(
-        grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
-        q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
-        grad_lse=grad_lse,
-    )  # fmt: skip
+    with traceable_launches():
+        return attention_backward(
+            grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
+            q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
+            grad_lse=grad_lse,
+        )  # fmt: skip
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
