@@ -75,6 +75,23 @@ def _resolve_lengths(
     return length_q, length_kv
 
 
+def _cached_on(cache: dict[Any, Tensor], key: Any, make: Any) -> Tensor:
+    """``make()``, kept in ``cache`` under ``key`` (not while torch.compile traces).
+
+    Built-in biases copy their small tensors (slopes, document ids) to the inputs' device once:
+    a copy from host memory on every call would synchronise the device with the host each time.
+    """
+    if torch.compiler.is_compiling():
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _device_key(device: _Device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
 def _keep_to_additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
     zeros = torch.zeros((), dtype=dtype, device=keep.device)
     return torch.where(keep, zeros, torch.full((), -math.inf, dtype=dtype, device=keep.device))
@@ -398,6 +415,7 @@ class AlibiBias(_BuiltinBias):
 
     num_heads: int | None = None
     slopes: Tensor | None = field(default=None, repr=False)
+    _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.num_heads is None) == (self.slopes is None):
@@ -429,9 +447,19 @@ class AlibiBias(_BuiltinBias):
         return self.num_heads
 
     def slope_tensor(self, device: _Device = None) -> Tensor:
-        """Slopes as a float32 tensor of shape ``(1, Hq)`` or ``(B, Hq)``."""
+        """Slopes as a float32 tensor of shape ``(1, Hq)`` or ``(B, Hq)``.
+
+        The paper's slopes are built once per device. Slopes you pass are converted on each
+        call (no copy when they are already float32 on ``device``).
+        """
         if self.slopes is None:
-            return torch.tensor([alibi_slopes(self.heads)], dtype=torch.float32, device=device)
+            return _cached_on(
+                self._on_device,
+                _device_key(device),
+                lambda: torch.tensor(
+                    [alibi_slopes(self.heads)], dtype=torch.float32, device=device
+                ),
+            )
         slopes = self.slopes.to(device=device, dtype=torch.float32)
         return slopes if slopes.dim() == 2 else slopes[None]
 
@@ -566,6 +594,7 @@ class DocumentBias(_BuiltinBias):
 
     q_doc_ids: Tensor = field(repr=False)
     kv_doc_ids: Tensor | None = field(default=None, repr=False)
+    _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_doc_ids(self.q_doc_ids, "q_doc_ids")
@@ -616,6 +645,23 @@ class DocumentBias(_BuiltinBias):
     @property
     def kv_ids(self) -> Tensor:
         return self.q_doc_ids if self.kv_doc_ids is None else self.kv_doc_ids
+
+    def ids_on(self, device: _Device) -> tuple[Tensor, Tensor]:
+        """``(q_ids, kv_ids)`` as int64 ``(1 or B, L)`` and ``(1 or B, S)`` on ``device``.
+
+        The ids are copied to a device once and kept with the bias (a bias is immutable: do not
+        modify its id tensors in place). Build the bias on the inputs' device (``device=`` in
+        :meth:`from_seqlens`) to skip even that copy.
+        """
+
+        def prepare(ids: Tensor) -> Tensor:
+            ids = ids.to(device=device, dtype=torch.long)
+            return ids if ids.dim() == 2 else ids[None]
+
+        key = _device_key(device)
+        q_ids = _cached_on(self._on_device, ("q", key), lambda: prepare(self.q_doc_ids))
+        kv_ids = _cached_on(self._on_device, ("kv", key), lambda: prepare(self.kv_ids))
+        return q_ids, kv_ids
 
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None

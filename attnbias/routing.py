@@ -136,12 +136,7 @@ def lower(
         elif isinstance(part, SlidingWindowBias):
             tighten(*part.offsets(length_q, length_kv))
         elif isinstance(part, DocumentBias):
-            ids = part.q_doc_ids.to(device=device, dtype=torch.long)
-            kv_ids = part.kv_ids.to(device=device, dtype=torch.long)
-            new = (
-                ids if ids.dim() == 2 else ids[None],
-                kv_ids if kv_ids.dim() == 2 else kv_ids[None],
-            )
+            new = part.ids_on(device)
             if new[0].shape[0] != new[1].shape[0]:
                 rows = max(new[0].shape[0], new[1].shape[0])
                 new = (new[0].expand(rows, -1), new[1].expand(rows, -1))

@@ -304,3 +304,13 @@ def test_import_does_not_import_triton() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_small_tensors_are_copied_to_a_device_once() -> None:
+    # a host-to-device copy on every call would synchronise the device with the host
+    documents = DocumentBias.from_seqlens([3, 5])
+    assert documents.ids_on("cpu")[0] is documents.ids_on(torch.device("cpu"))[0]
+    assert documents.ids_on("cpu")[0].shape == (1, 8)
+    alibi = AlibiBias(num_heads=4)
+    assert alibi.slope_tensor("cpu") is alibi.slope_tensor("cpu")
+    assert alibi.slope_tensor("cpu").tolist() == [alibi_slopes(4)]
