@@ -759,7 +759,8 @@ def environment(cfg: Config) -> dict[str, str]:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        # a copy of the tree without .git: the caller may say which commit it is
+        commit = os.environ.get("ATTNBIAS_COMMIT", "unknown")
     try:
         import triton
 
