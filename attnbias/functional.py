@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import routing
-from attnbias.bias import AttnBias, CausalBias, CausalVariant, CompositeBias, _BuiltinBias
+from attnbias.bias import AttnBias, CausalBias, CausalVariant, _BuiltinBias
 from attnbias.routing import _original_sdpa
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
@@ -137,7 +137,7 @@ def _choose(
             f"{bias!r} needs materialization, so stock SDPA runs with its materialized mask",
             materialized,
         )
-    if type(attn_mask).dispatch in (_BuiltinBias.dispatch, CompositeBias.dispatch):
+    if type(attn_mask).dispatch is _BuiltinBias.dispatch:
         route = routing.plan(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         return route.name, route.reason, route.run
     cls = type(attn_mask)
