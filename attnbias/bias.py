@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -183,7 +183,7 @@ class AttnBias(ABC):
     def __add__(self, other: object) -> CompositeBias:
         if not isinstance(other, AttnBias):
             return NotImplemented
-        return CompositeBias((*_parts(self), *_parts(other)))
+        return CompositeBias((*parts_of(self), *parts_of(other)))
 
     def __radd__(self, other: object) -> AttnBias:
         # sum([a, b]) starts from 0
@@ -196,7 +196,10 @@ class AttnBias(ABC):
         return None
 
 
-def _parts(bias: AttnBias) -> tuple[AttnBias, ...]:
+def parts_of(bias: AttnBias | None) -> tuple[AttnBias, ...]:
+    """The flat parts of a bias: those of a sum, the bias itself, or none for ``None``."""
+    if bias is None:
+        return ()
     if isinstance(bias, CompositeBias):
         return bias.parts
     return (bias,)
@@ -219,9 +222,9 @@ class _BuiltinBias(AttnBias):
         dropout_p: float,
         enable_gqa: bool = False,
     ) -> Tensor:
-        from attnbias.routing import run_builtin
+        from attnbias.routing import plan
 
-        return run_builtin(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+        return plan(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa).run()
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,7 +281,6 @@ class TensorBias(AttnBias):
 
     def _check_broadcast(self, shape: tuple[int, ...]) -> None:
         try:
-            torch.broadcast_shapes(tuple(self.bias.shape), shape)
             ok = torch.broadcast_shapes(tuple(self.bias.shape), shape) == torch.Size(shape)
         except RuntimeError:
             ok = False
@@ -750,8 +752,6 @@ class CompositeBias(AttnBias):
 
     parts: tuple[AttnBias, ...]
 
-    _max_softcaps: ClassVar[int] = 1
-
     def __post_init__(self) -> None:
         if not self.parts:
             raise ValueError("CompositeBias needs at least one part")
@@ -759,7 +759,7 @@ class CompositeBias(AttnBias):
             if not isinstance(part, AttnBias) or isinstance(part, CompositeBias):
                 raise TypeError(f"CompositeBias parts must be flat AttnBias objects, got {part!r}")
         caps = [p for p in self.parts if isinstance(p, SoftcapBias)]
-        if len(caps) > self._max_softcaps:
+        if len(caps) > 1:
             raise ValueError(
                 f"a bias can hold at most one SoftcapBias, got {caps}; soft-capping twice is "
                 f"ambiguous, keep the one you mean"

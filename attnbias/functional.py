@@ -12,14 +12,15 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import routing
-from attnbias.bias import AttnBias, CausalBias, CausalVariant, _BuiltinBias
-from attnbias.routing import _original_sdpa
+from attnbias.bias import AttnBias, _BuiltinBias
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
 
@@ -103,8 +104,9 @@ def _choose(
 ) -> tuple[str, str, Any]:
     """``(route name, reason, thunk)``: the one decision both sdpa and explain report."""
 
-    def stock(mask: Tensor | None, causal: bool) -> Any:
-        return lambda: _original_sdpa(
+    def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
+        return partial(
+            routing.stock_sdpa,
             query,
             key,
             value,
@@ -125,7 +127,8 @@ def _choose(
     if attn_mask is None:
         return "sdpa", "no mask: stock SDPA", stock(None, is_causal)
     if attn_mask.needs_materialization():
-        bias = attn_mask + CausalBias(CausalVariant.UPPER_LEFT) if is_causal else attn_mask
+        bias = routing.with_causal(attn_mask, is_causal)
+        assert bias is not None  # attn_mask is not None here
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
         def materialized() -> Tensor:

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnbias.bias import AttnBias, CompositeBias, SoftcapBias
+from attnbias.bias import AttnBias, CompositeBias, SoftcapBias, parts_of
 
 __all__ = ["reference_attention"]
 
@@ -24,9 +24,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def split_softcap(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:
     """``(cap, rest)``: the soft-cap of ``bias`` (if any) and the sum of its other parts."""
-    if bias is None:
-        return None, None
-    parts = bias.parts if isinstance(bias, CompositeBias) else (bias,)
+    parts = parts_of(bias)
     caps = [p.cap for p in parts if isinstance(p, SoftcapBias)]
     rest = [p for p in parts if not isinstance(p, SoftcapBias)]
     cap = caps[0] if caps else None

@@ -26,14 +26,14 @@ from attnbias.bias import (
     AttnBias,
     CausalBias,
     CausalVariant,
-    CompositeBias,
     DocumentBias,
     SlidingWindowBias,
     SoftcapBias,
+    parts_of,
 )
 from attnbias.reference import reference_attention
 
-__all__ = ["Lowered", "Route", "lower", "plan", "run_builtin"]
+__all__ = ["Lowered", "Route", "lower", "plan", "stock_sdpa", "with_causal"]
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_KERNEL_HEAD_DIM = 256
@@ -52,26 +52,18 @@ class Lowered:
     others: tuple[AttnBias, ...]  # parts with no kernel form (materialized additively)
 
     @property
-    def is_plain_causal(self) -> bool:
+    def _band_only(self) -> bool:
         return (
-            self.band_lo is None
-            and self.band_hi == 0
-            and self.q_doc is None
-            and self.slopes is None
-            and self.softcap is None
-            and not self.others
+            self.q_doc is None and self.slopes is None and self.softcap is None and not self.others
         )
 
     @property
+    def is_plain_causal(self) -> bool:
+        return self._band_only and self.band_lo is None and self.band_hi == 0
+
+    @property
     def is_empty(self) -> bool:
-        return (
-            self.band_lo is None
-            and self.band_hi is None
-            and self.q_doc is None
-            and self.slopes is None
-            and self.softcap is None
-            and not self.others
-        )
+        return self._band_only and self.band_lo is None and self.band_hi is None
 
     def describe(self) -> str:
         terms = []
@@ -100,22 +92,8 @@ def _merge_docs(
     return (q1 * span + (q2 - low)), (kv1 * span + (kv2 - low))
 
 
-def lower(
-    bias: AttnBias | None,
-    causal: bool,
-    batch: int,
-    heads: int,
-    length_q: int,
-    length_kv: int,
-    device: torch.device,
-) -> Lowered:
-    """Lower ``bias`` (plus ``is_causal``) to a band, documents and score modifiers."""
-    parts: list[AttnBias] = []
-    if bias is not None:
-        parts += list(bias.parts) if isinstance(bias, CompositeBias) else [bias]
-    if causal:
-        parts.append(CausalBias(CausalVariant.UPPER_LEFT))
-
+def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.device) -> Lowered:
+    """Lower ``bias`` to a band, documents and score modifiers for a call with ``(L, S)``."""
     band_lo: int | None = None
     band_hi: int | None = None
     docs: tuple[Tensor, Tensor] | None = None
@@ -130,22 +108,17 @@ def lower(
         if hi is not None:
             band_hi = hi if band_hi is None else min(band_hi, hi)
 
-    for part in parts:
+    for part in parts_of(bias):
         if isinstance(part, CausalBias):
             tighten(None, part.offset_hi(length_q, length_kv))
         elif isinstance(part, SlidingWindowBias):
             tighten(*part.offsets(length_q, length_kv))
         elif isinstance(part, DocumentBias):
             new = part.ids_on(device)
-            if new[0].shape[0] != new[1].shape[0]:
-                rows = max(new[0].shape[0], new[1].shape[0])
-                new = (new[0].expand(rows, -1), new[1].expand(rows, -1))
+            rows = max(t.shape[0] for t in new + (docs or ()))  # 1 or B
+            new = (new[0].expand(rows, -1), new[1].expand(rows, -1))
             if docs is not None:
-                rows = max(docs[0].shape[0], new[0].shape[0])
-                docs = _merge_docs(
-                    (docs[0].expand(rows, -1), docs[1].expand(rows, -1)),
-                    (new[0].expand(rows, -1), new[1].expand(rows, -1)),
-                )
+                docs = _merge_docs((docs[0].expand(rows, -1), docs[1].expand(rows, -1)), new)
             else:
                 docs = new
         elif isinstance(part, AlibiBias):
@@ -219,7 +192,7 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _stock(
+def stock_sdpa(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -278,9 +251,10 @@ def plan(
     """Choose the route of a call whose bias is built from the library's own biases."""
     batch, heads, length_q, head_dim = query.shape
     length_kv = key.shape[-2]
-    lowered = lower(bias, causal, batch, heads, length_q, length_kv, query.device)
+    bias = with_causal(bias, causal)
+    lowered = lower(bias, length_q, length_kv, query.device)
     stock = partial(
-        _stock, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+        stock_sdpa, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
     described = lowered.describe()
 
@@ -309,7 +283,7 @@ def plan(
         query,
         key,
         value,
-        _rebuild(bias, causal),
+        bias,
         scale=scale,
         dropout_p=dropout_p,
         enable_gqa=enable_gqa,
@@ -330,9 +304,8 @@ def plan(
         )
 
     def materialized() -> Tensor:
-        rebuilt = _rebuild(bias, causal)
-        assert rebuilt is not None  # not empty, see above
-        mask = rebuilt.materialize(query.device, shape=shape, dtype=query.dtype)
+        assert bias is not None  # not empty, see above
+        mask = bias.materialize(query.device, shape=shape, dtype=query.dtype)
         return stock(attn_mask=mask, is_causal=False)
 
     return Route(
@@ -342,22 +315,9 @@ def plan(
     )
 
 
-def _rebuild(bias: AttnBias | None, causal: bool) -> AttnBias | None:
+def with_causal(bias: AttnBias | None, causal: bool) -> AttnBias | None:
+    """``bias`` with ``is_causal=True`` folded in: ``bias + CausalBias(UPPER_LEFT)``."""
     if not causal:
         return bias
     causal_part = CausalBias(CausalVariant.UPPER_LEFT)
     return causal_part if bias is None else bias + causal_part
-
-
-def run_builtin(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_bias: AttnBias,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """The ``dispatch`` of every built-in bias and of their sums."""
-    return plan(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa).run()
