@@ -1185,6 +1185,23 @@ def _launch(kernel: Any) -> Any:
     return wrap_triton(kernel)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A second stream of ``device`` for launches that may overlap the current stream's.
+
+    ``None`` (launch everything in order on the current stream) for traced launches, the
+    interpreter and non-CUDA devices.
+    """
+    if device.type != "cuda" or _interpreting() or _TRACEABLE_LAUNCH.get():
+        return None
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return side
+
+
 # --------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------
@@ -1432,6 +1449,35 @@ def attention_backward(
         HAS_DLSE=grad_lse is not None,
     )  # fmt: skip
 
+    # dK/dV and dQ read the same inputs and write disjoint outputs: in eager mode the dQ kernel
+    # runs on a second stream beside the dK/dV kernel, so the dK/dV kernel's programs fill the
+    # SMs that the dQ kernel's last wave leaves idle. The second stream starts after everything
+    # queued so far and the current stream waits for it before returning, so to the caller the
+    # backward is in order on the current stream (no record_stream needed).
+    side = _side_stream(q.device)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        cfg = _pick_config(DQ_CONFIGS, q, block_e)
+        grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+        _launch(_attn_bwd_dq)[grid](
+            q, k, v, grad_out, lse, delta, dq, mask.row_lo, mask.row_hi, mask.slopes,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *grad_out.stride(),
+            *dq.stride(),
+            _doc_stride(mask, seq_q),
+            mask.stride_sb, mask.stride_sh,
+            num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+            scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            REVERSE=mask.has_hi and not mask.has_lo,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **common,
+        )  # fmt: skip
     if seq_k > 0:
         cfg = _pick_config(DKDV_CONFIGS, q, block_e)
         grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
@@ -1454,25 +1500,6 @@ def attention_backward(
             num_stages=cfg.num_stages,
             **common,
         )  # fmt: skip
-
-    cfg = _pick_config(DQ_CONFIGS, q, block_e)
-    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
-    _launch(_attn_bwd_dq)[grid](
-        q, k, v, grad_out, lse, delta, dq, mask.row_lo, mask.row_hi, mask.slopes,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *grad_out.stride(),
-        *dq.stride(),
-        _doc_stride(mask, seq_q),
-        mask.stride_sb, mask.stride_sh,
-        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        REVERSE=mask.has_hi and not mask.has_lo,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **common,
-    )  # fmt: skip
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv
