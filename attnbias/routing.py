@@ -114,11 +114,15 @@ def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.de
         elif isinstance(part, SlidingWindowBias):
             tighten(*part.offsets(length_q, length_kv))
         elif isinstance(part, DocumentBias):
+            # One document bias passes its cached device tensors on unchanged, so the kernel
+            # can recognise them from call to call; the kernel broadcasts (1, L) against (B, S).
             new = part.ids_on(device)
-            rows = max(t.shape[0] for t in new + (docs or ()))  # 1 or B
-            new = (new[0].expand(rows, -1), new[1].expand(rows, -1))
             if docs is not None:
-                docs = _merge_docs((docs[0].expand(rows, -1), docs[1].expand(rows, -1)), new)
+                rows = max(t.shape[0] for t in new + docs)  # 1 or B
+                docs = _merge_docs(
+                    (docs[0].expand(rows, -1), docs[1].expand(rows, -1)),
+                    (new[0].expand(rows, -1), new[1].expand(rows, -1)),
+                )
             else:
                 docs = new
         elif isinstance(part, AlibiBias):

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
 
 __all__ = ["KernelConfig", "attention_backward", "attention_forward", "traceable_launches"]
@@ -1111,7 +1114,7 @@ DQ_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
     (9, 16, 2): _C(64, 128, 4, 3),
     (9, 32, 2): _C(64, 128, 4, 3),
     (9, 64, 2): _C(64, 128, 4, 3),
-    (9, 128, 2): _C(128, 64, 8, 3),
+    (9, 128, 2): _C(128, 64, 8, 4),
     (9, 256, 2): _C(128, 32, 8, 2),
     (0, 16, 2): _C(64, 32, 4, 2),
     (0, 32, 2): _C(64, 32, 4, 2),
@@ -1185,10 +1188,20 @@ def _launch(kernel: Any) -> Any:
     return wrap_triton(kernel)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+@dataclass(frozen=True)
+class _SideStream:
+    """A second stream of one device, and the two events that fork it off and join it back."""
+
+    stream: torch.cuda.Stream
+    forked: torch.cuda.Event  # recorded on the current stream, waited for by ``stream``
+    joined: torch.cuda.Event  # recorded on ``stream``, waited for by the current stream
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+# Per thread, since the events are re-recorded on every call.
+_SIDE_STREAMS = threading.local()
+
+
+def _side_stream(device: torch.device) -> _SideStream | None:
     """A second stream of ``device`` for launches that may overlap the current stream's.
 
     ``None`` (launch everything in order on the current stream) for traced launches, the
@@ -1196,9 +1209,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """
     if device.type != "cuda" or _interpreting() or _TRACEABLE_LAUNCH.get():
         return None
-    side = _SIDE_STREAMS.get(device)
+    streams: dict[torch.device, _SideStream] = _SIDE_STREAMS.__dict__.setdefault("streams", {})
+    side = streams.get(device)
     if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side = streams[device] = _SideStream(
+            torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event()
+        )
     return side
 
 
@@ -1235,6 +1251,50 @@ def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
+@dataclass
+class _DocRanges:
+    """Per query row and per key column, the range of positions of its document on the other
+    side; ``None`` where not computed. ``source`` identifies the ids they were computed from."""
+
+    source: tuple[Any, ...]
+    row_lo: Tensor | None = None  # (Bd, L) int32: first key of each query row's document
+    row_hi: Tensor | None = None  # (Bd, L) int32: one past its last key
+    col_lo: Tensor | None = None  # (Bd, S) int32: first query of each key column's document
+    col_hi: Tensor | None = None  # (Bd, S) int32: one past its last query
+    per_batch: bool = False  # False when one row of ids is shared by the whole batch
+
+
+# Eager calls with one bias pass the same id tensors every time (the biases keep their ids on
+# the device), so the ranges are computed once per pair of id tensors, not on every call; they
+# are dropped with the query ids, and recomputed if either tensor was modified in place.
+_DOC_RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -> _DocRanges:
+    cacheable = not (_TRACEABLE_LAUNCH.get() or torch.compiler.is_compiling())
+    source = (weakref.ref(kv_doc), q_doc._version, kv_doc._version) if cacheable else ()
+    found = _DOC_RANGES.get(q_doc) if cacheable else None
+    if found is not None and found.source[0]() is kv_doc and found.source[1:] == source[1:]:
+        ranges: _DocRanges = found
+    else:
+        ranges = _DocRanges(source)
+        if cacheable:
+            _DOC_RANGES[q_doc] = ranges
+            rows = cols = True  # both sides at once: the backward needs them all
+    if (rows and ranges.row_lo is None) or (cols and ranges.col_lo is None):
+        q_ids = q_doc if q_doc.dim() == 2 else q_doc.unsqueeze(0)
+        kv_ids = kv_doc if kv_doc.dim() == 2 else kv_doc.unsqueeze(0)
+        nb = max(q_ids.shape[0], kv_ids.shape[0])
+        q_ids = q_ids.to(torch.int64).expand(nb, q_ids.shape[1]).contiguous()
+        kv_ids = kv_ids.to(torch.int64).expand(nb, kv_ids.shape[1]).contiguous()
+        ranges.per_batch = nb > 1
+        if rows and ranges.row_lo is None:
+            ranges.row_lo, ranges.row_hi = _doc_ranges(kv_ids, q_ids)
+        if cols and ranges.col_lo is None:
+            ranges.col_lo, ranges.col_hi = _doc_ranges(q_ids, kv_ids)
+    return ranges
+
+
 def _mask_args(
     q: Tensor,
     k: Tensor,
@@ -1260,16 +1320,9 @@ def _mask_args(
     row_lo = row_hi = col_lo = col_hi = None
     docs_per_batch = False
     if q_doc is not None and kv_doc is not None:
-        q_ids = q_doc if q_doc.dim() == 2 else q_doc.unsqueeze(0)
-        kv_ids = kv_doc if kv_doc.dim() == 2 else kv_doc.unsqueeze(0)
-        nb = max(q_ids.shape[0], kv_ids.shape[0])
-        q_ids = q_ids.to(torch.int64).expand(nb, seq_q).contiguous()
-        kv_ids = kv_ids.to(torch.int64).expand(nb, seq_k).contiguous()
-        if rows:
-            row_lo, row_hi = _doc_ranges(kv_ids, q_ids)
-        if cols:
-            col_lo, col_hi = _doc_ranges(q_ids, kv_ids)
-        docs_per_batch = nb > 1
+        docs = _document_ranges(q_doc, kv_doc, rows=rows, cols=cols)
+        row_lo, row_hi, col_lo, col_hi = docs.row_lo, docs.row_hi, docs.col_lo, docs.col_hi
+        docs_per_batch = docs.per_batch
 
     slopes = None
     stride_sb = stride_sh = 0
@@ -1455,9 +1508,12 @@ def attention_backward(
     # queued so far and the current stream waits for it before returning, so to the caller the
     # backward is in order on the current stream (no record_stream needed).
     side = _side_stream(q.device)
+    main = torch.cuda.current_stream(q.device) if side is not None else None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        side.forked.record(main)
+        side.stream.wait_event(side.forked)
+        torch.cuda.set_stream(side.stream)
+    try:
         cfg = _pick_config(DQ_CONFIGS, q, block_e)
         grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
         _launch(_attn_bwd_dq)[grid](
@@ -1478,6 +1534,9 @@ def attention_backward(
             num_stages=cfg.num_stages,
             **common,
         )  # fmt: skip
+    finally:
+        if main is not None:
+            torch.cuda.set_stream(main)
     if seq_k > 0:
         cfg = _pick_config(DKDV_CONFIGS, q, block_e)
         grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
@@ -1500,6 +1559,7 @@ def attention_backward(
             num_stages=cfg.num_stages,
             **common,
         )  # fmt: skip
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    if side is not None and main is not None:
+        side.joined.record(side.stream)
+        main.wait_event(side.joined)
     return dq, dk, dv

@@ -292,6 +292,30 @@ def test_documents(doc_batch: int, causal: bool) -> None:
     check(q, k, v, mask)
 
 
+def test_document_ranges_are_reused_and_follow_in_place_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    real_searchsorted = torch.searchsorted
+
+    def counting(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(1)
+        return real_searchsorted(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "searchsorted", counting)
+    q_doc = docs_from_seqlens([10, 20, 18])[None]
+    kv_doc = docs_from_seqlens([25, 5, 18])[None]
+    q, k, v = make_qkv(1, 2, 2, 48, 48, 16, FP32)
+    mask = Mask(0.25, band_hi=0, q_doc=q_doc, kv_doc=kv_doc)
+    check(q, k, v, mask)
+    assert len(calls) == 4, "one forward computes the row and the column ranges"
+    check(q, k, v, mask)
+    assert len(calls) == 4, "the same id tensors reuse their ranges"
+    q_doc.copy_(docs_from_seqlens([30, 2, 16])[None])  # same tensor, new documents
+    check(q, k, v, mask)  # the oracle reads the new ids
+    assert len(calls) == 8
+
+
 @pytest.mark.parametrize("slope_batch", [1, 2])
 @pytest.mark.parametrize("band", ["none", "causal_lower_right"])
 def test_alibi(slope_batch: int, band: str) -> None:
