@@ -754,13 +754,15 @@ def targets(infos: list[CaseRun], rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def environment(cfg: Config) -> dict[str, str]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        # a copy of the tree without .git: the caller may say which commit it is
-        commit = os.environ.get("ATTNBIAS_COMMIT", "unknown")
+    # ATTNBIAS_COMMIT names the commit of a copied tree, whose .git (if any) may be stale
+    commit = os.environ.get("ATTNBIAS_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     try:
         import triton
 
