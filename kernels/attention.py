@@ -117,7 +117,8 @@ def _log2_scores(
     HAS_ALIBI: tl.constexpr,
     TANH_MODE: tl.constexpr,
 ):
-    """Base-2 scores from raw dot products; ``rel = i + (S - L) - j`` (read only for ALiBi).
+    """Base-2 scores from raw dot products; ``rel = i + (S - L) - j`` as fp32 (read only for
+    ALiBi; integers below 2^24 are exact in fp32, so it is the integer distance).
 
     Returns ``(s2, t)`` where ``t = tanh(scale * qk / cap)`` under a soft-cap (the backward
     pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then).
@@ -129,7 +130,7 @@ def _log2_scores(
         t = qk
         s = qk * qk_scale
     if HAS_ALIBI:
-        s = s - slope_log2 * tl.abs(rel).to(tl.float32)
+        s = s - slope_log2 * tl.abs(rel)
     return s, t
 
 
@@ -372,7 +373,8 @@ def _attn_fwd_inner(
         k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if not PLAIN:
-            rel = offs_m[:, None] + shift - offs_n[None, :]
+            # built from fp32 vectors: one add per score, no integer-to-float conversion
+            rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             qk, _t = _log2_scores(
                 qk,
                 rel,
@@ -654,7 +656,7 @@ def _attn_bwd_dkdv_inner(
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP or HAS_ALIBI:
-            relT = offs_m[None, :] + shift - offs_n[:, None]
+            relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
             sT, tT = _log2_scores(
                 qkT,
                 relT,
@@ -888,7 +890,7 @@ def _attn_bwd_dq_inner(
         v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP or HAS_ALIBI:
-            rel = offs_m[:, None] + shift - offs_n[None, :]
+            rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             s, t = _log2_scores(
                 qk,
                 rel,
