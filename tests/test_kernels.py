@@ -606,6 +606,33 @@ def test_gpu_bands_real_size(band: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("user_stream", [False, True])
+def test_gpu_backward_on_a_second_stream(
+    monkeypatch: pytest.MonkeyPatch, user_stream: bool
+) -> None:
+    """Long backwards run dQ on a second stream; force it at a test size, also when the
+    caller works on a stream of its own, and check every gradient and the stream order."""
+    import kernels.attention as attention_module
+
+    monkeypatch.setattr(attention_module, "_SIDE_STREAM_MIN_WORK", 0)
+    q_doc = torch.stack([docs_from_seqlens([300, 450, 250]), docs_from_seqlens([999, 0, 1])])
+    q, k, v = make_qkv(2, 8, 2, 1000, 1000, 128, BF16)
+    mask = Mask(scale_of(128), band_hi=0, q_doc=q_doc, kv_doc=q_doc, softcap=30.0)
+    stream = torch.cuda.Stream() if user_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        check(q, k, v, mask)
+        # the gradients are complete in stream order: scale them on the caller's stream now
+        out, lse = attention_forward(q, k, v, **mask.kwargs())
+        grads = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())
+        doubled = [2 * g.float() for g in grads]
+        again = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())
+    torch.cuda.current_stream().wait_stream(stream)
+    for twice, single in zip(doubled, again, strict=True):
+        torch.testing.assert_close(twice, 2 * single.float(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_compile_fullgraph() -> None:
     q, k, v = make_qkv(2, 8, 2, 1024, 1024, 128, BF16)
     doc = docs_from_seqlens([400, 624])[None]
