@@ -1203,23 +1203,30 @@ class _SideStream:
 _SIDE_STREAMS = threading.local()
 
 
-# Multiply-adds of q.k over the band (an upper bound of the kept work) from which the dQ
-# kernel runs on a second stream. Below it the overlap gains little and the second stream's
-# host-side cost can leave a short backward waiting on the host. On an H100, bf16, H=16,
-# E=128: forward + backward of packed documents + causal at B=4, S=4096 (2^36 here) took
-# 0.95 to 1.33 ms over four runs with the second stream and 0.99 ms in order; the backward
-# of ALiBi + causal at B=1, S=16384 (2^38) took 7.37 ms with it and 7.96 ms in order.
-_SIDE_STREAM_MIN_WORK = 2**37
+# Estimated multiply-adds of q.k (see _band_work) from which the dQ kernel runs on a second
+# stream. Below it the overlap gains little and the second stream's host-side cost can leave
+# a short backward waiting on the host. On an H100, bf16, H=16, E=128, the backward took
+# (second stream / in order, two runs each): sliding window 1024 at B=4, S=4096 (2^35)
+# 1.06, 1.08 / 1.09, 1.12 ms; ALiBi + causal at B=4, S=4096 (2^36) 2.10, 2.13 / 2.19,
+# 2.22 ms; ALiBi + causal at B=1, S=16384 (2^38) 7.37 / 7.96 ms. Forward + backward of
+# packed documents + causal at B=4, S=4096 (2^34 with the documents' discount) took 0.95 to
+# 1.33 ms over four runs with the second stream and 0.99 ms in order.
+_SIDE_STREAM_MIN_WORK = 2**35
 
 
-def _band_work(batch: int, heads: int, head_dim: int, seq_q: int, seq_k: int, mask: Any) -> int:
-    """``B * Hq * E`` times an upper bound of the pairs the band keeps (documents ignored)."""
+def _band_work(
+    batch: int, heads: int, head_dim: int, seq_q: int, seq_k: int, mask: _MaskArgs
+) -> int:
+    """``B * Hq * E`` times the pairs the band keeps (an upper bound), a quarter of that with
+    documents, which keep a fraction of the band that the host cannot see without a sync."""
     if mask.has_lo and mask.has_hi:
         pairs = seq_q * min(seq_k, max(0, mask.band_hi - mask.band_lo + 1))
     elif mask.has_lo or mask.has_hi:
         pairs = seq_q * seq_k // 2 + min(seq_q, seq_k)
     else:
         pairs = seq_q * seq_k
+    if mask.row_lo is not None or mask.col_lo is not None:
+        pairs //= 4
     return batch * heads * head_dim * pairs
 
 
