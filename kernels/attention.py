@@ -1204,13 +1204,14 @@ _SIDE_STREAMS = threading.local()
 
 
 # Estimated multiply-adds of q.k (see _band_work) from which the dQ kernel runs on a second
-# stream. Below it the overlap gains little and the second stream's host-side cost can leave
-# a short backward waiting on the host. On an H100, bf16, H=16, E=128, the backward took
-# (second stream / in order, two runs each): sliding window 1024 at B=4, S=4096 (2^35)
-# 1.06, 1.08 / 1.09, 1.12 ms; ALiBi + causal at B=4, S=4096 (2^36) 2.10, 2.13 / 2.19,
-# 2.22 ms; ALiBi + causal at B=1, S=16384 (2^38) 7.37 / 7.96 ms. Forward + backward of
-# packed documents + causal at B=4, S=4096 (2^34 with the documents' discount) took 0.95 to
-# 1.33 ms over four runs with the second stream and 0.99 ms in order.
+# stream. Below it the overlap has nothing measurable to gain and the second stream only adds
+# host work to a backward that may already wait on the host. On an H100, bf16, H=16, E=128,
+# the backward took (second stream / in order, two runs each): sliding window 1024 at B=4,
+# S=4096 (2^35) 1.06, 1.08 / 1.09, 1.12 ms; ALiBi + causal at B=4, S=4096 (2^36) 2.10,
+# 2.13 / 2.19, 2.22 ms; ALiBi + causal at B=1, S=16384 (2^38) 7.37 / 7.96 ms. Packed
+# documents + causal at B=4, S=4096 (2^34 with the documents' discount) is short enough to
+# wait on the host either way: its forward + backward took 0.95 to 1.33 ms over four runs
+# with the second stream and 0.99 to 1.33 ms over six in order.
 _SIDE_STREAM_MIN_WORK = 2**35
 
 
