@@ -11,6 +11,7 @@ chooses where the call runs and why, so that :func:`attnbias.sdpa` and
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -190,6 +191,7 @@ def _kernel_obstacle(
     return None
 
 
+@functools.cache
 def _triton_installed() -> bool:
     import importlib.util
 

@@ -24,5 +24,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _MODULE_OF:
-        return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        globals()[name] = value  # later lookups find it without this hook
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

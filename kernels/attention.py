@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import threading
 import weakref
@@ -1142,7 +1143,12 @@ def _interpreting() -> bool:
 def _arch(device: torch.device) -> int:
     if device.type != "cuda" or torch.version.hip is not None:
         return 0
-    major, _ = torch.cuda.get_device_capability(device)
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_arch(index: int) -> int:
+    major, _ = torch.cuda.get_device_capability(index)
     return 9 if major >= 9 else 0
 
 
@@ -1395,7 +1401,7 @@ def _doc_stride(mask: _MaskArgs, length: int) -> int:
 
 
 def _block_e(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, 1 << (head_dim - 1).bit_length())  # the next power of two
 
 
 def attention_forward(
