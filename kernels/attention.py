@@ -1221,15 +1221,26 @@ _SIDE_STREAMS = threading.local()
 _SIDE_STREAM_MIN_WORK = 2**35
 
 
+def _clamped_ramp_sum(first: int, count: int, cap: int) -> int:
+    """``sum(min(cap, max(0, first + t)) for t in range(count))`` in closed form."""
+    rising = max(0, min(count, -first))  # terms below 0 count 0
+    flat = max(rising, min(count, cap - first))  # terms from here on count cap
+    ramp = (flat - rising) * (2 * first + rising + flat - 1) // 2
+    return ramp + cap * (count - flat)
+
+
 def _band_work(
     batch: int, heads: int, head_dim: int, seq_q: int, seq_k: int, mask: _MaskArgs
 ) -> int:
-    """``B * Hq * E`` times the pairs the band keeps (an upper bound), a quarter of that with
-    documents, which keep a fraction of the band that the host cannot see without a sync."""
+    """``B * Hq * E`` times the pairs the band keeps (exact for a band open on one side, an
+    upper bound otherwise), a quarter of that with documents, which keep a fraction of the
+    band that the host cannot see without a sync."""
     if mask.has_lo and mask.has_hi:
         pairs = seq_q * min(seq_k, max(0, mask.band_hi - mask.band_lo + 1))
-    elif mask.has_lo or mask.has_hi:
-        pairs = seq_q * seq_k // 2 + min(seq_q, seq_k)
+    elif mask.has_hi:  # row i keeps keys [0, i + band_hi]
+        pairs = _clamped_ramp_sum(mask.band_hi + 1, seq_q, seq_k)
+    elif mask.has_lo:  # row i keeps keys [i + band_lo, S)
+        pairs = _clamped_ramp_sum(seq_k - mask.band_lo - (seq_q - 1), seq_q, seq_k)
     else:
         pairs = seq_q * seq_k
     if mask.row_lo is not None or mask.col_lo is not None:
