@@ -3,11 +3,12 @@
 Error budget: inputs are drawn in the target dtype and copied to fp64 for the oracle; the
 kernel's largest error against the oracle must stay within twice the error that the same
 eager composition makes in the target dtype (plus one unit of that dtype's epsilon, relative
-to the largest reference value), for the output, the log-sum-exp and every gradient, plus
-fp32's epsilon times what the kernel's own fp32 rounding is relative to (``rounding_sizes``):
-probabilities recomputed as exp(s - lse) carry eps * (|s| + |lse|), which eager softmax
-avoids, and dQ / dK keep the rounding of terms that cancel (with one key per row the exact
-dK is 0, and eager PyTorch happens to cancel exactly).
+to the largest reference value), for the output, the log-sum-exp and every gradient. The
+floor also covers what the kernel's own rounding is relative to (``rounding_sizes``): the
+size of the terms of each product whose operands it rounds to the inputs' dtype (they can
+exceed the result where they cancel), probabilities recomputed as exp(s - lse), which carry
+fp32's eps * (|s| + |lse|) that eager softmax avoids, and the terms that cancel in dP - delta
+(with one key per row the exact dK is 0, and eager PyTorch happens to cancel exactly).
 
 Without CUDA the kernels run under Triton's interpreter (``conftest.py`` sets it), with
 16x16 tiles, so the shapes here are small but span several partial and full blocks.
@@ -114,38 +115,48 @@ def reference(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tens
 @torch.no_grad()
 def rounding_sizes(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, mask: Mask
-) -> dict[str, float]:
-    """What fp32 rounding inside a flash-attention kernel is relative to, per result (fp64
-    inputs); the error floor of each result is fp32's epsilon times its size here.
+) -> tuple[dict[str, float], dict[str, float]]:
+    """What a flash-attention kernel's rounding is relative to, per result (fp64 inputs):
+    ``(in_dtype, in_fp32)``, to be multiplied by the epsilon of the inputs' dtype and of fp32.
 
-    * The kernel recomputes ``P = exp(s - lse)`` from a stored log-sum-exp: rounding ``s`` or
-      ``lse`` moves ``p`` by about ``p * eps * (|s| + |lse|)``, large when the scores are (a
-      steep ALiBi slope, say), while eager softmax only rounds ``s - max``. ``O = P V`` and
-      ``dV = P^T dO`` inherit that as ``(P (|s| + |lse|)) @ |V|`` and ``... ^T @ |dO|``.
-    * ``dQ`` and ``dK`` are ``scale * dS @ (K or Q)`` with ``dS = P * (dP - delta)``,
-      ``dP = dO V^T``, ``delta = rowsum(dO * O)``. Where ``dP`` and ``delta`` cancel (one key
-      per row makes dK exactly 0) a float result keeps only the rounding of those terms, and
-      ``P``'s own error multiplies them: ``scale * (P (1 + |s| + |lse|) (|dO| |V|^T +
-      rowsum(|dO| |O|))) @ |K or Q|``.
+    * in the inputs' dtype: the kernel rounds ``P`` and ``dS = P * (dP - delta)`` to it before
+      the products ``P V``, ``P^T dO``, ``dS K``, ``dS^T Q``, so each result is off by eps
+      times the size of its terms, ``|P| |V|`` and so on, which can exceed the result itself
+      where the terms cancel;
+    * in fp32: the kernel recomputes ``P = exp(s - lse)`` from a stored log-sum-exp, so
+      rounding ``s`` or ``lse`` moves ``p`` by about ``p * eps * (|s| + |lse|)`` (large with a
+      steep ALiBi slope), which eager softmax avoids by rounding only ``s - max``; and
+      ``dP - delta`` keeps the rounding of the terms that cancel in it (with one key per row
+      the exact dK is 0): ``(P (1 + |s| + |lse|) (|dO| |V|^T + rowsum(|dO| |O|)))``, carried
+      through the same products.
     """
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
     s, empty = scores(q, k, mask)
     p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    names = ("out", "dq", "dk", "dv")
     if p.numel() == 0:
-        return {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+        return dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+
+    def through_products(p_like: Tensor, ds_like: Tensor) -> dict[str, float]:
+        """The four products' term sizes, from sizes standing in for ``P`` and ``dS``."""
+        return {
+            "out": (p_like @ v.abs()).amax().item(),
+            "dv": (p_like.transpose(-1, -2) @ grad_out.abs()).amax().item(),
+            "dq": mask.scale * (ds_like @ k.abs()).amax().item(),
+            "dk": mask.scale * (ds_like.transpose(-1, -2) @ q.abs()).amax().item(),
+        }
+
+    dp = grad_out @ v.transpose(-1, -2)
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    in_dtype = through_products(p, (p * (dp - delta)).abs())
     exponent = s.abs().nan_to_num(posinf=0.0) + lse.nan_to_num(neginf=0.0).abs()[..., None]
     p_error = p * exponent
-    gradient_terms = (p + p_error) * (
+    cancelling = (p + p_error) * (
         grad_out.abs() @ v.abs().transpose(-1, -2)
         + (grad_out.abs() * out.abs()).sum(-1, keepdim=True)
     )
-    return {
-        "out": (p_error @ v.abs()).amax().item(),
-        "dv": (p_error.transpose(-1, -2) @ grad_out.abs()).amax().item(),
-        "dq": mask.scale * (gradient_terms @ k.abs()).amax().item(),
-        "dk": mask.scale * (gradient_terms.transpose(-1, -2) @ q.abs()).amax().item(),
-    }
+    return in_dtype, through_products(p_error, cancelling)
 
 
 def make_qkv(
@@ -176,17 +187,22 @@ def max_error(got: Tensor, ref: Tensor) -> float:
 
 
 def assert_within_budget(
-    name: str, got: Tensor, oracle: Tensor, eager: Tensor, rounding: float = 0.0
+    name: str,
+    got: Tensor,
+    oracle: Tensor,
+    eager: Tensor,
+    rounding: tuple[float, float] = (0.0, 0.0),
 ) -> None:
-    """``got`` within 2x the eager error, plus eps of its dtype times the larger of 1 and the
-    oracle's largest value, plus fp32's eps times ``rounding`` (see rounding_sizes)."""
+    """``got`` within 2x the eager error, plus eps of its dtype times the largest of 1, the
+    oracle's largest value and ``rounding[0]``, plus fp32's eps times ``rounding[1]`` (see
+    rounding_sizes)."""
     assert got.shape == oracle.shape, f"{name}: shape {tuple(got.shape)} != {tuple(oracle.shape)}"
     assert torch.isfinite(got).all(), f"{name}: non-finite values in the kernel's result"
     err = max_error(got, oracle)
     eager_err = max_error(eager, oracle)
-    magnitude = oracle.abs().max().item() if oracle.numel() else 0.0
+    magnitude = max(oracle.abs().max().item() if oracle.numel() else 0.0, rounding[0])
     floor = torch.finfo(eager.dtype).eps * max(1.0, magnitude)
-    floor += torch.finfo(torch.float32).eps * rounding
+    floor += torch.finfo(torch.float32).eps * rounding[1]
     assert err <= 2 * eager_err + floor, (
         f"{name}: kernel error {err:.3g} exceeds 2 x eager {eager.dtype} error {eager_err:.3g}"
         f" + {floor:.3g}"
@@ -216,10 +232,10 @@ def check(
     if grad_out is None:
         gen = torch.Generator().manual_seed(seed)
         grad_out = torch.randn(out.shape, generator=gen).to(device=DEVICE, dtype=q.dtype)
-    rounding = rounding_sizes(
+    in_dtype, in_fp32 = rounding_sizes(
         q64, k64, v64, out64.detach(), lse64.detach(), grad_out.double(), mask
     )
-    assert_within_budget("out", out, out64, out_e, rounding["out"])
+    assert_within_budget("out", out, out64, out_e, (in_dtype["out"], in_fp32["out"]))
     assert torch.equal(torch.isinf(lse), torch.isinf(lse64)), "lse: -inf rows differ"
     finite = torch.isfinite(lse64)
     assert_within_budget("lse", lse[finite], lse64[finite], lse_e[finite])
@@ -234,7 +250,7 @@ def check(
         ("dq", "dk", "dv"), (dq, dk, dv), g64, g_e, (q, k, v), strict=True
     ):
         assert got.dtype == like.dtype and got.shape == like.shape
-        assert_within_budget(name, got, ref64, ref_e, rounding[name])
+        assert_within_budget(name, got, ref64, ref_e, (in_dtype[name], in_fp32[name]))
     return out, lse
 
 
