@@ -122,7 +122,8 @@ def rounding_sizes(
     * in the inputs' dtype: the kernel rounds ``P`` and ``dS = P * (dP - delta)`` to it before
       the products ``P V``, ``P^T dO``, ``dS K``, ``dS^T Q``, so each result is off by eps
       times the size of its terms, ``|P| |V|`` and so on, which can exceed the result itself
-      where the terms cancel;
+      where the terms cancel; and ``delta = rowsum(dO * O)`` reads the output as stored in
+      that dtype, which moves ``dS`` by ``P * rowsum(|dO| |O|)`` times eps;
     * in fp32: the kernel recomputes ``P = exp(s - lse)`` from a stored log-sum-exp, so
       rounding ``s`` or ``lse`` moves ``p`` by about ``p * eps * (|s| + |lse|)`` (large with a
       steep ALiBi slope), which eager softmax avoids by rounding only ``s - max``; and
@@ -149,7 +150,9 @@ def rounding_sizes(
 
     dp = grad_out @ v.transpose(-1, -2)
     delta = (grad_out * out).sum(-1, keepdim=True)
-    in_dtype = through_products(p, (p * (dp - delta)).abs())
+    # delta is read from the output as stored, rounded to the inputs' dtype
+    delta_terms = (grad_out.abs() * out.abs()).sum(-1, keepdim=True)
+    in_dtype = through_products(p, (p * (dp - delta)).abs() + p * delta_terms)
     exponent = s.abs().nan_to_num(posinf=0.0) + lse.nan_to_num(neginf=0.0).abs()[..., None]
     p_error = p * exponent
     cancelling = (p + p_error) * (
