@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -615,6 +615,33 @@ def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Ma
     return shape, dtype, mask, draw(st.integers(0, 2**16))
 
 
+def _ids(*rows: list[int]) -> Tensor:
+    return torch.tensor(rows, device=DEVICE)
+
+
+# Examples that random draws once found beyond the budget, before the budget covered the
+# kernel's own rounding (see rounding_sizes): one key per row, fp32 (dK is exactly 0); a
+# steep ALiBi slope in fp32 (P from exp(s - lse)); one query keeping two keys, bf16 (delta
+# from the stored output).
+@example(((1, 1, 1, 1, 1, 16), FP32, Mask(0.25), 0))
+@example(
+    (
+        (2, 4, 2, 47, 36, 32),
+        FP32,
+        Mask(
+            32**-0.5,
+            q_doc=_ids(
+                [0] * 25 + [1] * 2 + [2] * 6 + [3] * 14, [0] * 12 + [1] * 2 + [2] * 5 + [3] * 28
+            ),
+            kv_doc=_ids([0] * 8 + [1] * 23 + [2] * 5, [0] * 13 + [1] * 4 + [2] * 11 + [3] * 8),
+            alibi_slopes=torch.tensor([[0.0, 0.5534, 0.6696, 0.0], [0.0, 0.8523, 0.4236, 0.0]]).to(
+                DEVICE
+            ),
+        ),
+        1,
+    )
+)
+@example(((1, 2, 2, 1, 4, 16), BF16, Mask(0.25, q_doc=_ids([1]), kv_doc=_ids([0, 0, 1, 1])), 5071))
 @given(attention_configs())
 def test_property(config: tuple[tuple[int, ...], torch.dtype, Mask, int]) -> None:
     shape, dtype, mask, seed = config
