@@ -1303,14 +1303,23 @@ def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
 @dataclass
 class _DocRanges:
     """Per query row and per key column, the range of positions of its document on the other
-    side; ``None`` where not computed. ``source`` identifies the ids they were computed from."""
+    side; ``None`` where not computed."""
 
-    source: tuple[Any, ...]
+    kv_doc: weakref.ref[Tensor] | None = None  # the key ids they were computed with, if cached
+    versions: tuple[int, int] = (0, 0)  # the query and key ids' version counters at that time
     row_lo: Tensor | None = None  # (Bd, L) int32: first key of each query row's document
     row_hi: Tensor | None = None  # (Bd, L) int32: one past its last key
     col_lo: Tensor | None = None  # (Bd, S) int32: first query of each key column's document
     col_hi: Tensor | None = None  # (Bd, S) int32: one past its last query
     per_batch: bool = False  # False when one row of ids is shared by the whole batch
+
+    def computed_from(self, q_doc: Tensor, kv_doc: Tensor) -> bool:
+        """Whether these ranges belong to ``q_doc``/``kv_doc`` as they are now."""
+        return (
+            self.kv_doc is not None
+            and self.kv_doc() is kv_doc
+            and self.versions == (q_doc._version, kv_doc._version)
+        )
 
 
 # Eager calls with one bias pass the same id tensors every time (the biases keep their ids on
@@ -1321,15 +1330,15 @@ _DOC_RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -> _DocRanges:
     cacheable = not (_TRACEABLE_LAUNCH.get() or torch.compiler.is_compiling())
-    source = (weakref.ref(kv_doc), q_doc._version, kv_doc._version) if cacheable else ()
-    found = _DOC_RANGES.get(q_doc) if cacheable else None
-    if found is not None and found.source[0]() is kv_doc and found.source[1:] == source[1:]:
-        ranges: _DocRanges = found
+    found: _DocRanges | None = _DOC_RANGES.get(q_doc) if cacheable else None
+    if found is not None and found.computed_from(q_doc, kv_doc):
+        ranges = found
+    elif cacheable:
+        ranges = _DocRanges(weakref.ref(kv_doc), (q_doc._version, kv_doc._version))
+        _DOC_RANGES[q_doc] = ranges
+        rows = cols = True  # both sides at once: the backward needs them all
     else:
-        ranges = _DocRanges(source)
-        if cacheable:
-            _DOC_RANGES[q_doc] = ranges
-            rows = cols = True  # both sides at once: the backward needs them all
+        ranges = _DocRanges()
     if (rows and ranges.row_lo is None) or (cols and ranges.col_lo is None):
         q_ids = q_doc if q_doc.dim() == 2 else q_doc.unsqueeze(0)
         kv_ids = kv_doc if kv_doc.dim() == 2 else kv_doc.unsqueeze(0)
