@@ -110,29 +110,55 @@ def _tanh(x, TANH_MODE: tl.constexpr):
 def _log2_scores(
     qk,
     rel,
+    offset,
     qk_scale,
     softcap_in,
     softcap_out,
-    slope_log2,
+    alibi_coef,
+    HAS_OFFSET: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr,
 ):
-    """Base-2 scores from raw dot products; ``rel = i + (S - L) - j`` as fp32 (read only for
-    ALiBi; integers below 2^24 are exact in fp32, so it is the integer distance).
+    """Base-2 scores from raw dot products, minus ``offset`` (a broadcast row or column of
+    base-2 log-sum-exps) when ``HAS_OFFSET``.
+
+    ``rel = i + (S - L) - j`` as fp32 is read only for ALiBi (integers below 2^24 are exact
+    in fp32, so it is the integer distance), whose term is ``alibi_coef * |rel|``, or
+    ``alibi_coef * rel`` when every kept pair has ``rel`` of the sign ``ALIBI_SIGN`` (+1 or
+    -1; 0 when unknown), with ``alibi_coef`` = ``-slope * log2(e)`` times that sign (-1 for 0).
 
     Returns ``(s2, t)`` where ``t = tanh(scale * qk / cap)`` under a soft-cap (the backward
-    pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then).
+    pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then). The terms are summed
+    so that each step is one FMA.
     """
+    if HAS_ALIBI:
+        dist = tl.abs(rel) if ALIBI_SIGN == 0 else rel
+        extra = dist * alibi_coef - offset if HAS_OFFSET else dist * alibi_coef
+    elif HAS_OFFSET:
+        extra = -offset
+    else:
+        extra = 0.0
     if HAS_SOFTCAP:
         t = _tanh(qk * softcap_in, TANH_MODE)
-        s = t * softcap_out
+        s = t * softcap_out + extra
     else:
         t = qk
-        s = qk * qk_scale
-    if HAS_ALIBI:
-        s = s - slope_log2 * tl.abs(rel)
+        s = qk * qk_scale + extra
     return s, t
+
+
+@triton.jit
+def _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI: tl.constexpr,
+                ALIBI_SIGN: tl.constexpr):  # fmt: skip
+    """The factor of the ALiBi distance in base-2 scores (see ``_log2_scores``)."""
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh)
+        coef = slope * (1.4426950408889634 if ALIBI_SIGN < 0 else -1.4426950408889634)
+    else:
+        coef = 0.0
+    return coef
 
 
 @triton.jit
@@ -344,10 +370,11 @@ def _attn_fwd_inner(
     qk_scale,
     softcap_in,
     softcap_out,
-    slope_log2,
+    alibi_coef,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -377,16 +404,9 @@ def _attn_fwd_inner(
             # built from fp32 vectors: one add per score, no integer-to-float conversion
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             qk, _t = _log2_scores(
-                qk,
-                rel,
-                qk_scale,
-                softcap_in,
-                softcap_out,
-                slope_log2,
-                HAS_SOFTCAP,
-                HAS_ALIBI,
-                TANH_MODE,
-            )
+                qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
+                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
         if MASKED:
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
             qk = tl.where(keep, qk, float("-inf"))
@@ -448,6 +468,7 @@ def _attn_fwd(
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -489,10 +510,7 @@ def _attn_fwd(
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
     )
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
-    else:
-        slope_log2 = 0.0
+    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -502,20 +520,23 @@ def _attn_fwd(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -615,10 +636,11 @@ def _attn_bwd_dkdv_inner(
     qk_scale,
     softcap_in,
     softcap_out,
-    slope_log2,
+    alibi_coef,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -659,17 +681,10 @@ def _attn_bwd_dkdv_inner(
         if HAS_SOFTCAP or HAS_ALIBI:
             relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
             sT, tT = _log2_scores(
-                qkT,
-                relT,
-                qk_scale,
-                softcap_in,
-                softcap_out,
-                slope_log2,
-                HAS_SOFTCAP,
-                HAS_ALIBI,
-                TANH_MODE,
-            )
-            pT = tl.math.exp2(sT - lse2[None, :])
+                qkT, relT, lse2[None, :], qk_scale, softcap_in, softcap_out, alibi_coef,
+                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            pT = tl.math.exp2(sT)
         else:
             tT = qkT
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
@@ -728,6 +743,7 @@ def _attn_bwd_dkdv(
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -788,32 +804,30 @@ def _attn_bwd_dkdv(
         do_head = DO + off_b * stride_dob + off_h * stride_doh
         lse_head = Lse + (off_b * num_heads + off_h) * seq_q
         delta_head = Delta + (off_b * num_heads + off_h) * seq_q
-        if HAS_ALIBI:
-            slope_log2 = (
-                tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
-            )
-        else:
-            slope_log2 = 0.0
+        alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, slope_log2,
-            True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, slope_log2,
-            False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, slope_log2,
-            True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
 
     dk *= sm_scale
@@ -861,10 +875,11 @@ def _attn_bwd_dq_inner(
     qk_scale,
     softcap_in,
     softcap_out,
-    slope_log2,
+    alibi_coef,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -893,17 +908,10 @@ def _attn_bwd_dq_inner(
         if HAS_SOFTCAP or HAS_ALIBI:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             s, t = _log2_scores(
-                qk,
-                rel,
-                qk_scale,
-                softcap_in,
-                softcap_out,
-                slope_log2,
-                HAS_SOFTCAP,
-                HAS_ALIBI,
-                TANH_MODE,
-            )
-            p = tl.math.exp2(s - lse2[:, None])
+                qk, rel, lse2[:, None], qk_scale, softcap_in, softcap_out, alibi_coef,
+                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            p = tl.math.exp2(s)
         else:
             t = qk
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -926,8 +934,10 @@ def _attn_bwd_dq(
     Q,
     K,
     V,
+    Out,
     DO,
     Lse,
+    DLse,
     Delta,
     DQ,
     RowLo,
@@ -936,6 +946,7 @@ def _attn_bwd_dq(
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_ob, stride_oh, stride_om, stride_ok,
     stride_dob, stride_doh, stride_dom, stride_dok,
     stride_dqb, stride_dqh, stride_dqm, stride_dqk,
     stride_db,
@@ -958,12 +969,19 @@ def _attn_bwd_dq(
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
-    """``dQ`` of one query tile of one query head."""
+    """``dQ`` of one query tile of one query head.
+
+    Computes the tile's ``delta = rowsum(dO * O) - dLse`` itself, and stores it for the dK/dV
+    kernel when ``STORE_DELTA`` (then that kernel must run after this one).
+    """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
@@ -999,10 +1017,23 @@ def _attn_bwd_dq(
     )
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     do = _load_tile(do_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    o_ptrs = (
+        Out
+        + off_b * stride_ob
+        + off_h.to(tl.int64) * stride_oh
+        + start_m.to(tl.int64) * stride_om
+        + tl.arange(0, BLOCK_M)[:, None] * stride_om
+        + offs_e[None, :] * stride_ok
+    )
+    o = _load_tile(o_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     in_rows = offs_m < seq_q
     row_ptrs = (off_b * num_heads + off_h) * seq_q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
+    if STORE_DELTA:
+        tl.store(Delta + row_ptrs, delta, mask=in_rows)
     lse = tl.load(Lse + row_ptrs, mask=in_rows, other=float("inf"))  # [BLOCK_M]
-    delta = tl.load(Delta + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
@@ -1015,30 +1046,30 @@ def _attn_bwd_dq(
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
     )
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh) * 1.4426950408889634
-    else:
-        slope_log2 = 0.0
+    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        False, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
-        qk_scale, softcap_in, softcap_out, slope_log2,
-        True, HAS_SOFTCAP, HAS_ALIBI, TANH_MODE, HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
     dq *= sm_scale
@@ -1286,6 +1317,7 @@ class _MaskArgs:
     col_hi: Tensor | None  # (Bd, S) int32: one past its last query
     docs_per_batch: bool  # False when one row of ids is shared by the whole batch
     slopes: Tensor | None
+    alibi_sign: int  # +1 (-1): every kept pair has i + (S - L) - j >= 0 (<= 0); 0 unknown
     stride_sb: int
     stride_sh: int
     qk_scale: float
@@ -1392,6 +1424,16 @@ def _mask_args(
             stride_sb = 0 if slopes.shape[0] == 1 else slopes.stride(0)
             stride_sh = slopes.stride(1)
 
+    # The ALiBi distance i + (S - L) - j = (S - L) - (j - i) has one sign over the band when
+    # the band lies on one side of j - i = S - L (causal attention does); its |.| is then
+    # the distance or its negation, which saves an instruction per score.
+    shift = seq_k - seq_q
+    alibi_sign = 0
+    if has_hi and hi <= shift:
+        alibi_sign = 1
+    elif has_lo and lo >= shift:
+        alibi_sign = -1
+
     if softcap is not None:
         softcap_in, softcap_out = scale / softcap, softcap * LOG2E
     else:
@@ -1407,6 +1449,7 @@ def _mask_args(
         col_hi=col_hi,
         docs_per_batch=docs_per_batch,
         slopes=slopes,
+        alibi_sign=alibi_sign,
         stride_sb=stride_sb,
         stride_sh=stride_sh,
         qk_scale=scale * LOG2E,
@@ -1486,6 +1529,7 @@ def attention_forward(
         HAS_HI=mask.has_hi,
         HAS_DOCS=mask.row_lo is not None,
         HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
         HAS_SOFTCAP=softcap is not None,
         TANH_MODE=_tanh_mode(q),
         REVERSE=mask.has_hi and not mask.has_lo,
@@ -1494,6 +1538,23 @@ def attention_forward(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
+
+
+def _row_terms(out: Tensor, grad_out: Tensor, grad_lse: Tensor | None, delta: Tensor) -> None:
+    """Write ``delta = rowsum(dO * O) - dLse`` ``(B, H, L)`` fp32 (``grad_lse`` fp32 and
+    contiguous or ``None``; ``delta`` contiguous)."""
+    batch, num_heads, seq_q, head_dim = out.shape
+    block_m = INTERPRETER_CONFIG.block_m if _interpreting() else _PREPROCESS_BLOCK_M
+    _launch(_attn_bwd_preprocess)[(triton.cdiv(seq_q, block_m), num_heads, batch)](
+        out, grad_out, delta, grad_lse,
+        *out.stride(),
+        *grad_out.stride(),
+        num_heads, seq_q,
+        HEAD_DIM=head_dim,
+        BLOCK_E=_block_e(head_dim),
+        BLOCK_M=block_m,
+        HAS_DLSE=grad_lse is not None,
+    )  # fmt: skip
 
 
 def attention_backward(
@@ -1540,6 +1601,7 @@ def attention_backward(
         HAS_HI=mask.has_hi,
         HAS_DOCS=mask.row_lo is not None,
         HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
         HAS_SOFTCAP=softcap is not None,
         TANH_MODE=_tanh_mode(q),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -1548,38 +1610,32 @@ def attention_backward(
     delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    pre_block_m = INTERPRETER_CONFIG.block_m if _interpreting() else _PREPROCESS_BLOCK_M
-    _launch(_attn_bwd_preprocess)[(triton.cdiv(seq_q, pre_block_m), num_heads, batch)](
-        out, grad_out, delta, grad_lse,
-        *out.stride(),
-        *grad_out.stride(),
-        num_heads, seq_q,
-        HEAD_DIM=head_dim,
-        BLOCK_E=block_e,
-        BLOCK_M=pre_block_m,
-        HAS_DLSE=grad_lse is not None,
-    )  # fmt: skip
 
-    # dK/dV and dQ read the same inputs and write disjoint outputs: in eager mode a long dQ
-    # kernel runs on a second stream beside the dK/dV kernel, so the dK/dV kernel's programs
-    # fill the SMs that the dQ kernel's last wave leaves idle. The second stream starts after
-    # everything queued so far and the current stream waits for it before returning, so to the
-    # caller the backward is in order on the current stream (no record_stream needed).
+    # dK/dV and dQ read the same inputs and write disjoint outputs. In order, the dQ kernel
+    # goes first and also stores the row terms ``delta`` that the dK/dV kernel reads. In
+    # eager mode a long dQ kernel instead runs on a second stream beside a small kernel that
+    # computes ``delta`` and then the dK/dV kernel, so each kernel's programs fill the SMs
+    # that the other's last wave leaves idle. The second stream starts after everything
+    # queued so far and the current stream waits for it before returning, so to the caller
+    # the backward is in order on the current stream (no record_stream needed).
     work = _band_work(batch, num_heads, head_dim, seq_q, seq_k, mask)
-    side = _side_stream(q.device, work)
+    side = _side_stream(q.device, work) if seq_k > 0 else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
-    if side is not None:
+    if side is not None and main is not None:
         side.forked.record(main)
         side.stream.wait_event(side.forked)
+        _row_terms(out, grad_out, grad_lse, delta)
         torch.cuda.set_stream(side.stream)
     try:
         cfg = _pick_config(DQ_CONFIGS, q, block_e)
         grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
         _launch(_attn_bwd_dq)[grid](
-            q, k, v, grad_out, lse, delta, dq, mask.row_lo, mask.row_hi, mask.slopes,
+            q, k, v, out, grad_out, lse, grad_lse, delta, dq,
+            mask.row_lo, mask.row_hi, mask.slopes,
             *q.stride(),
             *k.stride(),
             *v.stride(),
+            *out.stride(),
             *grad_out.stride(),
             *dq.stride(),
             _doc_stride(mask, seq_q),
@@ -1589,6 +1645,8 @@ def attention_backward(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             REVERSE=mask.has_hi and not mask.has_lo,
+            HAS_DLSE=grad_lse is not None,
+            STORE_DELTA=side is None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **common,

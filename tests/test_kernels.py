@@ -288,6 +288,7 @@ BANDS = {
     "sliding_window": lambda L, S: (S - L - 7, S - L),
     "window_both_sides": lambda L, S: (S - L - 5, S - L + 9),
     "left_only": lambda L, S: (-3, None),
+    "anti_causal_lower_right": lambda L, S: (S - L, None),
     "narrow_off_diagonal": lambda L, S: (2, 3),
     "empty_band": lambda L, S: (5, 2),
 }
@@ -352,7 +353,11 @@ def test_document_ranges_are_reused_and_follow_in_place_changes(
 
 
 @pytest.mark.parametrize("slope_batch", [1, 2])
-@pytest.mark.parametrize("band", ["none", "causal_lower_right"])
+# ALiBi's distance has one sign over causal bands and their mirror images: the kernel drops
+# its |.| there, so cover both signs, a band crossing the diagonal and no band.
+@pytest.mark.parametrize(
+    "band", ["none", "causal_lower_right", "anti_causal_lower_right", "window_both_sides"]
+)
 def test_alibi(slope_batch: int, band: str) -> None:
     band_lo, band_hi = BANDS[band](40, 50)
     slopes = torch.rand(slope_batch, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -524,6 +529,27 @@ def test_gradient_of_lse() -> None:
     want = torch.autograd.grad((ref_out, ref_lse), leaves, (grad_out.double(), grad_lse.double()))
     for got, ref in zip(grads, want, strict=True):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_grad_lse", [False, True])
+def test_row_terms_kernel(with_grad_lse: bool) -> None:
+    """The stand-alone ``delta`` kernel (used beside a dQ kernel on a second stream), on a
+    length that is no multiple of its tile, a padded head dim and a transposed ``dO``."""
+    from kernels.attention import _row_terms
+
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(2, 3, 37, 20, generator=gen).to(DEVICE, BF16)
+    grad_out = torch.randn(2, 37, 3, 20, generator=gen).to(DEVICE, BF16).transpose(1, 2)
+    grad_lse = torch.randn(2, 3, 37, generator=gen).to(DEVICE) if with_grad_lse else None
+    delta = torch.full((2, 3, 37), float("nan"), device=DEVICE)
+    _row_terms(out, grad_out, grad_lse, delta)
+    terms = out.double() * grad_out.double()  # exact in fp32 too: bf16 x bf16
+    want = terms.sum(-1)
+    if grad_lse is not None:
+        want = want - grad_lse.double()
+    # fp32 summation of 20 terms (and one subtraction): at most 21 roundings of partial sums
+    bound = 21 * torch.finfo(torch.float32).eps * (terms.abs().sum(-1) + want.abs())
+    assert (delta.double() - want).abs().le(bound).all()
 
 
 def test_import_is_lazy() -> None:
