@@ -531,25 +531,64 @@ def test_gradient_of_lse() -> None:
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("with_grad_lse", [False, True])
-def test_row_terms_kernel(with_grad_lse: bool) -> None:
-    """The stand-alone ``delta`` kernel (used beside a dQ kernel on a second stream), on a
-    length that is no multiple of its tile, a padded head dim and a transposed ``dO``."""
-    from kernels.attention import _row_terms
+class _FakeParam:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.is_constexpr = name == "BLOCK"
 
-    gen = torch.Generator().manual_seed(5)
-    out = torch.randn(2, 3, 37, 20, generator=gen).to(DEVICE, BF16)
-    grad_out = torch.randn(2, 37, 3, 20, generator=gen).to(DEVICE, BF16).transpose(1, 2)
-    grad_lse = torch.randn(2, 3, 37, generator=gen).to(DEVICE) if with_grad_lse else None
-    delta = torch.full((2, 3, 37), float("nan"), device=DEVICE)
-    _row_terms(out, grad_out, grad_lse, delta)
-    terms = out.double() * grad_out.double()  # exact in fp32 too: bf16 x bf16
-    want = terms.sum(-1)
-    if grad_lse is not None:
-        want = want - grad_lse.double()
-    # fp32 summation of 20 terms (and one subtraction): at most 21 roundings of partial sums
-    bound = 21 * torch.finfo(torch.float32).eps * (terms.abs().sum(-1) + want.abs())
-    assert (delta.double() - want).abs().le(bound).all()
+
+class _FakeKernel:
+    """Records how ``_CachedLaunch`` launches: through the jit function or a compiled kernel."""
+
+    def __init__(self) -> None:
+        self.params = [_FakeParam(n) for n in ("X", "Y", "stride_x", "n", "scale", "BLOCK")]
+        self.compiles: list[tuple[Any, ...]] = []
+        self.launches: list[tuple[str, tuple[int, ...], tuple[Any, ...]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def jit_launch(*args: Any, **options: Any) -> Any:
+            self.compiles.append(args)
+            self.launches.append(("jit", grid, args))
+            kernel = self
+
+            class Compiled:
+                def __getitem__(self, grid: tuple[int, ...]) -> Any:
+                    return lambda *a: kernel.launches.append(("compiled", grid, a))
+
+            return Compiled()
+
+        return jit_launch
+
+
+def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch cache reuses a compiled kernel only for equal scalars, constexprs, launch
+    options and tensor dtypes and 16-byte alignment; it passes the constexprs through."""
+    from kernels.attention import _CachedLaunch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake = _FakeKernel()
+    launch = _CachedLaunch(fake)
+    assert (launch.num_tensors, launch.num_args, launch.constexpr_names) == (2, 5, ["BLOCK"])
+    base = torch.zeros(64)
+    x, y = base[:16], base[16:32]  # both 16-byte aligned
+    launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16, num_warps=4)
+    launch[(2,)](y, None, 1, 7, 0.5, BLOCK=16, num_warps=4)  # same key: compiled launcher
+    assert fake.launches[-1] == ("compiled", (2,), (y, None, 1, 7, 0.5, 16))
+    variants = [
+        (base[1:17], None, 1, 7, 0.5),  # misaligned
+        (x.double(), None, 1, 7, 0.5),  # dtype
+        (x, y, 1, 7, 0.5),  # None -> tensor
+        (x, None, 2, 7, 0.5),  # scalar
+        (x, None, 1, 7, 0.25),  # float scalar
+    ]
+    for args in variants:
+        launch[(1,)](*args, BLOCK=16, num_warps=4)
+        assert fake.launches[-1][0] == "jit", args
+    launch[(1,)](x, None, 1, 7, 0.5, BLOCK=32, num_warps=4)
+    launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16, num_warps=8)
+    assert len(fake.compiles) == 1 + len(variants) + 2
+    with pytest.raises(TypeError, match="expected 5 runtime arguments"):
+        launch[(1,)](x, None, 1, 7, BLOCK=16)
 
 
 def test_import_is_lazy() -> None:
@@ -573,31 +612,6 @@ def _split(draw: st.DrawFn, total: int, parts: int) -> list[int]:
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
     bounds = [0, *cuts, total]
     return [b - a for a, b in itertools.pairwise(bounds)]
-
-
-@given(
-    st.integers(1, 300),
-    st.integers(1, 300),
-    st.one_of(st.none(), st.integers(-320, 320)),
-    st.one_of(st.none(), st.integers(-320, 320)),
-)
-def test_band_work_bounds_the_kept_pairs(
-    seq_q: int, seq_k: int, band_lo: int | None, band_hi: int | None
-) -> None:
-    """The second stream's gate reads the band's work: exact when a side is open, never less."""
-    import kernels.attention as attention_module
-
-    q = torch.empty(1, 1, seq_q, 16)
-    k = torch.empty(1, 1, seq_k, 16)
-    mask = Mask(1.0, band_lo=band_lo, band_hi=band_hi)
-    args = attention_module._mask_args(
-        q, k, **mask.kwargs(), rows=False, cols=False
-    )  # band only: no ids, no launch
-    kept = int(keep_mask(mask, 1, seq_q, seq_k, "cpu").sum())
-    work = attention_module._band_work(1, 1, 1, seq_q, seq_k, args)
-    assert work >= kept
-    if not (args.has_lo and args.has_hi):
-        assert work == kept
 
 
 @st.composite
@@ -720,14 +734,9 @@ def test_gpu_bands_real_size(band: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("user_stream", [False, True])
-def test_gpu_backward_on_a_second_stream(
-    monkeypatch: pytest.MonkeyPatch, user_stream: bool
-) -> None:
-    """Long backwards run dQ on a second stream; force it at a test size, also when the
-    caller works on a stream of its own, and check every gradient and the stream order."""
-    import kernels.attention as attention_module
-
-    monkeypatch.setattr(attention_module, "_SIDE_STREAM_MIN_WORK", 0)
+def test_gpu_backward_in_stream_order(user_stream: bool) -> None:
+    """The backward's kernels run on the caller's current stream, a stream of its own too,
+    and its gradients are complete in that stream's order."""
     q_doc = torch.stack([docs_from_seqlens([300, 450, 250]), docs_from_seqlens([999, 0, 1])])
     q, k, v = make_qkv(2, 8, 2, 1000, 1000, 128, BF16)
     mask = Mask(scale_of(128), band_hi=0, q_doc=q_doc, kv_doc=q_doc, softcap=30.0)
@@ -743,6 +752,27 @@ def test_gpu_backward_on_a_second_stream(
     torch.cuda.current_stream().wait_stream(stream)
     for twice, single in zip(doubled, again, strict=True):
         torch.testing.assert_close(twice, 2 * single.float(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_inputs_after_aligned() -> None:
+    """Launches reuse compiled kernels per tensor alignment: inputs at an odd element offset
+    after aligned ones of the same shapes must get a kernel compiled for them."""
+    import kernels.attention as attention_module
+
+    mask = Mask(scale_of(64), band_lo=-100, band_hi=0, alibi_slopes=torch.rand(4).to(DEVICE))
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, BF16)
+    check(q, k, v, mask)
+    shifted = []
+    for t in (q, k, v):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = storage[1:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 16 != 0
+        shifted.append(view)
+    check(*shifted, mask)
+    launches = attention_module._CACHED_LAUNCHES[attention_module._attn_fwd].compiled
+    assert len(launches) >= 2
 
 
 @pytest.mark.gpu
