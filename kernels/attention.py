@@ -480,7 +480,7 @@ def _attn_fwd(
     softcap_in = tl.cast(softcap_in, tl.float32)
     softcap_out = tl.cast(softcap_out, tl.float32)
     pid_m = tl.program_id(0)
-    if REVERSE:  # rows late in the sequence see the most keys: start them first
+    if REVERSE:  # rows late in the sequence keep the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
     off_h = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -710,7 +710,7 @@ def _attn_bwd_dkdv(
     softcap_in = tl.cast(softcap_in, tl.float32)
     softcap_out = tl.cast(softcap_out, tl.float32)
     pid_n = tl.program_id(0)
-    if REVERSE:  # keys early in the sequence are seen by the fewest queries: start them last
+    if REVERSE:  # keys late in the sequence are kept by the most queries: start them first
         pid_n = tl.num_programs(0) - 1 - pid_n
     off_hk = tl.program_id(1)
     off_b = tl.program_id(2).to(tl.int64)
@@ -1404,6 +1404,35 @@ def _mask_args(
     )
 
 
+def _late_rows_first(seq_q: int, seq_k: int, mask: _MaskArgs) -> bool:
+    """Whether the band gives late query rows more keys than early ones, so that launching
+    their programs first (longest first) leaves the short ones for the last wave.
+
+    Row ``i`` keeps keys ``[max(0, i + lo), min(S - 1, i + hi)]``: the band cuts rows short at
+    the start (``i < -lo``) and at the end (``i > S - 1 - hi``); launch late rows first when
+    more rows are cut short at the start. Documents are not known on the host and are left out.
+    """
+    if not mask.has_lo:
+        return mask.has_hi  # rows keep [0, i + hi]: more keys for later rows
+    if not mask.has_hi:
+        return False  # rows keep [i + lo, S): fewer keys for later rows
+    short_at_start = min(max(-mask.band_lo, 0), seq_q)
+    short_at_end = min(max(seq_q - seq_k + mask.band_hi, 0), seq_q)
+    return short_at_start > short_at_end
+
+
+def _late_cols_first(seq_q: int, seq_k: int, mask: _MaskArgs) -> bool:
+    """Like :func:`_late_rows_first` for key columns: column ``j`` is kept by query rows
+    ``[max(0, j - hi), min(L - 1, j - lo)]``."""
+    if not mask.has_hi:
+        return mask.has_lo  # columns are kept by rows [0, j - lo]: more for later columns
+    if not mask.has_lo:
+        return False  # columns are kept by rows [j - hi, L): fewer for later columns
+    short_at_start = min(max(mask.band_hi, 0), seq_k)
+    short_at_end = min(max(seq_k - seq_q - mask.band_lo, 0), seq_k)
+    return short_at_start > short_at_end
+
+
 def _doc_stride(mask: _MaskArgs, length: int) -> int:
     """Batch stride of the contiguous ``(Bd, length)`` document ranges (0 broadcasts)."""
     return length if mask.docs_per_batch else 0
@@ -1478,7 +1507,7 @@ def attention_forward(
         ALIBI_SIGN=mask.alibi_sign,
         HAS_SOFTCAP=softcap is not None,
         TANH_MODE=_tanh_mode(q),
-        REVERSE=mask.has_hi and not mask.has_lo,
+        REVERSE=_late_rows_first(seq_q, seq_k, mask),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -1558,7 +1587,7 @@ def attention_backward(
         scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        REVERSE=mask.has_hi and not mask.has_lo,
+        REVERSE=_late_rows_first(seq_q, seq_k, mask),
         HAS_DLSE=grad_lse is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -1581,7 +1610,7 @@ def attention_backward(
             scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            REVERSE=mask.has_lo and not mask.has_hi,
+            REVERSE=_late_cols_first(seq_q, seq_k, mask),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **common,
