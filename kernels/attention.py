@@ -371,6 +371,7 @@ def _attn_fwd_inner(
     softcap_out,
     alibi_coef,
     MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
@@ -381,6 +382,8 @@ def _attn_fwd_inner(
     DOT_PRECISION: tl.constexpr,
 ):
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
+    BOUNDS: tl.constexpr = MASKED and not EVEN
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_N).to(tl.int64)
@@ -397,7 +400,7 @@ def _attn_fwd_inner(
         + offs_e[None, :] * stride_vk
     )
     for _ in range(block_first, block_end):
-        k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if not PLAIN:
             # built from fp32 vectors: one add per score, no integer-to-float conversion
@@ -425,7 +428,7 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         m_i = m_new
         offs_n += BLOCK_N
@@ -472,6 +475,7 @@ def _attn_fwd(
     TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -520,21 +524,21 @@ def _attn_fwd(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
@@ -590,6 +594,7 @@ def _attn_bwd_dkdv_inner(
     softcap_out,
     alibi_coef,
     MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
@@ -603,6 +608,7 @@ def _attn_bwd_dkdv_inner(
 
     Works on transposed tiles ``[BLOCK_N, BLOCK_M]`` so that ``dK``/``dV`` rows stay in place.
     """
+    BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_m = block_first * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_M).to(tl.int64)
@@ -619,8 +625,8 @@ def _attn_bwd_dkdv_inner(
         + offs_e[None, :] * stride_dok
     )
     for _ in range(block_first, block_end):
-        q = _load_tile(q_ptrs, offs_m, seq_q, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
-        if MASKED:
+        q = _load_tile(q_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        if BOUNDS:
             in_rows = offs_m < seq_q
             lse = tl.load(lse_head + offs_m, mask=in_rows, other=float("inf"))  # [BLOCK_M]
             delta = tl.load(delta_head + offs_m, mask=in_rows, other=0.0)  # [BLOCK_M]
@@ -643,7 +649,7 @@ def _attn_bwd_dkdv_inner(
         if MASKED:
             keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
             pT = tl.where(keep, pT, 0.0)
-        do = _load_tile(do_ptrs, offs_m, seq_q, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
@@ -700,6 +706,7 @@ def _attn_bwd_dkdv(
     TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr,
 ):  # fmt: skip
     """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
@@ -762,24 +769,24 @@ def _attn_bwd_dkdv(
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            False, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
 
     dk *= sm_scale
@@ -829,6 +836,7 @@ def _attn_bwd_dq_inner(
     softcap_out,
     alibi_coef,
     MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
@@ -838,6 +846,7 @@ def _attn_bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_N).to(tl.int64)
@@ -854,8 +863,8 @@ def _attn_bwd_dq_inner(
         + offs_e[None, :] * stride_vk
     )
     for _ in range(block_first, block_end):
-        k = _load_tile(k_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-        v = _load_tile(v_ptrs, offs_n, seq_k, MASKED, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP or HAS_ALIBI:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
@@ -927,6 +936,7 @@ def _attn_bwd_dq(
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """``dQ`` of one query tile of one query head.
 
@@ -1004,21 +1014,21 @@ def _attn_bwd_dq(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
         HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
@@ -1509,6 +1519,7 @@ def attention_forward(
         TANH_MODE=_tanh_mode(q),
         REVERSE=_late_rows_first(seq_q, seq_k, mask),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EVEN_N=seq_k % cfg.block_n == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -1589,6 +1600,7 @@ def attention_backward(
         BLOCK_N=cfg.block_n,
         REVERSE=_late_rows_first(seq_q, seq_k, mask),
         HAS_DLSE=grad_lse is not None,
+        EVEN_N=seq_k % cfg.block_n == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **common,
@@ -1611,6 +1623,7 @@ def attention_backward(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             REVERSE=_late_cols_first(seq_q, seq_k, mask),
+            EVEN_M=seq_q % cfg.block_m == 0,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             **common,
