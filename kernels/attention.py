@@ -1246,7 +1246,9 @@ class _CachedLaunch:
         if compiled is None:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
-            self.compiled[key] = self.kernel[grid](*args, **options)
+            launched = self.kernel[grid](*args, **options)
+            if hasattr(launched, "__getitem__"):  # a compiled kernel with its own launcher
+                self.compiled[key] = launched
         else:
             compiled[grid](*args, *constexprs)
 

@@ -590,6 +590,17 @@ def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TypeError, match="expected 5 runtime arguments"):
         launch[(1,)](x, None, 1, 7, BLOCK=16)
 
+    # a launch that hands back no compiled kernel is never reused
+    class NoCompiledKernel(_FakeKernel):
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **options: self.launches.append(("jit", grid, args))
+
+    plain = NoCompiledKernel()
+    launch = _CachedLaunch(plain)
+    launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16)
+    launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16)
+    assert [kind for kind, _, _ in plain.launches] == ["jit", "jit"] and not launch.compiled
+
 
 def test_import_is_lazy() -> None:
     code = (
