@@ -186,6 +186,18 @@ def _load_tile(
 
 
 @triton.jit
+def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
+    matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""
+    return (
+        head
+        + start.to(tl.int64) * stride_row
+        + tl.arange(0, ROWS)[:, None] * stride_row
+        + tl.arange(0, BLOCK_E)[None, :] * stride_col
+    )
+
+
+@triton.jit
 def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     """Cut the index range ``[lo, hi)`` into block ranges.
 
@@ -385,20 +397,9 @@ def _attn_fwd_inner(
     # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
     BOUNDS: tl.constexpr = MASKED and not EVEN
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_N).to(tl.int64)
-    k_ptrs = (
-        k_head
-        + start * stride_kn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
-        + offs_e[None, :] * stride_kk
-    )
-    v_ptrs = (
-        v_head
-        + start * stride_vn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
-        + offs_e[None, :] * stride_vk
-    )
+    k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+    v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     for _ in range(block_first, block_end):
         k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
@@ -493,14 +494,10 @@ def _attn_fwd(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
-    q_ptrs = (
-        Q
-        + off_b * stride_qb
-        + off_h.to(tl.int64) * stride_qh
-        + start_m.to(tl.int64) * stride_qm
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
-        + offs_e[None, :] * stride_qk
-    )
+    q_ptrs = _tile_ptrs(
+        Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, stride_qk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
@@ -550,14 +547,10 @@ def _attn_fwd(
     in_rows = offs_m < seq_q
     lse_ptrs = Lse + (off_b * num_heads + off_h) * seq_q + offs_m
     tl.store(lse_ptrs, lse, mask=in_rows)
-    o_ptrs = (
-        Out
-        + off_b * stride_ob
-        + off_h.to(tl.int64) * stride_oh
-        + start_m.to(tl.int64) * stride_om
-        + tl.arange(0, BLOCK_M)[:, None] * stride_om
-        + offs_e[None, :] * stride_ok
-    )
+    o_ptrs = _tile_ptrs(
+        Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh, start_m, stride_om, stride_ok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
     tl.store(
         o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
     )
@@ -610,20 +603,9 @@ def _attn_bwd_dkdv_inner(
     """
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_m = block_first * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_M).to(tl.int64)
-    q_ptrs = (
-        q_head
-        + start * stride_qm
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
-        + offs_e[None, :] * stride_qk
-    )
-    do_ptrs = (
-        do_head
-        + start * stride_dom
-        + tl.arange(0, BLOCK_M)[:, None] * stride_dom
-        + offs_e[None, :] * stride_dok
-    )
+    q_ptrs = _tile_ptrs(q_head, start, stride_qm, stride_qk, BLOCK_M, BLOCK_E)
+    do_ptrs = _tile_ptrs(do_head, start, stride_dom, stride_dok, BLOCK_M, BLOCK_E)
     for _ in range(block_first, block_end):
         q = _load_tile(q_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         if BOUNDS:
@@ -725,22 +707,14 @@ def _attn_bwd_dkdv(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_e = tl.arange(0, BLOCK_E)
-    k_ptrs = (
-        K
-        + off_b * stride_kb
-        + off_hk.to(tl.int64) * stride_kh
-        + start_n.to(tl.int64) * stride_kn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
-        + offs_e[None, :] * stride_kk
-    )
-    v_ptrs = (
-        V
-        + off_b * stride_vb
-        + off_hk.to(tl.int64) * stride_vh
-        + start_n.to(tl.int64) * stride_vn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
-        + offs_e[None, :] * stride_vk
-    )
+    k_ptrs = _tile_ptrs(
+        K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh, start_n, stride_kn, stride_kk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    v_ptrs = _tile_ptrs(
+        V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh, start_n, stride_vn, stride_vk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
     k = _load_tile(k_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
     v = _load_tile(v_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
 
@@ -791,22 +765,14 @@ def _attn_bwd_dkdv(
 
     dk *= sm_scale
     store_mask = (offs_n[:, None] < seq_k) & (offs_e[None, :] < HEAD_DIM)
-    dk_ptrs = (
-        DK
-        + off_b * stride_dkb
-        + off_hk.to(tl.int64) * stride_dkh
-        + start_n.to(tl.int64) * stride_dkn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_dkn
-        + offs_e[None, :] * stride_dkk
-    )
-    dv_ptrs = (
-        DV
-        + off_b * stride_dvb
-        + off_hk.to(tl.int64) * stride_dvh
-        + start_n.to(tl.int64) * stride_dvn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_dvn
-        + offs_e[None, :] * stride_dvk
-    )
+    dk_ptrs = _tile_ptrs(
+        DK + off_b * stride_dkb + off_hk.to(tl.int64) * stride_dkh, start_n, stride_dkn, stride_dkk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    dv_ptrs = _tile_ptrs(
+        DV + off_b * stride_dvb + off_hk.to(tl.int64) * stride_dvh, start_n, stride_dvn, stride_dvk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
 
@@ -848,20 +814,9 @@ def _attn_bwd_dq_inner(
 ):
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
     start = (block_first * BLOCK_N).to(tl.int64)
-    k_ptrs = (
-        k_head
-        + start * stride_kn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_kn
-        + offs_e[None, :] * stride_kk
-    )
-    v_ptrs = (
-        v_head
-        + start * stride_vn
-        + tl.arange(0, BLOCK_N)[:, None] * stride_vn
-        + offs_e[None, :] * stride_vk
-    )
+    k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+    v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     for _ in range(block_first, block_end):
         k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
@@ -960,32 +915,20 @@ def _attn_bwd_dq(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
-    q_ptrs = (
-        Q
-        + off_b * stride_qb
-        + off_h.to(tl.int64) * stride_qh
-        + start_m.to(tl.int64) * stride_qm
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
-        + offs_e[None, :] * stride_qk
-    )
-    do_ptrs = (
-        DO
-        + off_b * stride_dob
-        + off_h.to(tl.int64) * stride_doh
-        + start_m.to(tl.int64) * stride_dom
-        + tl.arange(0, BLOCK_M)[:, None] * stride_dom
-        + offs_e[None, :] * stride_dok
-    )
+    q_ptrs = _tile_ptrs(
+        Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, stride_qk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    do_ptrs = _tile_ptrs(
+        DO + off_b * stride_dob + off_h.to(tl.int64) * stride_doh, start_m, stride_dom, stride_dok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     do = _load_tile(do_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
-    o_ptrs = (
-        Out
-        + off_b * stride_ob
-        + off_h.to(tl.int64) * stride_oh
-        + start_m.to(tl.int64) * stride_om
-        + tl.arange(0, BLOCK_M)[:, None] * stride_om
-        + offs_e[None, :] * stride_ok
-    )
+    o_ptrs = _tile_ptrs(
+        Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh, start_m, stride_om, stride_ok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
     o = _load_tile(o_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     in_rows = offs_m < seq_q
@@ -1033,14 +976,10 @@ def _attn_bwd_dq(
     )  # fmt: skip
 
     dq *= sm_scale
-    dq_ptrs = (
-        DQ
-        + off_b * stride_dqb
-        + off_h.to(tl.int64) * stride_dqh
-        + start_m.to(tl.int64) * stride_dqm
-        + tl.arange(0, BLOCK_M)[:, None] * stride_dqm
-        + offs_e[None, :] * stride_dqk
-    )
+    dq_ptrs = _tile_ptrs(
+        DQ + off_b * stride_dqb + off_h.to(tl.int64) * stride_dqh, start_m, stride_dqm, stride_dqk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
     tl.store(
         dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
     )
