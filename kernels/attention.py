@@ -1355,33 +1355,35 @@ def _mask_args(
     )
 
 
-def _late_rows_first(seq_q: int, seq_k: int, mask: _MaskArgs) -> bool:
-    """Whether the band gives late query rows more keys than early ones, so that launching
-    their programs first (longest first) leaves the short ones for the last wave.
+def _late_first(rows: int, cols: int, lo: int | None, hi: int | None) -> bool:
+    """Whether a band gives late rows more columns than early ones, so that launching their
+    programs first (longest first) leaves the short ones for the last wave.
 
-    Row ``i`` keeps keys ``[max(0, i + lo), min(S - 1, i + hi)]``: the band cuts rows short at
-    the start (``i < -lo``) and at the end (``i > S - 1 - hi``); launch late rows first when
-    more rows are cut short at the start. Documents are not known on the host and are left out.
+    Row ``r`` keeps columns ``[max(0, r + lo), min(cols - 1, r + hi)]`` (``None``: open): the
+    band cuts rows short at the start (``r < -lo``) and at the end (``r > cols - 1 - hi``);
+    launch late rows first when more rows are cut short at the start. Documents are not known
+    on the host and are left out.
     """
-    if not mask.has_lo:
-        return mask.has_hi  # rows keep [0, i + hi]: more keys for later rows
-    if not mask.has_hi:
-        return False  # rows keep [i + lo, S): fewer keys for later rows
-    short_at_start = min(max(-mask.band_lo, 0), seq_q)
-    short_at_end = min(max(seq_q - seq_k + mask.band_hi, 0), seq_q)
-    return short_at_start > short_at_end
+    if lo is None:
+        return hi is not None  # rows keep [0, r + hi]: more for later rows
+    if hi is None:
+        return False  # rows keep [r + lo, cols): fewer for later rows
+    return min(max(-lo, 0), rows) > min(max(rows - cols + hi, 0), rows)
+
+
+def _late_rows_first(seq_q: int, seq_k: int, mask: _MaskArgs) -> bool:
+    """:func:`_late_first` for query rows (forward and dQ programs)."""
+    lo = mask.band_lo if mask.has_lo else None
+    hi = mask.band_hi if mask.has_hi else None
+    return _late_first(seq_q, seq_k, lo, hi)
 
 
 def _late_cols_first(seq_q: int, seq_k: int, mask: _MaskArgs) -> bool:
-    """Like :func:`_late_rows_first` for key columns: column ``j`` is kept by query rows
-    ``[max(0, j - hi), min(L - 1, j - lo)]``."""
-    if not mask.has_hi:
-        return mask.has_lo  # columns are kept by rows [0, j - lo]: more for later columns
-    if not mask.has_lo:
-        return False  # columns are kept by rows [j - hi, L): fewer for later columns
-    short_at_start = min(max(mask.band_hi, 0), seq_k)
-    short_at_end = min(max(seq_k - seq_q - mask.band_lo, 0), seq_k)
-    return short_at_start > short_at_end
+    """:func:`_late_first` for key columns (dK/dV programs): column ``j`` is kept by rows
+    ``[j - hi, j - lo]``, the band mirrored."""
+    lo = -mask.band_hi if mask.has_hi else None
+    hi = -mask.band_lo if mask.has_lo else None
+    return _late_first(seq_k, seq_q, lo, hi)
 
 
 def _doc_stride(mask: _MaskArgs, length: int) -> int:
