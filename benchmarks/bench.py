@@ -579,13 +579,35 @@ def max_abs_error(actual: Tensor, expected: Tensor) -> float:
     return float(diff.nan_to_num(nan=math.inf).max())
 
 
+def forward_flops(inputs: Inputs, kept: int) -> int:
+    """Forward FLOPs counting only attended pairs: 4·B·H·kept·E."""
+    batch, heads, _, head_dim = inputs.q.shape
+    return 4 * batch * heads * kept * head_dim
+
+
+def with_backward(forward: Callable[[], Tensor], inputs: Inputs) -> Callable[[], None]:
+    def forward_backward() -> None:
+        forward().backward(inputs.dout)
+
+    return forward_backward
+
+
+def set_times(row: Row, fwd_flops: int) -> None:
+    """The row's times as the mean over its timing rounds, and the TFLOP/s they give."""
+    if row.fwd_ms_rounds:
+        row.fwd_ms = statistics.fmean(row.fwd_ms_rounds)
+        row.fwd_tflops = fwd_flops / (row.fwd_ms * 1e-3) / 1e12
+    if row.fwdbwd_ms_rounds:
+        row.fwdbwd_ms = statistics.fmean(row.fwdbwd_ms_rounds)
+        row.fwdbwd_tflops = 3.5 * fwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
+
+
 def run_contender(
     name: str, case: Case, inputs: Inputs, ref: Reference, kept: int, cfg: Config
 ) -> Row | None:
     q = inputs.q
-    batch, heads, _, head_dim = q.shape
-    fwd_flops = 4 * batch * heads * kept * head_dim
-    row = Row(case.name, q.shape[2], batch, name)
+    fwd_flops = forward_flops(inputs, kept)
+    row = Row(case.name, q.shape[2], q.shape[0], name)
     inputs.clear_grads()
     base = allocated_bytes(cfg)
     try:
@@ -602,17 +624,13 @@ def run_contender(
     if prepared.note:
         row.notes.append(prepared.note)
     forward = prepared.forward
-
-    def forward_backward() -> None:
-        forward().backward(inputs.dout)
-
+    forward_backward = with_backward(forward, inputs)
     stage = "forward"
     try:
         # The first call also compiles / autotunes, so it doubles as the warm-up.
         row.err_out = max_abs_error(forward(), ref.out)
-        row.fwd_ms = time_ms(forward, inputs, cfg)
-        row.fwd_ms_rounds.append(row.fwd_ms)
-        row.fwd_tflops = fwd_flops / (row.fwd_ms * 1e-3) / 1e12
+        row.fwd_ms_rounds.append(time_ms(forward, inputs, cfg))
+        set_times(row, fwd_flops)
         row.fwd_extra_mib = peak_extra_mib(forward, base, cfg)
         if not prepared.has_backward:
             return row
@@ -624,9 +642,8 @@ def run_contender(
             raise RuntimeError("backward left a gradient unset")
         row.err_grad = max(max_abs_error(g, r) for g, r in zip(grads, ref.grads, strict=True))
         inputs.clear_grads()
-        row.fwdbwd_ms = time_ms(forward_backward, inputs, cfg)
-        row.fwdbwd_ms_rounds.append(row.fwdbwd_ms)
-        row.fwdbwd_tflops = 3.5 * fwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
+        row.fwdbwd_ms_rounds.append(time_ms(forward_backward, inputs, cfg))
+        set_times(row, fwd_flops)
         inputs.clear_grads()
         row.fwdbwd_extra_mib = peak_extra_mib(forward_backward, base, cfg)
     except Exception as exc:
@@ -640,19 +657,13 @@ def run_contender(
 def retime(name: str, case: Case, inputs: Inputs, kept: int, cfg: Config, row: Row) -> None:
     """One more timing round of a contender that ran: set up again (compiled code is
     cached), time, and make the row's times the mean of all rounds."""
-    batch, heads, _, head_dim = inputs.q.shape
-    fwd_flops = 4 * batch * heads * kept * head_dim
     inputs.clear_grads()
     try:
-        prepared = CONTENDERS[name](case, inputs, cfg)
-        forward = prepared.forward
+        forward = CONTENDERS[name](case, inputs, cfg).forward
         forward()
         row.fwd_ms_rounds.append(time_ms(forward, inputs, cfg))
         if row.fwdbwd_ms is not None:
-
-            def forward_backward() -> None:
-                forward().backward(inputs.dout)
-
+            forward_backward = with_backward(forward, inputs)
             inputs.clear_grads()
             forward_backward()
             inputs.clear_grads()
@@ -662,11 +673,7 @@ def retime(name: str, case: Case, inputs: Inputs, kept: int, cfg: Config, row: R
     finally:
         inputs.clear_grads()
         release(cfg)
-    row.fwd_ms = statistics.fmean(row.fwd_ms_rounds)
-    row.fwd_tflops = fwd_flops / (row.fwd_ms * 1e-3) / 1e12
-    if row.fwdbwd_ms_rounds:
-        row.fwdbwd_ms = statistics.fmean(row.fwdbwd_ms_rounds)
-        row.fwdbwd_tflops = 3.5 * fwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
+    set_times(row, forward_flops(inputs, kept))
 
 
 @dataclass
