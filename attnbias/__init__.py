@@ -13,6 +13,7 @@ from attnbias.bias import (
     causal_upper_left,
 )
 from attnbias.functional import explain, patch_sdpa, sdpa
+from attnbias.planner import use_backends
 
 __all__ = [
     "AlibiBias",
@@ -28,4 +29,5 @@ __all__ = [
     "explain",
     "patch_sdpa",
     "sdpa",
+    "use_backends",
 ]

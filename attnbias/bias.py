@@ -222,9 +222,11 @@ class _BuiltinBias(AttnBias):
         dropout_p: float,
         enable_gqa: bool = False,
     ) -> Tensor:
-        from attnbias.routing import plan
+        from attnbias.planner import plan
+        from attnbias.spec import make_spec
 
-        return plan(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa).run()
+        spec = make_spec(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+        return plan(spec).run()
 
 
 # --------------------------------------------------------------------------------------------

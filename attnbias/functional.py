@@ -19,8 +19,10 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnbias import routing
+from attnbias.backends import stock_sdpa
 from attnbias.bias import AttnBias, _BuiltinBias
+from attnbias.planner import plan
+from attnbias.spec import make_spec, with_causal
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
 
@@ -101,12 +103,12 @@ def _choose(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
-) -> tuple[str, str, Any]:
-    """``(route name, reason, thunk)``: the one decision both sdpa and explain report."""
+) -> tuple[Callable[[], str], Callable[[], Tensor]]:
+    """``(explanation, thunk)``: the one decision both sdpa and explain report."""
 
     def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
         return partial(
-            routing.stock_sdpa,
+            stock_sdpa,
             query,
             key,
             value,
@@ -117,17 +119,21 @@ def _choose(
             enable_gqa=enable_gqa,
         )
 
+    def says(text: str) -> Callable[[], str]:
+        return lambda: text
+
     if isinstance(attn_mask, Tensor):
         return (
-            "sdpa",
-            "a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, or use a "
-            "structured bias such as CausalBias, to silence the warning)",
+            says(
+                "sdpa: a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, "
+                "or use a structured bias such as CausalBias, to silence the warning)"
+            ),
             stock(attn_mask, is_causal),
         )
     if attn_mask is None:
-        return "sdpa", "no mask: stock SDPA", stock(None, is_causal)
+        return says("sdpa: no mask: stock SDPA"), stock(None, is_causal)
     if attn_mask.needs_materialization():
-        bias = routing.with_causal(attn_mask, is_causal)
+        bias = with_causal(attn_mask, is_causal)
         assert bias is not None  # attn_mask is not None here
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
@@ -136,17 +142,23 @@ def _choose(
             return stock(mask, False)()
 
         return (
-            "sdpa+mask",
-            f"{bias!r} needs materialization, so stock SDPA runs with its materialized mask",
+            says(
+                f"sdpa+mask: {bias!r} needs materialization, so stock SDPA runs with its "
+                f"materialized mask"
+            ),
             materialized,
         )
     if type(attn_mask).dispatch is _BuiltinBias.dispatch:
-        route = routing.plan(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
-        return route.name, route.reason, route.run
+        chosen = plan(
+            make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
+        )
+        return chosen.explain, chosen.run
     cls = type(attn_mask)
     return (
-        f"{cls.__name__}.dispatch",
-        f"{cls.__name__} does not need materialization and runs through its own dispatch()",
+        says(
+            f"{cls.__name__}.dispatch: {cls.__name__} does not need materialization and runs "
+            f"through its own dispatch()"
+        ),
         lambda: cls.dispatch(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa),
     )
 
@@ -200,7 +212,7 @@ def sdpa(
             UserWarning,
             stacklevel=2,
         )
-    _, _, run = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _, run = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return run()
 
 
@@ -216,17 +228,25 @@ def explain(
 ) -> str:
     """Say which route :func:`sdpa` takes for these arguments, and why; nothing is computed.
 
-    The first word is the route: ``triton`` (the block-sparse kernel), ``sdpa(is_causal=True)``,
-    ``sdpa`` (stock, no mask), ``sdpa+mask`` (stock with the materialized mask),
-    ``reference`` (the exact eager path) or ``<Class>.dispatch`` (a user bias's own dispatch).
+    The first word is the route: ``fa4`` (FlashAttention 4), ``triton`` (the block-sparse
+    kernel), ``sdpa(is_causal=True)``, ``sdpa`` (stock, no mask), ``sdpa+mask`` (stock with the
+    materialized mask), ``reference`` (the exact eager path) or ``<Class>.dispatch`` (a user
+    bias's own dispatch). For the built-in biases the next lines give the order the backends
+    were tried in (set per GPU generation and kind of bias, or by :func:`use_backends`) and
+    every other backend's reasons::
 
-    >>> q = k = v = torch.randn(1, 1, 4, 8)
-    >>> explain(q, k, v, attn_mask=SoftcapBias(30.0))  # doctest: +ELLIPSIS
-    'reference: soft-cap 30: the Triton kernel needs CUDA tensors ...'
+        >>> q = k = v = torch.randn(1, 1, 4, 8)
+        >>> print(explain(q, k, v, attn_mask=SoftcapBias(30.0)))  # doctest: +ELLIPSIS
+        reference: soft-cap 30 runs in the exact eager path (...)
+          order (cpu, softcap, inference): triton > sdpa > sdpa+mask > reference
+          fa4: flash_attn.cute is not installed ...
+          triton: the Triton kernel needs CUDA tensors and these are on cpu
+          sdpa: soft-cap 30 is neither no mask nor plain upper-left causal, ...
+          sdpa+mask: soft-cap has no materialized form
     """
     _validate(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
-    name, reason, _ = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return f"{name}: {reason}"
+    explanation, _ = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return explanation()
 
 
 class _Patch(contextlib.AbstractContextManager["_Patch"]):

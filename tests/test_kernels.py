@@ -17,11 +17,9 @@ Without CUDA the kernels run under Triton's interpreter (``conftest.py`` sets it
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +28,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import Tensor
 
-from kernels import attention_backward, attention_forward, block_sparse_attention
+from attnbias.kernels import attention_backward, attention_forward, block_sparse_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -445,7 +443,7 @@ def test_non_contiguous(dtype: torch.dtype) -> None:
 def test_unequal_tiles(monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int) -> None:
     if DEVICE == "cuda":
         pytest.skip("tile sizes come from the GPU tables on a GPU")
-    from kernels import attention
+    from attnbias.kernels import attention
 
     monkeypatch.setattr(
         attention, "INTERPRETER_CONFIG", attention.KernelConfig(block_m, block_n, 1, 1)
@@ -563,7 +561,7 @@ class _FakeKernel:
 def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch cache reuses a compiled kernel only for equal scalars, constexprs, launch
     options and tensor dtypes and 16-byte alignment; it passes the constexprs through."""
-    from kernels.attention import _CachedLaunch
+    from attnbias.kernels.attention import _CachedLaunch
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fake = _FakeKernel()
@@ -604,13 +602,12 @@ def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_import_is_lazy() -> None:
     code = (
-        "import sys, kernels\n"
-        "assert 'triton' not in sys.modules, 'import kernels imported triton'\n"
+        "import sys\n"
+        "from attnbias import kernels\n"
+        "assert 'triton' not in sys.modules, 'import attnbias.kernels imported triton'\n"
         "assert kernels.__all__ == sorted(kernels.__all__)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -641,7 +638,7 @@ def test_launch_order_puts_the_longer_half_first(
     """Programs start with the end of the sequence only when the band gives that end more
     work: in launch order, the first half of the rows (columns) keeps at least as many pairs
     as the second half, whenever the band cuts short at most half of them at each end."""
-    import kernels.attention as attention_module
+    import attnbias.kernels.attention as attention_module
 
     seq_q, seq_k, band_lo, band_hi = lengths_band
     args = attention_module._mask_args(
@@ -815,7 +812,7 @@ def test_gpu_backward_in_stream_order(user_stream: bool) -> None:
 def test_gpu_misaligned_inputs_after_aligned() -> None:
     """Launches reuse compiled kernels per tensor alignment: inputs at an odd element offset
     after aligned ones of the same shapes must get a kernel compiled for them."""
-    import kernels.attention as attention_module
+    import attnbias.kernels.attention as attention_module
 
     mask = Mask(scale_of(64), band_lo=-100, band_hi=0, alibi_slopes=torch.rand(4).to(DEVICE))
     q, k, v = make_qkv(2, 4, 2, 300, 300, 64, BF16)

@@ -1,0 +1,33 @@
+"""The backends a lowered call can run on, each one module stating what it supports.
+
+``BACKENDS`` maps each name to its backend, in the order the planner falls back on when a
+priority list does not name a backend.
+"""
+
+from attnbias.backends.base import Backend
+from attnbias.backends.fa4 import FlashAttention4
+from attnbias.backends.reference import Reference
+from attnbias.backends.stock import MaterializedSDPA, StockSDPA, stock_sdpa
+from attnbias.backends.triton import TritonKernel
+
+BACKENDS: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        FlashAttention4(),
+        TritonKernel(),
+        StockSDPA(),
+        MaterializedSDPA(),
+        Reference(),
+    )
+}
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "FlashAttention4",
+    "MaterializedSDPA",
+    "Reference",
+    "StockSDPA",
+    "TritonKernel",
+    "stock_sdpa",
+]

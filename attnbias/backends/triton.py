@@ -1,0 +1,75 @@
+"""The library's own Triton block-sparse flash-attention kernels (``attnbias.kernels``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+from torch import Tensor
+
+from attnbias.backends.base import Backend
+from attnbias.kernels.limits import DTYPES, MAX_HEAD_DIM
+from attnbias.spec import Spec
+
+__all__ = ["TritonKernel"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonKernel(Backend):
+    """Every band, documents, ALiBi and soft-cap, forward and backward, skipping masked blocks.
+
+    On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``).
+    """
+
+    name = "triton"
+    dtypes = DTYPES
+
+    def reasons(self, spec: Spec) -> list[str]:
+        reasons = []
+        device = spec.device.type
+        if device != "cuda" and not (device == "cpu" and _interpreting()):
+            reasons.append(f"the Triton kernel needs CUDA tensors and these are on {device}")
+        if spec.dropout_p > 0.0:
+            reasons.append(f"dropout_p={spec.dropout_p} is not fused in the Triton kernel")
+        if spec.lowered.others:
+            names = ", ".join(type(p).__name__ for p in spec.lowered.others)
+            reasons.append(f"{names} has no kernel form")
+        if spec.head_dim_v != spec.head_dim:
+            reasons.append(
+                f"the value head dim ({spec.head_dim_v}) differs from the query head dim "
+                f"({spec.head_dim})"
+            )
+        if spec.head_dim > MAX_HEAD_DIM:
+            reasons.append(f"head dim {spec.head_dim} is above the kernel's {MAX_HEAD_DIM}")
+        if not spec.compiling and not _triton_installed():
+            reasons.append("Triton is not installed")
+        return reasons
+
+    def how(self, spec: Spec) -> str:
+        return "the block-sparse Triton kernel, skipping masked blocks"
+
+    def run(self, spec: Spec) -> Tensor:
+        from attnbias.kernels import block_sparse_attention
+
+        lowered = spec.lowered
+        return block_sparse_attention(
+            spec.query,
+            spec.key,
+            spec.value,
+            scale=spec.resolved_scale,
+            band_lo=lowered.band_lo,
+            band_hi=lowered.band_hi,
+            q_doc=lowered.q_doc,
+            kv_doc=lowered.kv_doc,
+            alibi_slopes=lowered.slopes,
+            softcap=lowered.softcap,
+        )

@@ -1,0 +1,195 @@
+"""Choosing the backend of a call: a priority list per GPU generation, walked in order.
+
+The first backend in the list that gives no reason against the call runs it; ``explain`` shows
+the list and every other backend's reasons. The lists come from the measurements in
+``benchmarks/RESULTS.md``; :func:`use_backends` pins or excludes backends for a region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from attnbias.backends import BACKENDS, Backend
+from attnbias.spec import Spec
+
+__all__ = ["PRIORITY", "Order", "Plan", "generation", "plan", "use_backends"]
+
+
+@dataclass(frozen=True)
+class Order:
+    """Backends to try first, for calls without and with gradients (``training``)."""
+
+    inference: tuple[str, ...]
+    training: tuple[str, ...] | None = None
+
+    def pick(self, needs_grad: bool) -> tuple[str, ...]:
+        return self.training if needs_grad and self.training is not None else self.inference
+
+
+# Per generation, per kind of bias (``Lowered.kind``), the backends to try first; every
+# backend the list leaves out follows in ``BACKENDS`` order. Hopper's lists are set from the
+# H100 benchmark (benchmarks/RESULTS.md); Blackwell's follow Hopper's, unmeasured.
+_HOPPER: dict[str, Order] = {
+    "none": Order(("sdpa", "fa4")),
+    "causal": Order(("fa4", "sdpa", "triton")),
+    "band": Order(("fa4", "triton")),
+    "documents": Order(("triton",)),
+    "softcap": Order(("triton", "fa4"), training=("fa4", "triton")),
+    "alibi": Order(("triton",)),
+}
+_DEFAULT: dict[str, Order] = {
+    "none": Order(("sdpa",)),
+    "causal": Order(("sdpa", "triton")),
+}
+PRIORITY: dict[str, dict[str, Order]] = {
+    "hopper": _HOPPER,
+    "blackwell": _HOPPER,
+    "cuda": _DEFAULT,
+    "cpu": _DEFAULT,
+}
+_FALLBACK = ("triton", "sdpa", "sdpa+mask", "reference")
+
+
+def generation(device: torch.device) -> str:
+    """``hopper`` (capability 9), ``blackwell`` (10), ``cuda`` (other GPUs) or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    return {9: "hopper", 10: "blackwell"}.get(_major(device.index or 0), "cuda")
+
+
+@functools.cache
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+@dataclass(frozen=True)
+class _Policy:
+    only: tuple[str, ...] | None = None
+    exclude: frozenset[str] = frozenset()
+
+
+_NO_POLICY = _Policy()
+# Per thread, and a threading.local rather than a ContextVar: torch.compile traces reads of
+# the former, not of the latter.
+_STATE = threading.local()
+
+
+def _current_policy() -> _Policy:
+    return getattr(_STATE, "policy", _NO_POLICY)
+
+
+def _check_names(names: Iterable[str], what: str) -> None:
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(
+                f"use_backends: unknown backend {name!r} in {what}; the backends are "
+                f"{', '.join(BACKENDS)}"
+            )
+
+
+@contextlib.contextmanager
+def use_backends(*only: str, exclude: Iterable[str] = ()) -> Iterator[None]:
+    """Pin or exclude backends for the calls of :func:`attnbias.sdpa` in this region.
+
+    ``use_backends("triton")`` runs every call on the Triton kernel, or raises ``ValueError``
+    with its reasons when it cannot take a call (no silent fallback); several names are tried
+    in the order given. ``use_backends(exclude=["fa4"])`` keeps the normal choice without
+    FlashAttention 4. Nested regions: the inner pin replaces the outer one, exclusions add up.
+    Backends: ``fa4``, ``triton``, ``sdpa``, ``sdpa+mask``, ``reference``.
+
+    Under ``torch.compile`` the region is read when the call is traced.
+
+    Example::
+
+        with attnbias.use_backends("triton"):
+            out = attnbias.sdpa(q, k, v, attn_mask=SlidingWindowBias(255))
+    """
+    if isinstance(exclude, str):
+        raise TypeError(
+            f"use_backends: exclude must be a list of names, got the string {exclude!r}; "
+            f"write exclude=[{exclude!r}]"
+        )
+    exclude = tuple(exclude)
+    _check_names(only, "the pinned names")
+    _check_names(exclude, "exclude")
+    outer = _current_policy()
+    _STATE.policy = _Policy(
+        only=tuple(only) if only else outer.only, exclude=outer.exclude | set(exclude)
+    )
+    try:
+        yield
+    finally:
+        _STATE.policy = outer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen backend for a spec, the order tried, and why the ones before it were not."""
+
+    spec: Spec
+    backend: Backend
+    order: tuple[str, ...]
+    heading: str  # what decided the order
+    excluded: frozenset[str]  # by use_backends
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reasons, in order
+
+    def run(self) -> torch.Tensor:
+        return self.backend.run(self.spec)
+
+    def explain(self) -> str:
+        """The route, the order, and every other backend's reasons (computed here)."""
+        spec = self.spec
+        lines = [
+            f"{self.backend.label(spec)}: {spec.lowered.describe()} runs in "
+            f"{self.backend.how(spec)}",
+            f"  order ({self.heading}): {' > '.join(self.order)}",
+        ]
+        for name, backend in BACKENDS.items():
+            if backend is self.backend:
+                continue
+            reasons = self.skipped.get(name) or backend.not_supported_reasons(spec)
+            if reasons:
+                verdict = "; ".join(reasons)
+            elif name in self.excluded:
+                verdict = "could run it, but use_backends excludes it"
+            elif name in self.order:
+                verdict = f"could run it, after {self.backend.name} in the order"
+            else:
+                verdict = "could run it, but use_backends leaves it out"
+            lines.append(f"  {name}: {verdict}")
+        return "\n".join(lines)
+
+
+def plan(spec: Spec) -> Plan:
+    """Walk the priority list for ``spec`` and take the first backend with no reason against it."""
+    policy = _current_policy()
+    if policy.only is not None:
+        order = policy.only
+        heading = "pinned by use_backends"
+    else:
+        gen = generation(spec.device)
+        kind = spec.lowered.kind
+        preferred = PRIORITY[gen].get(kind, Order(())).pick(spec.needs_grad)
+        order = tuple(dict.fromkeys(preferred + _FALLBACK))
+        heading = f"{gen}, {kind}, {'training' if spec.needs_grad else 'inference'}"
+    if policy.exclude:
+        order = tuple(name for name in order if name not in policy.exclude)
+        heading += f"; excluded {', '.join(sorted(policy.exclude))}"
+    skipped: dict[str, list[str]] = {}
+    for name in order:
+        reasons = BACKENDS[name].not_supported_reasons(spec)
+        if not reasons:
+            return Plan(spec, BACKENDS[name], order, heading, policy.exclude, skipped)
+        skipped[name] = reasons
+    detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())
+    raise ValueError(
+        f"attnbias: no allowed backend can run {spec.lowered.describe()} with (B, Hq, L, S)="
+        f"{spec.shape} in {spec.dtype} ({heading}). {detail}. Allow more backends in "
+        f"use_backends(...)"
+    )

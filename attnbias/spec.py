@@ -1,0 +1,255 @@
+"""One call, lowered once: the bias in the kernels' terms plus everything a backend looks at.
+
+Every built-in mask and every sum of them is a diagonal band intersected with documents::
+
+    keep(i, j) = band_lo <= j - i <= band_hi  and  doc_q[i] == doc_kv[j]
+
+plus two score modifiers (soft-cap, ALiBi). :func:`lower` computes that form and
+:func:`make_spec` wraps it with the call's tensors, shapes and flags into a :class:`Spec`, which
+each backend inspects (``not_supported_reasons``) and runs.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, L query length, S key length,
+E head dim, Ev value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnbias.bias import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CausalVariant,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    parts_of,
+)
+
+__all__ = ["Lowered", "Spec", "lower", "make_spec", "with_causal"]
+
+
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """A bias in the kernels' terms for one call of shape ``(B, Hq, L, S)``."""
+
+    band_lo: int | None
+    band_hi: int | None
+    q_doc: Tensor | None  # (1 or B, L) int64
+    kv_doc: Tensor | None  # (1 or B, S) int64
+    slopes: Tensor | None  # (1 or B, Hq) float32
+    softcap: float | None
+    others: tuple[AttnBias, ...]  # parts with no kernel form (materialized additively)
+
+    @property
+    def _band_only(self) -> bool:
+        return (
+            self.q_doc is None and self.slopes is None and self.softcap is None and not self.others
+        )
+
+    @property
+    def is_plain_causal(self) -> bool:
+        return self._band_only and self.band_lo is None and self.band_hi == 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self._band_only and self.band_lo is None and self.band_hi is None
+
+    @property
+    def band_is_empty(self) -> bool:
+        """True when the band keeps no ``(i, j)`` at all (``band_lo > band_hi``)."""
+        return self.band_lo is not None and self.band_hi is not None and self.band_lo > self.band_hi
+
+    @property
+    def kind(self) -> str:
+        """The one word the priority tables are keyed by: the costliest feature present."""
+        if self.others:
+            return "materialized"
+        if self.slopes is not None:
+            return "alibi"
+        if self.softcap is not None:
+            return "softcap"
+        if self.q_doc is not None:
+            return "documents"
+        if self.is_empty:
+            return "none"
+        if self.is_plain_causal:
+            return "causal"
+        return "band"
+
+    def describe(self) -> str:
+        terms = []
+        if self.band_lo is not None or self.band_hi is not None:
+            lo = "-inf" if self.band_lo is None else str(self.band_lo)
+            hi = "+inf" if self.band_hi is None else str(self.band_hi)
+            terms.append(f"band {lo} <= j - i <= {hi}")
+        if self.q_doc is not None:
+            terms.append("documents")
+        if self.slopes is not None:
+            terms.append("ALiBi")
+        if self.softcap is not None:
+            terms.append(f"soft-cap {self.softcap:g}")
+        terms += [f"{type(p).__name__} (materialized)" for p in self.others]
+        return ", ".join(terms) if terms else "no mask"
+
+
+def _merge_docs(
+    first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Ids whose equality means equality under both document layouts (still non-decreasing)."""
+    q1, kv1 = first
+    q2, kv2 = second
+    low = torch.minimum(q2.min(), kv2.min())
+    span = torch.maximum(q2.max(), kv2.max()) - low + 1
+    return (q1 * span + (q2 - low)), (kv1 * span + (kv2 - low))
+
+
+def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.device) -> Lowered:
+    """Lower ``bias`` to a band, documents and score modifiers for a call with ``(L, S)``."""
+    band_lo: int | None = None
+    band_hi: int | None = None
+    docs: tuple[Tensor, Tensor] | None = None
+    slopes: Tensor | None = None
+    softcap: float | None = None
+    others: list[AttnBias] = []
+
+    def tighten(lo: int | None, hi: int | None) -> None:
+        nonlocal band_lo, band_hi
+        if lo is not None:
+            band_lo = lo if band_lo is None else max(band_lo, lo)
+        if hi is not None:
+            band_hi = hi if band_hi is None else min(band_hi, hi)
+
+    for part in parts_of(bias):
+        if isinstance(part, CausalBias):
+            tighten(None, part.offset_hi(length_q, length_kv))
+        elif isinstance(part, SlidingWindowBias):
+            tighten(*part.offsets(length_q, length_kv))
+        elif isinstance(part, DocumentBias):
+            # One document bias passes its cached device tensors on unchanged, so the kernel
+            # can recognise them from call to call; the kernel broadcasts (1, L) against (B, S).
+            new = part.ids_on(device)
+            if docs is not None:
+                rows = max(t.shape[0] for t in new + docs)  # 1 or B
+                docs = _merge_docs(
+                    (docs[0].expand(rows, -1), docs[1].expand(rows, -1)),
+                    (new[0].expand(rows, -1), new[1].expand(rows, -1)),
+                )
+            else:
+                docs = new
+        elif isinstance(part, AlibiBias):
+            term = part.slope_tensor(device)
+            slopes = term if slopes is None else slopes + term
+        elif isinstance(part, SoftcapBias):
+            softcap = part.cap
+        else:
+            others.append(part)
+
+    # A side of the band that every (i, j) satisfies is no constraint at all.
+    if band_lo is not None and band_lo <= -(length_q - 1):
+        band_lo = None
+    if band_hi is not None and band_hi >= length_kv - 1:
+        band_hi = None
+    return Lowered(
+        band_lo=band_lo,
+        band_hi=band_hi,
+        q_doc=None if docs is None else docs[0].contiguous(),
+        kv_doc=None if docs is None else docs[1].contiguous(),
+        slopes=None if slopes is None else slopes.contiguous(),
+        softcap=softcap,
+        others=tuple(others),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Spec:
+    """One validated call of :func:`attnbias.sdpa` whose bias is built from built-ins.
+
+    ``bias`` already holds ``is_causal`` (see :func:`with_causal`); ``lowered`` is its kernel
+    form. Backends read the fields and properties; none of them changes the spec.
+    """
+
+    query: Tensor  # (B, Hq, L, E)
+    key: Tensor  # (B, Hkv, S, E)
+    value: Tensor  # (B, Hkv, S, Ev)
+    bias: AttnBias | None
+    lowered: Lowered
+    scale: float | None  # None: 1 / sqrt(E)
+    dropout_p: float
+    enable_gqa: bool
+    needs_grad: bool
+    compiling: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, Hq, L, S)``: the shape of the scores and of a materialized mask."""
+        batch, heads, length_q, _ = self.query.shape
+        return (batch, heads, length_q, self.key.shape[-2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.query.shape[-1])
+
+    @property
+    def head_dim_v(self) -> int:
+        return int(self.value.shape[-1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def resolved_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else float(self.scale)
+
+    @property
+    def has_empty_dim(self) -> bool:
+        return 0 in self.shape or self.key.shape[1] == 0
+
+
+def make_spec(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias | None,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> Spec:
+    """Lower a validated call once; everything the planner and the backends need."""
+    bias = with_causal(bias, causal)
+    lowered = lower(bias, query.shape[-2], key.shape[-2], query.device)
+    tensors = [query, key, value]
+    if lowered.slopes is not None:
+        tensors.append(lowered.slopes)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return Spec(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        lowered=lowered,
+        scale=scale,
+        dropout_p=dropout_p,
+        enable_gqa=enable_gqa,
+        needs_grad=needs_grad,
+        compiling=torch.compiler.is_compiling(),
+    )
+
+
+def with_causal(bias: AttnBias | None, causal: bool) -> AttnBias | None:
+    """``bias`` with ``is_causal=True`` folded in: ``bias + CausalBias(UPPER_LEFT)``."""
+    if not causal:
+        return bias
+    causal_part = CausalBias(CausalVariant.UPPER_LEFT)
+    return causal_part if bias is None else bias + causal_part

@@ -1,0 +1,9 @@
+"""What the kernels take, importable without Triton (the front-end checks calls against it)."""
+
+import torch
+
+__all__ = ["DTYPES", "MAX_HEAD_DIM"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# One tile holds the whole head dim (rounded up to a power of two), and values share it.
+MAX_HEAD_DIM = 256
