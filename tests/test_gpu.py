@@ -1,4 +1,8 @@
-"""Real sizes on the GPU through ``attnbias.sdpa``, eager and under ``torch.compile``."""
+"""Real sizes on the GPU through ``attnbias.sdpa``, eager and under ``torch.compile``.
+
+``slow`` marks the compile tests (minutes of compilation); ``-m "gpu and not slow"`` is the fast
+tier. Where FlashAttention 4 is installed, every bias it takes is checked on it too.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,16 @@ from attnbias import (
     causal_lower_right,
     causal_upper_left,
     sdpa,
+    use_backends,
 )
+from attnbias.backends.fa4 import _installed as fa4_installed
 
 pytestmark = pytest.mark.gpu
+KERNEL_ROUTES = ("triton", "sdpa(is_causal=True)", "fa4")
+needs_fa4 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fa4_installed()),
+    reason="FlashAttention 4 (flash_attn.cute) is not installed",
+)
 
 
 def biases(heads: int, length_q: int, length_kv: int) -> dict[str, attnbias.AttnBias]:
@@ -46,7 +57,18 @@ NAMES = [
 ]
 
 
-def check(bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn=sdpa):  # type: ignore[no-untyped-def]
+def check(
+    bias,
+    dtype,
+    batch,
+    heads_q,
+    heads_kv,
+    length_q,
+    length_kv,
+    head_dim,
+    fn=sdpa,
+    routes=KERNEL_ROUTES,
+):  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -58,8 +80,7 @@ def check(bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, 
     grad_out = draw(batch, heads_q, length_q, head_dim)
     gqa = heads_q != heads_kv
     route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa)
-    # lower-right causal with L == S is plain causal, which stays on stock SDPA's fused kernel
-    assert route.startswith("triton") or route.startswith("sdpa(is_causal=True)"), route
+    assert route.split(":")[0] in routes, route
     results = run_with_grads(lambda *t: fn(*t, attn_mask=bias, enable_gqa=gqa), (q, k, v), grad_out)
     expected = run_with_grads(
         lambda *t: attention(*t, bias, enable_gqa=gqa),
@@ -86,8 +107,54 @@ def test_head_dims_and_lengths(head_dim: int, length_q: int, length_kv: int) -> 
             check(bias, torch.bfloat16, 1, 4, 4, length_q, length_kv, head_dim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_torch_compile_fullgraph(name: str) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(sdpa, fullgraph=True)
+    # FlashAttention 4 cannot be traced: a compiled call takes the Triton kernel
     check(biases(8, 512, 512)[name], torch.bfloat16, 2, 8, 4, 512, 512, 64, fn=compiled)
+
+
+FA4_BIASES = {
+    "causal_upper_left": lambda: causal_upper_left(),
+    "causal_lower_right": lambda: causal_lower_right(),
+    "window": lambda: SlidingWindowBias(255),
+    "window_causal": lambda: SlidingWindowBias(300) + causal_lower_right(),
+    "bidirectional": lambda: SlidingWindowBias(100, 37),
+    # with L < S, upper-left causal is a window whose right side is negative
+    "window_upper_left": lambda: SlidingWindowBias(500) + causal_upper_left(),
+    "softcap_causal": lambda: SoftcapBias(20.0) + causal_upper_left(),
+    "gemma2": lambda: SlidingWindowBias(300) + SoftcapBias(30.0) + causal_lower_right(),
+    "softcap": lambda: SoftcapBias(30.0),
+}
+
+
+@needs_fa4
+@pytest.mark.parametrize("name", list(FA4_BIASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fa4_biases(name: str, dtype: torch.dtype) -> None:
+    with use_backends("fa4"):
+        check(FA4_BIASES[name](), dtype, 2, 8, 2, 700, 1100, 128, routes=("fa4",))
+
+
+@needs_fa4
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(("length_q", "length_kv"), [(1000, 1000), (300, 1100), (1100, 700)])
+def test_fa4_head_dims_and_lengths(head_dim: int, length_q: int, length_kv: int) -> None:
+    # L > S under lower-right causal leaves the first L - S rows with no key: 0, finite grads
+    for name in ("causal_lower_right", "window_causal", "gemma2", "bidirectional"):
+        with use_backends("fa4"):
+            check(FA4_BIASES[name](), torch.bfloat16, 1, 4, 4, length_q, length_kv, head_dim,
+                  routes=("fa4",))  # fmt: skip
+
+
+@needs_fa4
+def test_fa4_is_chosen_where_the_priority_list_says() -> None:
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    for bias in (SlidingWindowBias(31), causal_upper_left(), SlidingWindowBias(31, 5)):
+        assert attnbias.explain(q, q, q, attn_mask=bias).startswith("fa4:")
+    # FlashAttention 4 is exact only where it is chosen: documents and ALiBi stay on Triton
+    docs = DocumentBias.from_seqlens([100, 156], device="cuda")
+    assert attnbias.explain(q, q, q, attn_mask=docs).startswith("triton:")
+    assert attnbias.explain(q, q, q, attn_mask=AlibiBias(num_heads=4)).startswith("triton:")

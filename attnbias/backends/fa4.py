@@ -50,6 +50,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _on_cuda(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device (one function, so that the tests can fake a GPU)."""
+    return device.type == "cuda"
+
+
 def window_size(lowered: Lowered, length_q: int, length_kv: int) -> tuple[int | None, int | None]:
     """FlashAttention's ``window_size`` for the band of ``lowered`` (``None``: open side).
 
@@ -90,7 +95,7 @@ class FlashAttention4(Backend):
         lowered = spec.lowered
         if not _installed():
             reasons.append('flash_attn.cute is not installed (pip install "attnbias[fa4]")')
-        if spec.device.type != "cuda":
+        if not _on_cuda(spec.device):
             reasons.append(
                 f"FlashAttention 4 needs CUDA tensors and these are on {spec.device.type}"
             )
@@ -126,7 +131,7 @@ class FlashAttention4(Backend):
             reasons.append(f"{names} has no FlashAttention 4 form")
         if lowered.band_is_empty:
             # FlashAttention reads two negative window sides as no window at all.
-            reasons.append(f"the band {lowered.describe()} keeps no pair")
+            reasons.append(f"{lowered.describe()} keeps no pair")
         if not spec.resolved_scale > 0.0:
             reasons.append(f"scale={spec.resolved_scale} is not positive")
         if spec.has_empty_dim:
