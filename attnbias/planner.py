@@ -33,10 +33,13 @@ class Order:
 
 
 # Per generation, per kind of bias (``Lowered.kind``), the backends to try first; every
-# backend the list leaves out follows in ``BACKENDS`` order. Hopper's lists are set from the
-# H100 benchmark (benchmarks/RESULTS.md); Blackwell's follow Hopper's, unmeasured.
+# backend the list leaves out follows in ``_FALLBACK`` order. Hopper's lists are set from the
+# H100 benchmark (benchmarks/RESULTS.md, bf16, E=128): FlashAttention 4 is fastest without a
+# mask, on causal and on bands; the Triton kernel on documents and ALiBi (FlashAttention 4 has
+# no exact form for them here), and on the soft-cap forward, where FlashAttention 4 wins only
+# forward + backward. Blackwell's lists follow Hopper's, unmeasured.
 _HOPPER: dict[str, Order] = {
-    "none": Order(("sdpa", "fa4")),
+    "none": Order(("fa4", "sdpa")),
     "causal": Order(("fa4", "sdpa", "triton")),
     "band": Order(("fa4", "triton")),
     "documents": Order(("triton",)),
