@@ -140,6 +140,7 @@ class Plan:
     order: tuple[str, ...]
     heading: str  # what decided the order
     excluded: frozenset[str]  # by use_backends
+    pinned: bool  # the order is use_backends' own
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reasons, in order
 
     def run(self) -> torch.Tensor:
@@ -163,8 +164,10 @@ class Plan:
                 verdict = "could run it, but use_backends excludes it"
             elif name in self.order:
                 verdict = f"could run it, after {self.backend.name} in the order"
-            else:
+            elif self.pinned:
                 verdict = "could run it, but use_backends leaves it out"
+            else:
+                verdict = "could run it, but is not in the order"
             lines.append(f"  {name}: {verdict}")
         return "\n".join(lines)
 
@@ -188,7 +191,15 @@ def plan(spec: Spec) -> Plan:
     for name in order:
         reasons = BACKENDS[name].not_supported_reasons(spec)
         if not reasons:
-            return Plan(spec, BACKENDS[name], order, heading, policy.exclude, skipped)
+            return Plan(
+                spec,
+                BACKENDS[name],
+                order,
+                heading,
+                policy.exclude,
+                policy.only is not None,
+                skipped,
+            )
         skipped[name] = reasons
     detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())
     raise ValueError(

@@ -1,7 +1,7 @@
 """The backends a lowered call can run on, each one module stating what it supports.
 
-``BACKENDS`` maps each name to its backend, in the order the planner falls back on when a
-priority list does not name a backend.
+``BACKENDS`` maps each name to its backend; ``explain`` lists them in this order. Which of them
+a call tries, and in what order, is the planner's (``attnbias.planner``).
 """
 
 from attnbias.backends.base import Backend

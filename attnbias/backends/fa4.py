@@ -130,7 +130,7 @@ class FlashAttention4(Backend):
             names = ", ".join(type(p).__name__ for p in lowered.others)
             reasons.append(f"{names} has no FlashAttention 4 form")
         if lowered.band_is_empty:
-            # FlashAttention reads two negative window sides as no window at all.
+            # FlashAttention reads a window whose sides are both negative as no window at all.
             reasons.append(f"{lowered.describe()} keeps no pair")
         if not spec.resolved_scale > 0.0:
             reasons.append(f"scale={spec.resolved_scale} is not positive")

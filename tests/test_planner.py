@@ -1,0 +1,970 @@
+"""The planner on CPU: its walk over the priority lists, ``use_backends``, ``explain``, the choice
+for every kind of bias on a faked Hopper GPU, FlashAttention 4's reasons, and FlashAttention 4's
+argument translation checked against the oracle through a pure-torch stand-in.
+
+Nothing here needs a GPU: the GPU generation, FlashAttention 4's install and device checks and
+``flash_attn.cute.flash_attn_func`` itself are replaced with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracle import assert_close_to_oracle, attention, run_with_grads
+from strategies import Problem
+from torch import Tensor
+
+import attnbias
+import attnbias.backends.fa4 as fa4
+import attnbias.backends.triton as triton_backend
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CausalVariant,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+    planner,
+    use_backends,
+)
+from attnbias.backends import BACKENDS, Backend
+from attnbias.planner import PRIORITY, plan
+from attnbias.spec import Spec, make_spec
+
+NAMES = ("fa4", "triton", "sdpa", "sdpa+mask", "reference")
+# The backends a priority list leaves out are tried after it, in this order; FlashAttention 4
+# is tried only where a list names it.
+FALLBACK = ("triton", "sdpa", "sdpa+mask", "reference")
+
+
+# ------------------------------------------------------------------------------------------
+# Building calls
+
+
+def qkv(
+    *,
+    length_q: int = 16,
+    length_kv: int = 16,
+    head_dim: int = 64,
+    head_dim_v: int | None = None,
+    heads_q: int = 2,
+    heads_kv: int = 2,
+    dtype: torch.dtype = torch.bfloat16,
+    needs_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(heads: int, length: int, dim: int) -> Tensor:
+        x = torch.randn(1, heads, length, dim, generator=generator).to(dtype)
+        return x.requires_grad_(needs_grad)
+
+    return (
+        draw(heads_q, length_q, head_dim),
+        draw(heads_kv, length_kv, head_dim),
+        draw(heads_kv, length_kv, head_dim if head_dim_v is None else head_dim_v),
+    )
+
+
+def spec_of(
+    bias: AttnBias | None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    **shape: Any,
+) -> Spec:
+    q, k, v = qkv(**shape)
+    return make_spec(q, k, v, bias, is_causal, scale, dropout_p, q.shape[1] != k.shape[1])
+
+
+# One bias per kind of spec (``Lowered.kind``), for L = S = 16 and two query heads.
+KIND_BIASES: dict[str, Callable[[], AttnBias | None]] = {
+    "none": lambda: None,
+    "causal": causal_upper_left,
+    "band": lambda: SlidingWindowBias(3),
+    "documents": lambda: DocumentBias.from_seqlens([6, 10]),
+    "softcap": lambda: SoftcapBias(20.0),
+    "alibi": lambda: AlibiBias(num_heads=2),
+    "materialized": lambda: TensorBias(torch.zeros(16, 16)) + SlidingWindowBias(3),
+}
+
+
+def test_kind_biases_cover_every_kind_of_the_priority_tables() -> None:
+    for kind, make in KIND_BIASES.items():
+        assert spec_of(make()).lowered.kind == kind
+    listed = {kind for table in PRIORITY.values() for kind in table}
+    assert listed <= set(KIND_BIASES)
+
+
+def set_generation(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setattr(planner, "generation", lambda device: name)
+
+
+def fake_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    capability: tuple[int, int] = (9, 0),
+    fa4_installed: bool = True,
+) -> None:
+    """CPU tensors that the planner and FlashAttention 4's checks take for a GPU's."""
+    set_generation(monkeypatch, {9: "hopper", 10: "blackwell"}.get(capability[0], "cuda"))
+    monkeypatch.setattr(fa4, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(fa4, "_capability", lambda index: capability)
+    monkeypatch.setattr(fa4, "_installed", lambda: fa4_installed)
+    # the Triton kernel takes CPU tensors only under its interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_backend, "_triton_installed", lambda: True)
+
+
+def test_registry_and_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tuple(BACKENDS) == NAMES
+    assert all(backend.name == name for name, backend in BACKENDS.items())
+    assert planner.BACKENDS is attnbias.backends.BACKENDS  # what the fakes below patch
+    assert planner.generation(torch.device("cpu")) == "cpu"
+    for major, name in ((9, "hopper"), (10, "blackwell"), (8, "cuda"), (12, "cuda")):
+        monkeypatch.setattr(planner, "_major", lambda index, major=major: major)
+        assert planner.generation(torch.device("cuda", 0)) == name
+
+
+# ------------------------------------------------------------------------------------------
+# 1. The walk, with every backend faked
+
+
+class FakeBackend(Backend):
+    """Takes every dtype, refuses with ``refusals``, and fills its output with ``marker``."""
+
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+    def __init__(self, marker: float, log: list[str]) -> None:
+        self.marker = marker
+        self.refusals: list[str] = []
+        self.log = log
+
+    def reasons(self, spec: Spec) -> list[str]:
+        self.log.append(self.name)
+        return list(self.refusals)
+
+    def run(self, spec: Spec) -> Tensor:
+        batch, heads, length_q, _ = spec.shape
+        return torch.full((batch, heads, length_q, spec.head_dim_v), self.marker, dtype=spec.dtype)
+
+    def label(self, spec: Spec) -> str:
+        return f"{self.name}-route"
+
+    def how(self, spec: Spec) -> str:
+        return f"the fake {self.name}"
+
+
+@dataclasses.dataclass
+class Fakes:
+    backends: dict[str, FakeBackend]
+    log: list[str]  # the names whose reasons were asked for, in order
+
+    def refuse(self, name: str, *reasons: str) -> None:
+        self.backends[name].refusals = list(reasons)
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
+    log: list[str] = []
+    backends = {}
+    for marker, name in enumerate(NAMES, start=1):
+        cls = type(f"Fake{marker}", (FakeBackend,), {"name": name})
+        backends[name] = cls(float(marker), log)
+        monkeypatch.setitem(BACKENDS, name, backends[name])
+    return Fakes(backends, log)
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+@pytest.mark.parametrize("kind", list(KIND_BIASES))
+@pytest.mark.parametrize("gen", list(PRIORITY))
+def test_walk_follows_the_priority_list_then_the_fallback(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch, gen: str, kind: str, needs_grad: bool
+) -> None:
+    set_generation(monkeypatch, gen)
+    spec = spec_of(KIND_BIASES[kind](), dtype=torch.float32, needs_grad=needs_grad)
+    for name in NAMES:
+        fakes.refuse(name, f"{name} says no")
+    with pytest.raises(ValueError, match="no allowed backend") as info:
+        plan(spec)
+    listed = PRIORITY[gen].get(kind)
+    if listed is None:
+        preferred: tuple[str, ...] = ()
+    elif needs_grad and listed.training is not None:
+        preferred = listed.training
+    else:
+        preferred = listed.inference
+    walked = preferred + tuple(name for name in FALLBACK if name not in preferred)
+    assert fakes.log == list(walked)
+    message = str(info.value)
+    assert f"({gen}, {kind}, {'training' if needs_grad else 'inference'})" in message
+    for name in walked:
+        assert f"{name}: {name} says no" in message
+
+
+@pytest.mark.parametrize(
+    ("gen", "kind", "needs_grad", "order"),
+    [
+        ("hopper", "band", False, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "causal", True, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
+        ("hopper", "none", False, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
+        ("hopper", "softcap", False, ("triton", "fa4", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "softcap", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "documents", True, ("triton", "sdpa", "sdpa+mask", "reference")),
+        ("blackwell", "band", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("cuda", "band", False, ("triton", "sdpa", "sdpa+mask", "reference")),
+        ("cpu", "causal", False, ("sdpa", "triton", "sdpa+mask", "reference")),
+        ("cpu", "materialized", False, ("triton", "sdpa", "sdpa+mask", "reference")),
+    ],
+)
+def test_orders(
+    fakes: Fakes,
+    monkeypatch: pytest.MonkeyPatch,
+    gen: str,
+    kind: str,
+    needs_grad: bool,
+    order: tuple[str, ...],
+) -> None:
+    set_generation(monkeypatch, gen)
+    chosen = plan(spec_of(KIND_BIASES[kind](), needs_grad=needs_grad))
+    assert chosen.order == order
+    assert chosen.backend is fakes.backends[order[0]]
+    assert fakes.log == [order[0]]
+
+
+HOPPER_BAND = ("fa4", "triton", "sdpa", "sdpa+mask", "reference")
+
+
+@pytest.mark.parametrize("refusing", range(len(HOPPER_BAND)))
+def test_first_backend_without_reasons_runs_the_call(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch, refusing: int
+) -> None:
+    set_generation(monkeypatch, "hopper")
+    for name in HOPPER_BAND[:refusing]:
+        fakes.refuse(name, "no")
+    q, k, v = qkv()
+    out = attnbias.sdpa(q, k, v, attn_mask=SlidingWindowBias(3))
+    chosen = HOPPER_BAND[refusing]
+    assert fakes.log == list(HOPPER_BAND[: refusing + 1])
+    assert (out == fakes.backends[chosen].marker).all()
+    assert out.shape == q.shape
+
+
+def test_pinned_backends_are_tried_in_the_order_given(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(SlidingWindowBias(3))
+    with use_backends("sdpa+mask"):
+        chosen = plan(spec)
+        assert chosen.backend is fakes.backends["sdpa+mask"]
+        assert chosen.order == ("sdpa+mask",)
+        assert chosen.heading == "pinned by use_backends"
+    fakes.refuse("reference", "no")
+    fakes.log.clear()
+    with use_backends("reference", "sdpa"):
+        assert plan(spec).backend is fakes.backends["sdpa"]
+    assert fakes.log == ["reference", "sdpa"]
+
+
+def test_a_pinned_backend_that_cannot_run_raises_with_every_reason(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_generation(monkeypatch, "hopper")
+    fakes.refuse("triton", "reason one", "reason two")
+    q, k, v = qkv()
+    with use_backends("triton"), pytest.raises(ValueError) as info:
+        attnbias.sdpa(q, k, v, attn_mask=SlidingWindowBias(3))
+    message = str(info.value)
+    assert "triton: reason one; reason two" in message
+    assert "pinned by use_backends" in message
+    assert message.endswith("Allow more backends in use_backends(...)")
+    assert fakes.log == ["triton"]  # no silent fallback
+
+
+def test_the_real_fa4_pinned_on_cpu_names_its_reasons() -> None:
+    q, k, v = qkv()
+    with use_backends("fa4"), pytest.raises(ValueError) as info:
+        attnbias.sdpa(q, k, v, attn_mask=SlidingWindowBias(3))
+    assert "FlashAttention 4 needs CUDA tensors and these are on cpu" in str(info.value)
+
+
+def test_exclude_removes_backends(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(SlidingWindowBias(3))
+    with use_backends(exclude=["fa4"]):
+        chosen = plan(spec)
+    assert chosen.backend is fakes.backends["triton"]
+    assert chosen.order == ("triton", "sdpa", "sdpa+mask", "reference")
+    assert chosen.excluded == {"fa4"}
+    assert chosen.heading == "hopper, band, inference; excluded fa4"
+    assert "fa4" not in fakes.log
+    with use_backends("triton", exclude=["triton"]), pytest.raises(ValueError, match="Allow more"):
+        plan(spec)
+
+
+def test_nesting(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(SlidingWindowBias(3))
+    with use_backends("fa4", "triton"):
+        with use_backends("sdpa"):  # the inner pin replaces the outer one
+            assert plan(spec).order == ("sdpa",)
+        assert plan(spec).order == ("fa4", "triton")
+        with use_backends(exclude=["fa4"]):  # no inner pin: the outer one stays
+            assert plan(spec).order == ("triton",)
+    with use_backends(exclude=["fa4"]):
+        with use_backends(exclude=["triton"]):  # exclusions add up
+            chosen = plan(spec)
+            assert chosen.order == ("sdpa", "sdpa+mask", "reference")
+            assert chosen.excluded == {"fa4", "triton"}
+            assert chosen.heading.endswith("; excluded fa4, triton")
+        assert plan(spec).order == ("triton", "sdpa", "sdpa+mask", "reference")
+    assert plan(spec).order == HOPPER_BAND
+
+
+def test_regions_are_restored_after_an_exception(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(SlidingWindowBias(3))
+    with use_backends(exclude=["sdpa"]):
+        with pytest.raises(RuntimeError, match="inside"), use_backends("reference"):
+            assert plan(spec).order == ("reference",)
+            raise RuntimeError("inside")
+        assert plan(spec).order == ("fa4", "triton", "sdpa+mask", "reference")
+    assert plan(spec).order == HOPPER_BAND
+
+
+def test_regions_are_per_thread(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(SlidingWindowBias(3))
+    seen: list[tuple[str, ...]] = []
+    with use_backends("reference"):
+        thread = threading.Thread(target=lambda: seen.append(plan(spec).order))
+        thread.start()
+        thread.join()
+        assert plan(spec).order == ("reference",)
+    assert seen == [HOPPER_BAND]
+
+
+def test_bad_names(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    known = r"the backends are fa4, triton, sdpa, sdpa\+mask, reference"
+    pinned = rf"unknown backend 'flash' in the pinned names; {known}"
+    with pytest.raises(ValueError, match=pinned), use_backends("flash"):
+        pass
+    excluded = rf"unknown backend 'cudnn' in exclude; {known}"
+    with pytest.raises(ValueError, match=excluded), use_backends(exclude=["cudnn"]):
+        pass
+    string = r"got the string 'fa4'; write exclude=\['fa4'\]"
+    with pytest.raises(TypeError, match=string), use_backends(exclude="fa4"):
+        pass
+    set_generation(monkeypatch, "hopper")  # a refused region leaves nothing behind
+    assert plan(spec_of(SlidingWindowBias(3))).order == HOPPER_BAND
+
+
+def test_explain_lists_the_route_the_order_and_every_other_backend(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_generation(monkeypatch, "hopper")
+    fakes.refuse("fa4", "no A", "no B")
+    fakes.refuse("reference", "no C")
+    q, k, v = qkv()
+    with use_backends(exclude=["sdpa+mask"]):
+        text = attnbias.explain(q, k, v, attn_mask=SlidingWindowBias(3))
+    assert text.splitlines() == [
+        "triton-route: band -3 <= j - i <= 0 runs in the fake triton",
+        "  order (hopper, band, inference; excluded sdpa+mask): fa4 > triton > sdpa > reference",
+        "  fa4: no A; no B",
+        "  sdpa: could run it, after triton in the order",
+        "  sdpa+mask: could run it, but use_backends excludes it",
+        "  reference: no C",
+    ]
+    with use_backends("sdpa"):
+        text = attnbias.explain(q, k, v, attn_mask=SlidingWindowBias(3))
+    assert text.splitlines() == [
+        "sdpa-route: band -3 <= j - i <= 0 runs in the fake sdpa",
+        "  order (pinned by use_backends): sdpa",
+        "  fa4: no A; no B",
+        "  triton: could run it, but use_backends leaves it out",
+        "  sdpa+mask: could run it, but use_backends leaves it out",
+        "  reference: no C",
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# 2. The choice for every kind of spec on a faked Hopper GPU, and FlashAttention 4's reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    bias: Callable[[], AttnBias | None]
+    kind: str
+    # the backend chosen (inference, training) with FlashAttention 4 installed, then without
+    with_fa4: tuple[str, str]
+    without_fa4: tuple[str, str]
+    shape: dict[str, Any] = dataclasses.field(default_factory=dict)
+    is_causal: bool = False
+    dropout_p: float = 0.0
+
+
+CASES = {
+    # attn_mask=None: what the planner would choose, though sdpa sends it to stock SDPA
+    "none": Case(KIND_BIASES["none"], "none", ("fa4", "fa4"), ("sdpa", "sdpa")),
+    "no_op_window": Case(
+        lambda: SlidingWindowBias(None, None), "none", ("fa4", "fa4"), ("sdpa", "sdpa")
+    ),
+    # is_causal=True with a bias (attn_mask=None goes to stock SDPA without the planner)
+    "is_causal": Case(
+        lambda: SlidingWindowBias(None, None),
+        "causal",
+        ("fa4", "fa4"),
+        ("sdpa", "sdpa"),
+        is_causal=True,
+    ),
+    "causal_upper_left": Case(causal_upper_left, "causal", ("fa4", "fa4"), ("sdpa", "sdpa")),
+    "causal_lower_right_square": Case(
+        causal_lower_right, "causal", ("fa4", "fa4"), ("sdpa", "sdpa")
+    ),
+    "causal_float32": Case(
+        causal_upper_left, "causal", ("sdpa", "sdpa"), ("sdpa", "sdpa"), {"dtype": torch.float32}
+    ),
+    "causal_lower_right_l_lt_s": Case(
+        causal_lower_right,
+        "band",
+        ("fa4", "fa4"),
+        ("triton", "triton"),
+        {"length_q": 8, "length_kv": 16},
+    ),
+    "window": Case(KIND_BIASES["band"], "band", ("fa4", "fa4"), ("triton", "triton")),
+    "window_lower_right_l_gt_s": Case(
+        lambda: SlidingWindowBias(3) + causal_lower_right(),
+        "band",
+        ("fa4", "fa4"),
+        ("triton", "triton"),
+        {"length_q": 16, "length_kv": 8},
+    ),
+    "window_gqa_fp16": Case(
+        lambda: SlidingWindowBias(4, 2),
+        "band",
+        ("fa4", "fa4"),
+        ("triton", "triton"),
+        {"heads_q": 4, "heads_kv": 1, "dtype": torch.float16},
+    ),
+    "empty_band": Case(  # band 4 <= j - i <= 0
+        lambda: causal_upper_left() + SlidingWindowBias(0, None),
+        "band",
+        ("triton", "triton"),
+        ("triton", "triton"),
+        {"length_q": 4, "length_kv": 8},
+    ),
+    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("triton", "fa4"), ("triton", "triton")),
+    "gemma2": Case(
+        lambda: causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(30.0),
+        "softcap",
+        ("triton", "fa4"),
+        ("triton", "triton"),
+    ),
+    "documents": Case(
+        KIND_BIASES["documents"], "documents", ("triton", "triton"), ("triton", "triton")
+    ),
+    "documents_causal": Case(
+        lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right(),
+        "documents",
+        ("triton", "triton"),
+        ("triton", "triton"),
+    ),
+    "alibi": Case(KIND_BIASES["alibi"], "alibi", ("triton", "triton"), ("triton", "triton")),
+    "materialized": Case(
+        KIND_BIASES["materialized"],
+        "materialized",
+        ("sdpa+mask", "sdpa+mask"),
+        ("sdpa+mask", "sdpa+mask"),
+    ),
+    "materialized_softcap": Case(
+        lambda: TensorBias(torch.zeros(16, 16)) + SoftcapBias(5.0),
+        "materialized",
+        ("reference", "reference"),
+        ("reference", "reference"),
+    ),
+    "causal_dropout": Case(
+        causal_upper_left, "causal", ("sdpa", "sdpa"), ("sdpa", "sdpa"), dropout_p=0.1
+    ),
+    "band_dropout": Case(
+        KIND_BIASES["band"],
+        "band",
+        ("sdpa+mask", "sdpa+mask"),
+        ("sdpa+mask", "sdpa+mask"),
+        dropout_p=0.1,
+    ),
+    "softcap_dropout": Case(
+        KIND_BIASES["softcap"],
+        "softcap",
+        ("reference", "reference"),
+        ("reference", "reference"),
+        dropout_p=0.1,
+    ),
+}
+
+
+def test_cases_cover_every_kind() -> None:
+    assert {case.kind for case in CASES.values()} == set(KIND_BIASES)
+
+
+@pytest.mark.parametrize("needs_grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("fa4_installed", [True, False], ids=["fa4", "no_fa4"])
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)], ids=["hopper", "blackwell"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_choice_on_a_faked_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    capability: tuple[int, int],
+    fa4_installed: bool,
+    needs_grad: bool,
+) -> None:
+    fake_gpu(monkeypatch, capability=capability, fa4_installed=fa4_installed)
+    case = CASES[name]
+    spec = spec_of(
+        case.bias(),
+        is_causal=case.is_causal,
+        dropout_p=case.dropout_p,
+        needs_grad=needs_grad,
+        **case.shape,
+    )
+    assert spec.lowered.kind == case.kind
+    assert spec.needs_grad == needs_grad
+    expected = (case.with_fa4 if fa4_installed else case.without_fa4)[needs_grad]
+    chosen = plan(spec)
+    assert chosen.backend.name == expected
+    # the order starts with the list of the priority table for this generation and kind
+    gen = {9: "hopper", 10: "blackwell"}[capability[0]]
+    assert chosen.heading == f"{gen}, {case.kind}, {'training' if needs_grad else 'inference'}"
+    listed = PRIORITY[gen].get(case.kind)
+    if listed is not None:
+        preferred = listed.training if needs_grad and listed.training else listed.inference
+        assert chosen.order[: len(preferred)] == preferred
+    # every backend before the chosen one was refused, with its reasons
+    before = chosen.order[: chosen.order.index(expected)]
+    assert list(chosen.skipped) == list(before)
+    assert all(chosen.skipped[n] for n in before)
+    if case.dropout_p > 0:
+        assert expected not in ("fa4", "triton")
+        assert any("dropout" in r for r in BACKENDS["triton"].not_supported_reasons(spec))
+    # explain (the public entry point) names the same route; without a bias object sdpa
+    # does not plan at all and calls stock SDPA
+    q, k, v = qkv(needs_grad=needs_grad, **case.shape)
+    bias = case.bias()
+    route = attnbias.explain(
+        q,
+        k,
+        v,
+        attn_mask=bias,
+        is_causal=case.is_causal,
+        dropout_p=case.dropout_p,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    if bias is None:
+        assert route == "sdpa: no mask: stock SDPA"
+    else:
+        assert route.split(":")[0].split("(")[0] == expected, route
+
+
+def test_a_compiled_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch)
+    for bias, needs_grad in ((SlidingWindowBias(3), False), (SoftcapBias(20.0), True)):
+        spec = spec_of(bias, needs_grad=needs_grad)
+        assert plan(spec).backend.name == "fa4"
+        compiled = plan(dataclasses.replace(spec, compiling=True))
+        assert compiled.backend.name == "triton"
+        assert "torch.compile cannot trace FlashAttention 4" in compiled.skipped["fa4"][0]
+
+
+def fa4_reasons(spec: Spec) -> list[str]:
+    return BACKENDS["fa4"].not_supported_reasons(spec)
+
+
+@pytest.mark.parametrize(
+    ("capability", "bias", "kwargs"),
+    [
+        ((9, 0), causal_upper_left(), {}),
+        ((9, 0), SlidingWindowBias(5, 2), {"length_q": 5, "length_kv": 16}),
+        ((9, 0), SoftcapBias(1.0) + causal_lower_right(), {"length_q": 16, "length_kv": 5}),
+        ((9, 0), None, {"heads_q": 4, "heads_kv": 1, "dtype": torch.float16}),
+        ((9, 0), SlidingWindowBias(3), {"head_dim": 40}),
+        ((9, 0), SlidingWindowBias(3), {"head_dim": 8, "dtype": torch.float16}),
+        ((9, 0), SlidingWindowBias(3), {"head_dim": 256, "needs_grad": True}),
+        ((9, 0), SlidingWindowBias(3), {"scale": 1e-3}),
+        ((10, 0), SlidingWindowBias(3), {"head_dim": 192, "head_dim_v": 128}),
+        ((10, 0), SoftcapBias(2.0), {"head_dim": 256}),
+        ((10, 0), SoftcapBias(2.0), {"head_dim": 128, "needs_grad": True}),
+    ],
+)
+def test_fa4_takes(
+    monkeypatch: pytest.MonkeyPatch,
+    capability: tuple[int, int],
+    bias: AttnBias | None,
+    kwargs: dict[str, Any],
+) -> None:
+    fake_gpu(monkeypatch, capability=capability)
+    assert fa4_reasons(spec_of(bias, **kwargs)) == []
+
+
+# Each differs from a call FlashAttention 4 takes by one thing, and gets one reason naming it.
+REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
+    "float32": ({}, lambda: spec_of(None, dtype=torch.float32), "dtype torch.float32 is not"),
+    "head_dim_36_bf16": (
+        {},
+        lambda: spec_of(None, head_dim=36),
+        "head dims (36, 36) are not multiples of 8",
+    ),
+    "head_dim_v_20_fp16": (
+        {},
+        lambda: spec_of(None, head_dim_v=20, dtype=torch.float16),
+        "head dims (64, 20) are not multiples of 8",
+    ),
+    "head_dim_512": (
+        {},
+        lambda: spec_of(None, head_dim=512),
+        "head dims (512, 512) are outside 8..256 on compute capability 9",
+    ),
+    "head_dim_512_blackwell": (
+        {"capability": (10, 0)},
+        lambda: spec_of(None, head_dim=512),
+        "head dims (512, 512) are not supported on compute capability 10",
+    ),
+    "softcap_backward_256_blackwell": (
+        {"capability": (10, 0)},
+        lambda: spec_of(SoftcapBias(2.0), head_dim=256, needs_grad=True),
+        "its backward at head dim 256 has no soft-cap on capability 10",
+    ),
+    "capability_8": (
+        {"capability": (8, 0)},
+        lambda: spec_of(causal_upper_left()),
+        "compute capability 8.x is not one of FlashAttention 4's here (9.x, 10.x)",
+    ),
+    "capability_12": (
+        {"capability": (12, 0)},
+        lambda: spec_of(causal_upper_left()),
+        "compute capability 12.x is not one of",
+    ),
+    "scale_0": ({}, lambda: spec_of(causal_upper_left(), scale=0.0), "scale=0.0 is not positive"),
+    "scale_negative": (
+        {},
+        lambda: spec_of(causal_upper_left(), scale=-0.5),
+        "scale=-0.5 is not positive",
+    ),
+    "empty_band": (
+        {},
+        lambda: spec_of(causal_upper_left() + SlidingWindowBias(0, None), length_q=4, length_kv=8),
+        "4 <= j - i <= 0 keeps no pair",
+    ),
+    "compiling": (
+        {},
+        lambda: dataclasses.replace(spec_of(causal_upper_left()), compiling=True),
+        "torch.compile cannot trace FlashAttention 4",
+    ),
+    "dropout": (
+        {},
+        lambda: spec_of(causal_upper_left(), dropout_p=0.25),
+        "dropout_p=0.25: FlashAttention 4 has no dropout",
+    ),
+    "documents": (
+        {},
+        lambda: spec_of(DocumentBias.from_seqlens([6, 10])),
+        "documents are not taken",
+    ),
+    "alibi": ({}, lambda: spec_of(AlibiBias(num_heads=2)), "ALiBi is not taken"),
+    "tensor_bias": (
+        {},
+        lambda: spec_of(TensorBias(torch.zeros(16, 16)) + SoftcapBias(2.0)),
+        "TensorBias has no FlashAttention 4 form",
+    ),
+    "empty_dim": (
+        {},
+        lambda: spec_of(None, length_q=0),
+        "an empty dimension in (B, Hq, L, S)=(1, 2, 0, 16)",
+    ),
+    "not_installed": (
+        {"fa4_installed": False},
+        lambda: spec_of(causal_upper_left()),
+        'flash_attn.cute is not installed (pip install "attnbias[fa4]")',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_fa4_reasons_name_the_value(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    gpu, make, expected = REFUSALS[name]
+    fake_gpu(monkeypatch, **gpu)
+    reasons = fa4_reasons(make())
+    assert len(reasons) == 1, reasons
+    assert expected in reasons[0]
+
+
+def test_fa4_on_cpu_tensors_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fa4, "_installed", lambda: True)
+    assert fa4_reasons(spec_of(causal_upper_left())) == [
+        "FlashAttention 4 needs CUDA tensors and these are on cpu"
+    ]
+
+
+def test_the_empty_band_is_empty_and_would_be_unmasked_on_fa4() -> None:
+    """Why FlashAttention 4 refuses the empty band: its window has left + right < 0, which
+    FlashAttention reads as no window at all."""
+    bias = causal_upper_left() + SlidingWindowBias(0, None)
+    assert torch.isneginf(bias.materialize(shape=(4, 8))).all()
+    spec = spec_of(bias, length_q=4, length_kv=8)
+    assert spec.lowered.band_is_empty
+    assert fa4.window_size(spec.lowered, 4, 8) == (0, -4)
+    q, k, v = (x.transpose(1, 2) for x in qkv(length_q=4, length_kv=8))
+    out, _ = fa4_standin(q, k, v, window_size=(0, -4))
+    assert out.abs().sum() > 0  # not the zeros the bias asks for
+
+
+# ------------------------------------------------------------------------------------------
+# 3. FlashAttention 4's argument translation, through a stand-in with its documented semantics
+
+
+def fa4_standin(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+) -> tuple[Tensor, None]:
+    """``flash_attn.cute.flash_attn_func`` in float64 torch, on ``(B, L, H, E)`` tensors.
+
+    FlashAttention keeps ``i + (S - L) - left <= j <= i + (S - L) + right`` (``None``: that
+    side is open); ``causal=True`` means ``right = 0``; a window with ``left + right < 0``
+    (in particular two negative sides) is read as no window at all. Soft-cap is
+    ``cap * tanh(s / cap)`` on the scaled scores, and a query head ``h`` uses the key/value
+    head ``h // (Hq // Hkv)``. A row that keeps no key gives 0.
+    """
+    for tensor in (q, k, v):
+        assert tensor.dim() == 4 and tensor.stride(-1) == 1, tensor.stride()
+    _, length_q, heads_q, head_dim = q.shape
+    length_kv, heads_kv = k.shape[1], k.shape[2]
+    assert heads_q % heads_kv == 0
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    query, key, value = (x.double().transpose(1, 2) for x in (q, k, v))  # (B, H, seq, E)
+    key = key.repeat_interleave(heads_q // heads_kv, dim=1)
+    value = value.repeat_interleave(heads_q // heads_kv, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    rows = torch.arange(length_q)[:, None] + (length_kv - length_q)
+    cols = torch.arange(length_kv)[None, :]
+    keep = torch.ones(length_q, length_kv, dtype=torch.bool)
+    if left is not None:
+        keep &= cols >= rows - left
+    if right is not None:
+        keep &= cols <= rows + right
+    any_kept = keep.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~keep, -math.inf).masked_fill(~any_kept, 0.0)
+    weights = torch.softmax(scores, dim=-1) * any_kept
+    return (weights @ value).transpose(1, 2).to(q.dtype), None
+
+
+def test_the_standin_matches_the_oracle_on_flash_attention_windows() -> None:
+    """The stand-in itself, on windows ``SlidingWindowBias`` defines as FlashAttention's."""
+    q, k, v = qkv(length_q=7, length_kv=12, heads_q=4, heads_kv=2, dtype=torch.float64)
+    for left, right in ((None, None), (2, 0), (None, 0), (3, None), (1, 4), (0, 0)):
+        out, _ = fa4_standin(*(x.transpose(1, 2) for x in (q, k, v)), window_size=(left, right))
+        expected = attention(q, k, v, SlidingWindowBias(left, right), enable_gqa=True)
+        torch.testing.assert_close(out.transpose(1, 2), expected)
+    out, _ = fa4_standin(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, softcap=2.0)
+    expected = attention(q, k, v, causal_lower_right() + SoftcapBias(2.0), enable_gqa=True)
+    torch.testing.assert_close(out.transpose(1, 2), expected)
+
+
+class Recorder:
+    """Stands in for ``flash_attn_func`` and keeps the arguments of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
+        self.calls.append(kwargs)
+        return fa4_standin(q, k, v, **kwargs)
+
+
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    fake_gpu(monkeypatch)
+    recorder = Recorder()
+    monkeypatch.setattr(fa4, "_flash_attn_func", lambda: recorder)
+    return recorder
+
+
+def check_on_fa4(problem: Problem, recorder: Recorder, seed: int = 0) -> None:
+    q, k, v, grad_out = problem.tensors(seed)
+    kwargs = dict(
+        scale=problem.scale,
+        is_causal=problem.is_causal,
+        enable_gqa=problem.heads_q != problem.heads_kv,
+    )
+    recorder.calls.clear()
+    with use_backends("fa4"):
+        route = attnbias.explain(q, k, v, attn_mask=problem.bias, **kwargs)
+        results = run_with_grads(
+            lambda *t: attnbias.sdpa(*t, attn_mask=problem.bias, **kwargs), (q, k, v), grad_out
+        )
+    assert route.startswith("fa4:"), route
+    assert len(recorder.calls) == 1
+    expected = run_with_grads(
+        lambda *t: attention(*t, problem.bias, **kwargs),
+        (q.double(), k.double(), v.double()),
+        grad_out.double(),
+    )
+    low = run_with_grads(
+        lambda *t: attention(*t, problem.bias, dtype=problem.dtype, **kwargs), (q, k, v), grad_out
+    )
+    assert results[0].dtype == problem.dtype
+    assert results[0].shape == q.shape
+    assert_close_to_oracle(results, expected, low, problem.dtype, ("out", "dq", "dk", "dv"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FA4Case:
+    bias: AttnBias
+    length_q: int
+    length_kv: int
+    window: tuple[int | None, int | None]  # the window_size FlashAttention 4 gets
+    softcap: float = 0.0  # the softcap it gets
+    is_causal: bool = False
+    heads: tuple[int, int] = (2, 2)  # (Hq, Hkv)
+    scale: float | None = None
+
+
+FA4_CASES = {
+    "causal_upper_left_l_lt_s": FA4Case(causal_upper_left(), 8, 16, (None, -8)),
+    "causal_upper_left_l_gt_s": FA4Case(causal_upper_left(), 16, 8, (None, 8)),
+    "causal_lower_right_l_gt_s": FA4Case(causal_lower_right(), 16, 8, (None, 0)),
+    "causal_lower_right_l_lt_s": FA4Case(causal_lower_right(), 8, 16, (None, 0)),
+    "is_causal": FA4Case(SlidingWindowBias(None, None), 10, 10, (None, 0), is_causal=True),
+    "window": FA4Case(SlidingWindowBias(3), 12, 12, (3, 0)),
+    "window_two_sided": FA4Case(SlidingWindowBias(2, 3), 9, 15, (2, 3)),
+    "window_left_open_l_gt_s": FA4Case(SlidingWindowBias(None, 2), 15, 9, (None, 2)),
+    "window_l_gt_s_empty_rows": FA4Case(SlidingWindowBias(1, 1), 12, 5, (1, 1)),
+    "window_upper_left": FA4Case(causal_upper_left() + SlidingWindowBias(10), 6, 12, (10, -6)),
+    "is_causal_window_right": FA4Case(
+        SlidingWindowBias(None, 3), 12, 20, (None, -8), is_causal=True
+    ),
+    "wide_window_is_none": FA4Case(SlidingWindowBias(20, 20), 8, 8, (None, None)),
+    "gemma2_gqa_scale": FA4Case(
+        causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(2.0),
+        16,
+        16,
+        (7, 0),
+        softcap=2.0,
+        heads=(4, 2),
+        scale=0.3,
+    ),
+    "softcap_gqa": FA4Case(SoftcapBias(1.5), 10, 14, (None, None), softcap=1.5, heads=(4, 2)),
+    "softcap_mqa_scale": FA4Case(
+        SoftcapBias(0.5) + causal_upper_left(),
+        9,
+        6,
+        (None, 3),
+        softcap=0.5,
+        heads=(4, 1),
+        scale=1.7,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(FA4_CASES))
+def test_fa4_arguments_against_the_oracle(standin: Recorder, name: str, dtype: torch.dtype) -> None:
+    case = FA4_CASES[name]
+    problem = Problem(
+        batch=2,
+        heads_q=case.heads[0],
+        heads_kv=case.heads[1],
+        length_q=case.length_q,
+        length_kv=case.length_kv,
+        head_dim=16,
+        dtype=dtype,
+        bias=case.bias,
+        is_causal=case.is_causal,
+        scale=case.scale,
+    )
+    check_on_fa4(problem, standin)
+    (call,) = standin.calls
+    assert call["window_size"] == case.window
+    assert call["softcap"] == case.softcap
+    assert call["softmax_scale"] == pytest.approx(0.25 if case.scale is None else case.scale)
+
+
+def test_explain_shows_fa4_window_size(standin: Recorder) -> None:
+    q, k, v = qkv(length_q=6, length_kv=12)
+    text = attnbias.explain(q, k, v, attn_mask=causal_upper_left() + SlidingWindowBias(10))
+    assert text.startswith("fa4: band -4 <= j - i <= 0 runs in FlashAttention 4 (")
+    assert "window_size=(10, -6)" in text.splitlines()[0]
+    with use_backends("fa4"):  # soft-cap without gradients prefers the Triton kernel
+        text = attnbias.explain(
+            q, k, v, attn_mask=causal_lower_right() + SlidingWindowBias(2) + SoftcapBias(30.0)
+        )
+    assert "FlashAttention 4 (window_size=(2, 0), softcap=30)" in text.splitlines()[0]
+    assert standin.calls == []  # explain computes nothing
+
+
+@st.composite
+def fa4_problems(draw: st.DrawFn, max_len: int = 24) -> Problem:
+    """Calls FlashAttention 4 takes: any band (never an empty one), soft-cap, GQA, a scale."""
+    length_q = draw(st.integers(1, max_len))
+    length_kv = draw(st.integers(1, max_len))
+    heads_q, heads_kv = draw(st.sampled_from([(1, 1), (2, 2), (2, 1), (4, 2), (4, 1)]))
+    is_causal = draw(st.booleans())
+    variant = draw(st.sampled_from([None, CausalVariant.UPPER_LEFT, CausalVariant.LOWER_RIGHT]))
+    parts: list[AttnBias] = [] if variant is None else [CausalBias(variant)]
+    if draw(st.integers(0, 2)) > 0:  # a window in two calls out of three
+        # Under an upper-left causal mask (j - i <= 0) the window must reach back to j - i = 0,
+        # i.e. window_left >= S - L, or the band keeps no pair.
+        upper_left = is_causal or variant is CausalVariant.UPPER_LEFT
+        least = max(0, length_kv - length_q) if upper_left else 0
+        left = draw(st.one_of(st.none(), st.integers(least, least + max_len)))
+        right = draw(st.one_of(st.none(), st.integers(0, max_len)))
+        parts.append(SlidingWindowBias(left, right))
+    if draw(st.booleans()):
+        parts.append(SoftcapBias(draw(st.sampled_from([0.5, 2.0, 20.0]))))
+    # with attn_mask=None sdpa goes to stock SDPA: an empty window keeps the call on the planner
+    bias: AttnBias = SlidingWindowBias(None, None)
+    for n, part in enumerate(parts):
+        bias = part if n == 0 else bias + part
+    return Problem(
+        batch=draw(st.integers(1, 2)),
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        length_q=length_q,
+        length_kv=length_kv,
+        head_dim=draw(st.sampled_from([8, 16, 24])),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
+        bias=bias,
+        is_causal=is_causal,
+        scale=draw(st.sampled_from([None, 0.3, 1.7])),
+    )
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=fa4_problems(), seed=st.integers(0, 2**16))
+def test_fa4_bands_against_the_oracle(standin: Recorder, problem: Problem, seed: int) -> None:
+    check_on_fa4(problem, standin, seed)
