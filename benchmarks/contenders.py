@@ -3,6 +3,7 @@ gradients are checked against the reference and then timed."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,22 @@ def prepare_attnbias(case: Case, inputs: Inputs, cfg: Config) -> Prepared:
     bias = case.make_bias()
     q, k, v = inputs.leaves()
     return Prepared(lambda: attnbias.sdpa(q, k, v, attn_mask=bias))
+
+
+def _prepare_pinned(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Prepared:
+    """attnbias on one backend: the measurements behind the planner's priority lists."""
+    bias = case.make_bias()
+    q, k, v = inputs.leaves()
+
+    def forward() -> Tensor:
+        with attnbias.use_backends(backend):
+            return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+    try:
+        forward()
+    except ValueError as exc:  # the backend cannot take this case: its reasons
+        raise NotApplicable(str(exc).split(". ", 1)[-1]) from exc
+    return Prepared(forward)
 
 
 def _prepare_flex(
@@ -268,6 +285,8 @@ def stock_backend_used(forward: Forward) -> str:
 
 CONTENDERS: dict[str, Callable[[Case, Inputs, Config], Prepared]] = {
     "attnbias": prepare_attnbias,
+    "attnbias-fa4": functools.partial(_prepare_pinned, "fa4"),
+    "attnbias-triton": functools.partial(_prepare_pinned, "triton"),
     "flex": prepare_flex,
     "flex-flash": prepare_flex_flash,
     "fa4": prepare_fa4,

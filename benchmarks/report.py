@@ -63,12 +63,17 @@ def error_excess(row: Row, others: list[Row]) -> list[str]:
     return failures
 
 
+def is_peer(contender: str) -> bool:
+    """Peers are the other libraries; attnbias pinned to one backend is a diagnostic row."""
+    return not contender.startswith("attnbias")
+
+
 def check_verdict(rows: list[Row]) -> str:
     """attnbias passes when its errors are at most twice the best peer's (plus a little)."""
     mine = next((r for r in rows if r.contender == "attnbias"), None)
     if mine is None or mine.err_out is None:
         return "not run"
-    peers = [r for r in rows if r.contender != "attnbias" and r.err_out is not None]
+    peers = [r for r in rows if is_peer(r.contender) and r.err_out is not None]
     if not peers:
         return "no peer"
     failures = error_excess(mine, peers)
@@ -90,7 +95,7 @@ def fastest_peer(case_rows: list[Row], attr: str) -> Row | None:
     peers = [
         r
         for r in case_rows
-        if r.contender != "attnbias" and getattr(r, attr) is not None and passed_check(r, case_rows)
+        if is_peer(r.contender) and getattr(r, attr) is not None and passed_check(r, case_rows)
     ]
     return min(peers, key=lambda r: getattr(r, attr), default=None)
 

@@ -127,6 +127,10 @@ FA4_BIASES = {
     "softcap_causal": lambda: SoftcapBias(20.0) + causal_upper_left(),
     "gemma2": lambda: SlidingWindowBias(300) + SoftcapBias(30.0) + causal_lower_right(),
     "softcap": lambda: SoftcapBias(30.0),
+    "alibi_causal": lambda: AlibiBias(num_heads=8) + causal_lower_right(),
+    "alibi_window": lambda: (
+        AlibiBias(slopes=torch.linspace(0.01, 0.5, 8)) + SlidingWindowBias(90, 40)
+    ),
 }
 
 
@@ -147,6 +151,28 @@ def test_fa4_head_dims_and_lengths(head_dim: int, length_q: int, length_kv: int)
         with use_backends("fa4"):
             check(FA4_BIASES[name](), torch.bfloat16, 1, 4, 4, length_q, length_kv, head_dim,
                   routes=("fa4",))  # fmt: skip
+
+
+FA4_DOCUMENTS = {
+    "packed_causal": (lambda: [300, 41, 500, 183], None, causal_lower_right, 1024, 1024),
+    "packed_window": (lambda: [700, 1, 323], None, lambda: SlidingWindowBias(64), 1024, 1024),
+    "packed_bidirectional": (lambda: [129, 895], None, lambda: None, 1024, 1024),
+    # a chunk of new queries at the end of each document's keys (same offset for each)
+    "suffix_queries": (lambda: [100, 200], lambda: [400, 500], causal_lower_right, 300, 900),
+}
+
+
+@needs_fa4
+@pytest.mark.parametrize("name", list(FA4_DOCUMENTS))
+def test_fa4_documents(name: str) -> None:
+    q_lengths, kv_lengths, band, length_q, length_kv = FA4_DOCUMENTS[name]
+    docs = DocumentBias.from_seqlens(
+        q_lengths(), None if kv_lengths is None else kv_lengths(), device="cuda"
+    )
+    extra = band()
+    bias = docs if extra is None else docs + extra
+    with use_backends("fa4"):
+        check(bias, torch.bfloat16, 1, 8, 2, length_q, length_kv, 128, routes=("fa4",))
 
 
 @needs_fa4

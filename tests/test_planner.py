@@ -9,6 +9,7 @@ Nothing here needs a GPU: the GPU generation, FlashAttention 4's install and dev
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -679,12 +680,45 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         lambda: spec_of(causal_upper_left(), dropout_p=0.25),
         "dropout_p=0.25: FlashAttention 4 has no dropout",
     ),
-    "documents": (
+    "documents_per_row": (
         {},
-        lambda: spec_of(DocumentBias.from_seqlens([6, 10])),
-        "documents are not taken",
+        lambda: spec_of(DocumentBias(torch.tensor([[0] * 16, [0] * 8 + [1] * 8]))),
+        "document ids per batch row",
     ),
-    "alibi": ({}, lambda: spec_of(AlibiBias(num_heads=2)), "ALiBi is not taken"),
+    "documents_one_sided": (
+        {},
+        lambda: spec_of(
+            DocumentBias(torch.tensor([0] * 8 + [1] * 8), torch.tensor([0] * 8 + [2] * 8))
+        ),
+        "a document has queries but no keys, or keys but no queries",
+    ),
+    "documents_uneven_ends_with_band": (
+        {},
+        lambda: spec_of(
+            DocumentBias.from_seqlens([4, 12], [10, 6]) + causal_lower_right(),
+        ),
+        "do not end at one offset, so the band is no single window",
+    ),
+    "two_document_biases": (
+        {},
+        lambda: spec_of(DocumentBias.from_seqlens([6, 10]) + DocumentBias.from_seqlens([8, 8])),
+        "more than one DocumentBias in the sum",
+    ),
+    "documents_with_alibi": (
+        {},
+        lambda: spec_of(DocumentBias.from_seqlens([6, 10]) + AlibiBias(num_heads=2)),
+        "ALiBi with documents",
+    ),
+    "alibi_with_softcap": (
+        {},
+        lambda: spec_of(AlibiBias(num_heads=2) + SoftcapBias(5.0)),
+        "ALiBi together with soft-cap",
+    ),
+    "alibi_slopes_require_grad": (
+        {},
+        lambda: spec_of(AlibiBias(slopes=torch.tensor([0.5, 0.25], requires_grad=True))),
+        "ALiBi slopes that require grad",
+    ),
     "tensor_bias": (
         {},
         lambda: spec_of(TensorBias(torch.zeros(16, 16)) + SoftcapBias(2.0)),
@@ -726,7 +760,7 @@ def test_the_empty_band_is_empty_and_would_be_unmasked_on_fa4() -> None:
     assert torch.isneginf(bias.materialize(shape=(4, 8))).all()
     spec = spec_of(bias, length_q=4, length_kv=8)
     assert spec.lowered.band_is_empty
-    assert fa4.window_size(spec.lowered, 4, 8) == (0, -4)
+    assert fa4.window_size(spec.lowered, 8 - 4) == (0, -4)
     q, k, v = (x.transpose(1, 2) for x in qkv(length_q=4, length_kv=8))
     out, _ = fa4_standin(q, k, v, window_size=(0, -4))
     assert out.abs().sum() > 0  # not the zeros the bias asks for
@@ -744,8 +778,15 @@ def fa4_standin(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
+    score_mod: Any = None,
+    score_mod_bwd: Any = None,
+    aux_tensors: list[Tensor] | None = None,
+    pack_gqa: bool | None = None,
 ) -> tuple[Tensor, None]:
     """``flash_attn.cute.flash_attn_func`` in float64 torch, on ``(B, L, H, E)`` tensors.
+
+    A ``score_mod`` with ``aux_tensors=[slopes]`` stands for the library's ALiBi score
+    modifier: FlashAttention 2's ``alibi_slopes``, ``-slope[h] * |i + (S - L) - j|``.
 
     FlashAttention keeps ``i + (S - L) - left <= j <= i + (S - L) + right`` (``None``: that
     side is open); ``causal=True`` means ``right = 0``; a window with ``left + right < 0``
@@ -765,6 +806,13 @@ def fa4_standin(
     scores = (query @ key.transpose(-1, -2)) * scale
     if softcap > 0.0:
         scores = softcap * torch.tanh(scores / softcap)
+    assert (score_mod is None) == (aux_tensors is None) == (score_mod_bwd is None)
+    if aux_tensors is not None:
+        (slopes,) = aux_tensors
+        assert slopes.shape == (heads_q,) and pack_gqa is False
+        rows = torch.arange(length_q)[:, None] + (length_kv - length_q)
+        distance = (rows - torch.arange(length_kv)[None, :]).abs().double()
+        scores = scores - slopes.double()[:, None, None] * distance
     left, right = window_size
     if causal:
         right = 0
@@ -795,15 +843,43 @@ def test_the_standin_matches_the_oracle_on_flash_attention_windows() -> None:
     torch.testing.assert_close(out.transpose(1, 2), expected)
 
 
+def fa4_varlen_standin(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``flash_attn_varlen_func`` on ``(total, H, E)``: each sequence on its own, with its own
+    ``S - L`` in the window."""
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max_seqlen_q == max(b - a for a, b in itertools.pairwise(bounds_q))
+    assert max_seqlen_k == max(b - a for a, b in itertools.pairwise(bounds_k))
+    outs = [
+        fa4_standin(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)[0][0]
+        for (q0, q1), (k0, k1) in zip(
+            itertools.pairwise(bounds_q), itertools.pairwise(bounds_k), strict=True
+        )
+    ]
+    assert bounds_q[-1] == q.shape[0] and bounds_k[-1] == k.shape[0]
+    return torch.cat(outs), None
+
+
 class Recorder:
     """Stands in for ``flash_attn_func`` and keeps the arguments of each call."""
 
-    def __init__(self) -> None:
+    def __init__(self, function: Any = fa4_standin) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.function = function
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> tuple[Tensor, None]:
         self.calls.append(kwargs)
-        return fa4_standin(q, k, v, **kwargs)
+        return self.function(q, k, v, **kwargs)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -811,6 +887,9 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     fake_gpu(monkeypatch)
     recorder = Recorder()
     monkeypatch.setattr(fa4, "_flash_attn_func", lambda: recorder)
+    monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: Recorder(fa4_varlen_standin))
+    # the score modifiers are CuTe code: the stand-in reads their meaning from aux_tensors
+    monkeypatch.setattr(fa4, "_alibi_score_mods", lambda: ("alibi", "alibi_bwd"))
     return recorder
 
 
@@ -968,3 +1047,72 @@ def fa4_problems(draw: st.DrawFn, max_len: int = 24) -> Problem:
 @given(problem=fa4_problems(), seed=st.integers(0, 2**16))
 def test_fa4_bands_against_the_oracle(standin: Recorder, problem: Problem, seed: int) -> None:
     check_on_fa4(problem, standin, seed)
+
+
+VARLEN_CASES = {
+    "packed_causal": (
+        DocumentBias.from_seqlens([3, 6, 5]) + causal_lower_right(), 14, 14, (None, 0)
+    ),
+    "packed_window": (
+        DocumentBias.from_seqlens([7, 2, 5]) + SlidingWindowBias(2) + causal_upper_left(),
+        14, 14, (2, 0),
+    ),
+    "packed_bidirectional": (DocumentBias.from_seqlens([4, 9]), 13, 13, (None, None)),
+    # every document's keys end 2 after its queries: the band shifts by that offset
+    "suffix_queries": (
+        DocumentBias.from_seqlens([2, 3], [4, 3]) + causal_lower_right(), 5, 7, (None, 0)
+    ),
+    "suffix_queries_upper_left": (
+        DocumentBias.from_seqlens([2, 3], [4, 3]) + causal_upper_left(), 5, 7, (None, -2)
+    ),
+    "suffix_queries_softcap": (
+        DocumentBias.from_seqlens([3, 1], [5, 1]) + causal_lower_right() + SoftcapBias(3.0),
+        4, 6, (None, 0),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_documents_through_the_varlen_standin_match_the_oracle(
+    standin: Recorder, monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype
+) -> None:
+    bias, length_q, length_kv, window = VARLEN_CASES[name]
+    varlen = Recorder(fa4_varlen_standin)
+    monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: varlen)
+    problem = Problem(1, 4, 2, length_q, length_kv, 16, dtype, bias, False, None)
+    check_on_fa4(problem, varlen)
+    assert varlen.calls[0]["window_size"] == window
+    assert not standin.calls  # documents never take the dense entry point
+
+
+def test_varlen_layout_of_documents() -> None:
+    layout = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"))
+    assert layout.cu_seqlens_q.tolist() == [0, 2, 5]
+    assert layout.cu_seqlens_k.tolist() == [0, 4, 7]
+    assert (layout.max_seqlen_q, layout.max_seqlen_k) == (3, 4)
+    assert layout.end_offset == 2 and layout.problem is None
+    uneven = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [3, 4]), torch.device("cpu"))
+    assert uneven.end_offset is None and uneven.problem is None
+    bias = DocumentBias.from_seqlens([5, 5])
+    assert fa4.varlen_layout(bias, torch.device("cpu")) is fa4.varlen_layout(
+        bias, torch.device("cpu")
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("bias", "length_q", "length_kv"),
+    [
+        (AlibiBias(num_heads=4) + causal_upper_left(), 9, 9),
+        (AlibiBias(num_heads=4) + causal_lower_right(), 6, 11),
+        (AlibiBias(slopes=torch.tensor([0.5, 0.1, 0.02, 1.0])) + SlidingWindowBias(3, 2), 11, 7),
+    ],
+)
+def test_alibi_through_the_standin_matches_the_oracle(
+    standin: Recorder, bias: AttnBias, length_q: int, length_kv: int, dtype: torch.dtype
+) -> None:
+    problem = Problem(2, 4, 2, length_q, length_kv, 16, dtype, bias, False, None)
+    check_on_fa4(problem, standin)
+    call = standin.calls[0]
+    assert call["pack_gqa"] is False and call["score_mod"] == "alibi"

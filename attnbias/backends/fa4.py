@@ -1,13 +1,17 @@
 """FlashAttention 4 (``pip install "attnbias[fa4]"``, import ``flash_attn.cute``) on Hopper and
 Blackwell GPUs.
 
-It takes every band, soft-cap and grouped-query attention, forward and backward. A band
-``band_lo <= j - i <= band_hi`` is FlashAttention's bottom-right aligned ``window_size``::
+It takes every band, soft-cap, ALiBi (as a score modifier), documents of one sequence (as
+FlashAttention's variable-length batch) and grouped-query attention, forward and backward. A
+band ``band_lo <= j - i <= band_hi`` is FlashAttention's bottom-right aligned ``window_size``::
 
     window_size = ((S - L) - band_lo, band_hi - (S - L))      # None for an open side
 
-which it computes exactly, negative sides included. What it does not take, and why, is listed
-by :meth:`FlashAttention4.reasons`; the planner then moves on to the next backend.
+which it computes exactly, negative sides included. Documents become one variable-length
+sequence each; the band carries over when every document's query and key ranges end at one
+offset ``c`` from each other (``window_size = (c - band_lo, band_hi - c)``), as in packed
+self-attention. What it does not take, and why, is listed by :meth:`FlashAttention4.reasons`;
+the planner then moves on to the next backend.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnbias.backends.base import Backend
+from attnbias.bias import DocumentBias, parts_of
 from attnbias.spec import Lowered, Spec
 
 __all__ = ["FlashAttention4", "window_size"]
@@ -46,6 +53,109 @@ def _flash_attn_func() -> Callable[..., Any]:
 
 
 @functools.cache
+def _flash_attn_varlen_func() -> Callable[..., Any]:
+    module = importlib.import_module("flash_attn.cute")
+    return module.flash_attn_varlen_func
+
+
+@functools.cache
+def _alibi_score_mods() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(score_mod, score_mod_bwd)`` adding ``-slope[h] * |i + (S - L) - j|`` to a score.
+
+    The slopes are the first aux tensor, ``(Hq,)`` float32. ALiBi is additive, so the
+    backward passes the score's gradient through unchanged.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import math as mlir_math
+
+    @cute.jit
+    def alibi(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        slopes = aux_tensors[0]
+        head = cute.make_fragment(1, cutlass.Int32)
+        head.store(h_idx)
+        slope = cute.make_fragment(1, cutlass.Float32)
+        slope[0] = slopes[head[0]]
+        offset = seqlen_info.seqlen_k - seqlen_info.seqlen_q
+        distance = q_idx - kv_idx + cute.full_like(q_idx, offset)
+        absolute = cute.TensorSSA(mlir_math.absi(distance), distance.shape, distance.dtype)
+        return score - slope.load() * absolute.to(cutlass.Float32)
+
+    @cute.jit
+    def alibi_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad
+
+    return alibi, alibi_bwd
+
+
+@dataclass(frozen=True)
+class _Varlen:
+    """One document bias as FlashAttention's variable-length batch (for batch size 1)."""
+
+    cu_seqlens_q: Tensor  # (D + 1,) int32
+    cu_seqlens_k: Tensor  # (D + 1,) int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    end_offset: int | None  # key end - query end, when equal for every document
+    problem: str | None  # why it has no exact variable-length form
+
+
+_VARLEN: weakref.WeakKeyDictionary[DocumentBias, dict[torch.device, _Varlen]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _runs(ids: Tensor) -> tuple[list[int], list[int]]:
+    values, counts = torch.unique_consecutive(ids.reshape(-1).cpu(), return_counts=True)
+    return values.tolist(), counts.tolist()
+
+
+def varlen_layout(bias: DocumentBias, device: torch.device) -> _Varlen:
+    """The variable-length form of ``bias``, built once per bias and device.
+
+    It reads the ids on the host (one copy if they live on the GPU, then cached).
+    """
+    per_device = _VARLEN.setdefault(bias, {})
+    if device in per_device:
+        return per_device[device]
+    q_ids, kv_ids = bias.q_doc_ids, bias.kv_ids
+    problem = None
+    docs_q: list[int] = []
+    docs_kv: list[int] = []
+    lengths_q: list[int] = []
+    lengths_kv: list[int] = []
+    if (q_ids.dim() == 2 and q_ids.shape[0] != 1) or (kv_ids.dim() == 2 and kv_ids.shape[0] != 1):
+        problem = "document ids per batch row"
+    else:
+        docs_q, lengths_q = _runs(q_ids)
+        docs_kv, lengths_kv = _runs(kv_ids)
+        if docs_q != docs_kv:
+            problem = "a document has queries but no keys, or keys but no queries"
+    cu_q = [0]
+    cu_k = [0]
+    if problem is None:
+        for length_q, length_kv in zip(lengths_q, lengths_kv, strict=True):
+            cu_q.append(cu_q[-1] + length_q)
+            cu_k.append(cu_k[-1] + length_kv)
+    offsets = {end_k - end_q for end_q, end_k in zip(cu_q[1:], cu_k[1:], strict=True)}
+    layout = _Varlen(
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max_seqlen_q=max(lengths_q, default=0),
+        max_seqlen_k=max(lengths_kv, default=0),
+        end_offset=offsets.pop() if len(offsets) == 1 else None,
+        problem=problem,
+    )
+    per_device[device] = layout
+    return layout
+
+
+def _document_part(spec: Spec) -> DocumentBias | None:
+    parts = [p for p in parts_of(spec.bias) if isinstance(p, DocumentBias)]
+    return parts[0] if len(parts) == 1 else None
+
+
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
@@ -55,13 +165,13 @@ def _on_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def window_size(lowered: Lowered, length_q: int, length_kv: int) -> tuple[int | None, int | None]:
+def window_size(lowered: Lowered, offset: int) -> tuple[int | None, int | None]:
     """FlashAttention's ``window_size`` for the band of ``lowered`` (``None``: open side).
 
-    FlashAttention keeps ``i + (S - L) - left <= j <= i + (S - L) + right``, so
-    ``left = (S - L) - band_lo`` and ``right = band_hi - (S - L)``.
+    FlashAttention keeps ``i + offset - left <= j <= i + offset + right`` with
+    ``offset = S - L`` (of each sequence of a variable-length batch), so
+    ``left = offset - band_lo`` and ``right = band_hi - offset``.
     """
-    offset = length_kv - length_q
     left = None if lowered.band_lo is None else offset - lowered.band_lo
     right = None if lowered.band_hi is None else lowered.band_hi - offset
     return left, right
@@ -85,7 +195,7 @@ def _head_dim_reasons(major: int, head_dim: int, head_dim_v: int, dtype: torch.d
 
 
 class FlashAttention4(Backend):
-    """Bands, soft-cap and GQA through ``flash_attn.cute.flash_attn_func``."""
+    """Bands, soft-cap, ALiBi, documents and GQA through ``flash_attn.cute``."""
 
     name = "fa4"
     dtypes = (torch.float16, torch.bfloat16)
@@ -123,9 +233,14 @@ class FlashAttention4(Backend):
         if spec.dropout_p > 0.0:
             reasons.append(f"dropout_p={spec.dropout_p}: FlashAttention 4 has no dropout")
         if lowered.q_doc is not None:
-            reasons.append("documents are not taken by this backend")
+            reasons += self._document_reasons(spec)
         if lowered.slopes is not None:
-            reasons.append("ALiBi is not taken by this backend")
+            if lowered.slopes.shape[0] != 1:
+                reasons.append("ALiBi slopes per batch row (its score modifier reads (Hq,))")
+            if lowered.softcap is not None:
+                reasons.append("ALiBi together with soft-cap")
+            if lowered.slopes.requires_grad:
+                reasons.append("ALiBi slopes that require grad (no gradient for them here)")
         if lowered.others:
             names = ", ".join(type(p).__name__ for p in lowered.others)
             reasons.append(f"{names} has no FlashAttention 4 form")
@@ -138,22 +253,79 @@ class FlashAttention4(Backend):
             reasons.append(f"an empty dimension in (B, Hq, L, S)={spec.shape}")
         return reasons
 
+    @staticmethod
+    def _document_reasons(spec: Spec) -> list[str]:
+        documents = _document_part(spec)
+        if documents is None:
+            return ["more than one DocumentBias in the sum"]
+        reasons = []
+        if spec.shape[0] != 1:
+            reasons.append(
+                f"documents with batch size {spec.shape[0]} (its variable-length batch would "
+                f"copy q, k and v; batch size 1 is a view)"
+            )
+        if spec.lowered.slopes is not None:
+            reasons.append("ALiBi with documents (its distances would restart per document)")
+        layout = varlen_layout(documents, spec.device)
+        if layout.problem is not None:
+            reasons.append(layout.problem)
+        has_band = spec.lowered.band_lo is not None or spec.lowered.band_hi is not None
+        if has_band and layout.problem is None and layout.end_offset is None:
+            reasons.append(
+                "the documents' query and key ranges do not end at one offset, so the band is "
+                "no single window"
+            )
+        return reasons
+
+    def _window(self, spec: Spec) -> tuple[int | None, int | None]:
+        documents = _document_part(spec) if spec.lowered.q_doc is not None else None
+        if documents is None:
+            return window_size(spec.lowered, spec.shape[3] - spec.shape[2])
+        return window_size(spec.lowered, varlen_layout(documents, spec.device).end_offset or 0)
+
     def how(self, spec: Spec) -> str:
-        left, right = window_size(spec.lowered, spec.shape[2], spec.shape[3])
+        left, right = self._window(spec)
         terms = [f"window_size=({left}, {right})"]
         if spec.lowered.softcap is not None:
             terms.append(f"softcap={spec.lowered.softcap:g}")
+        if spec.lowered.slopes is not None:
+            terms.append("ALiBi score_mod")
+        if spec.lowered.q_doc is not None:
+            terms.append("one variable-length sequence per document")
         return f"FlashAttention 4 ({', '.join(terms)})"
 
     def run(self, spec: Spec) -> Tensor:
-        left, right = window_size(spec.lowered, spec.shape[2], spec.shape[3])
+        lowered = spec.lowered
+        options: dict[str, Any] = {
+            "softmax_scale": spec.resolved_scale,
+            "window_size": self._window(spec),
+            "softcap": lowered.softcap or 0.0,
+        }
+        if lowered.slopes is not None:
+            score_mod, score_mod_bwd = _alibi_score_mods()
+            # Unpacked heads, so that the score modifier sees one query head per tile.
+            options.update(
+                score_mod=score_mod,
+                score_mod_bwd=score_mod_bwd,
+                aux_tensors=[lowered.slopes[0]],
+                pack_gqa=False,
+            )
         # FlashAttention takes (B, L, H, E): a transposed view, no copy.
-        out, _ = _flash_attn_func()(
-            spec.query.transpose(1, 2),
-            spec.key.transpose(1, 2),
-            spec.value.transpose(1, 2),
-            softmax_scale=spec.resolved_scale,
-            window_size=(left, right),
-            softcap=spec.lowered.softcap or 0.0,
+        query, key, value = (t.transpose(1, 2) for t in (spec.query, spec.key, spec.value))
+        if lowered.q_doc is None:
+            out, _ = _flash_attn_func()(query, key, value, **options)
+            return out.transpose(1, 2)
+        documents = _document_part(spec)
+        assert documents is not None  # reasons() refuses calls without exactly one
+        layout = varlen_layout(documents, spec.device)
+        out, _ = _flash_attn_varlen_func()(
+            query[0],  # (L, H, E) of batch size 1: still a view
+            key[0],
+            value[0],
+            cu_seqlens_q=layout.cu_seqlens_q,
+            cu_seqlens_k=layout.cu_seqlens_k,
+            max_seqlen_q=layout.max_seqlen_q,
+            max_seqlen_k=layout.max_seqlen_k,
+            **options,
         )
-        return out.transpose(1, 2)
+        return out.transpose(0, 1)[None]
