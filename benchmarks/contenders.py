@@ -70,7 +70,7 @@ def _prepare_pinned(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Pr
     try:
         forward()
     except ValueError as exc:  # the backend cannot take this case: its reasons
-        raise NotApplicable(str(exc).split(". ", 1)[-1]) from exc
+        raise Skipped(str(exc).split(". ", 1)[-1]) from exc
     return Prepared(forward)
 
 
