@@ -72,9 +72,9 @@ def _alibi_score_mods() -> tuple[Callable[..., Any], Callable[..., Any]]:
     @cute.jit
     def alibi(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
         slopes = aux_tensors[0]
-        head = cute.make_fragment(1, cutlass.Int32)
+        head = cute.make_rmem_tensor(1, cutlass.Int32)
         head.store(h_idx)
-        slope = cute.make_fragment(1, cutlass.Float32)
+        slope = cute.make_rmem_tensor(1, cutlass.Float32)
         slope[0] = slopes[head[0]]
         offset = seqlen_info.seqlen_k - seqlen_info.seqlen_q
         distance = q_idx - kv_idx + cute.full_like(q_idx, offset)
@@ -318,14 +318,16 @@ class FlashAttention4(Backend):
         documents = _document_part(spec)
         assert documents is not None  # reasons() refuses calls without exactly one
         layout = varlen_layout(documents, spec.device)
+        # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
+        # with [0] would zero-fill and copy each gradient in the backward)
         out, _ = _flash_attn_varlen_func()(
-            query[0],  # (L, H, E) of batch size 1: still a view
-            key[0],
-            value[0],
+            query.squeeze(0),
+            key.squeeze(0),
+            value.squeeze(0),
             cu_seqlens_q=layout.cu_seqlens_q,
             cu_seqlens_k=layout.cu_seqlens_k,
             max_seqlen_q=layout.max_seqlen_q,
             max_seqlen_k=layout.max_seqlen_k,
             **options,
         )
-        return out.transpose(0, 1)[None]
+        return out.transpose(0, 1).unsqueeze(0)
