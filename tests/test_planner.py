@@ -221,9 +221,10 @@ def test_walk_follows_the_priority_list_then_the_fallback(
         ("hopper", "band", False, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
         ("hopper", "causal", True, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
         ("hopper", "none", False, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
-        ("hopper", "softcap", False, ("triton", "fa4", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "softcap", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "documents", True, ("triton", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "softcap", False, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "alibi", False, ("triton", "fa4", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "alibi", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("hopper", "documents", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
         ("blackwell", "band", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
         ("cuda", "band", False, ("triton", "sdpa", "sdpa+mask", "reference")),
         ("cpu", "causal", False, ("sdpa", "triton", "sdpa+mask", "reference")),
@@ -470,23 +471,41 @@ CASES = {
         ("triton", "triton"),
         {"length_q": 4, "length_kv": 8},
     ),
-    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("triton", "fa4"), ("triton", "triton")),
+    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("fa4", "fa4"), ("triton", "triton")),
     "gemma2": Case(
         lambda: causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(30.0),
         "softcap",
-        ("triton", "fa4"),
+        ("fa4", "fa4"),
         ("triton", "triton"),
     ),
-    "documents": Case(
-        KIND_BIASES["documents"], "documents", ("triton", "triton"), ("triton", "triton")
-    ),
+    "documents": Case(KIND_BIASES["documents"], "documents", ("fa4", "fa4"), ("triton", "triton")),
     "documents_causal": Case(
         lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right(),
+        "documents",
+        ("fa4", "fa4"),
+        ("triton", "triton"),
+    ),
+    # queries that end before their document's keys do, by a different amount per document
+    "documents_uneven_causal": Case(
+        lambda: DocumentBias.from_seqlens([6, 10], [10, 6]) + causal_lower_right(),
         "documents",
         ("triton", "triton"),
         ("triton", "triton"),
     ),
-    "alibi": Case(KIND_BIASES["alibi"], "alibi", ("triton", "triton"), ("triton", "triton")),
+    "alibi": Case(KIND_BIASES["alibi"], "alibi", ("triton", "fa4"), ("triton", "triton")),
+    "alibi_gqa": Case(
+        KIND_BIASES["alibi"],
+        "alibi",
+        ("triton", "triton"),
+        ("triton", "triton"),
+        {"heads_q": 2, "heads_kv": 1},
+    ),
+    "alibi_softcap": Case(
+        lambda: AlibiBias(num_heads=2) + SoftcapBias(5.0),
+        "alibi",
+        ("triton", "triton"),
+        ("triton", "triton"),
+    ),
     "materialized": Case(
         KIND_BIASES["materialized"],
         "materialized",
@@ -714,6 +733,11 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         lambda: spec_of(AlibiBias(num_heads=2) + SoftcapBias(5.0)),
         "ALiBi together with soft-cap",
     ),
+    "alibi_gqa": (
+        {},
+        lambda: spec_of(AlibiBias(num_heads=4), heads_q=4, heads_kv=2),
+        "ALiBi with grouped-query attention (Hq != Hkv)",
+    ),
     "alibi_slopes_require_grad": (
         {},
         lambda: spec_of(AlibiBias(slopes=torch.tensor([0.5, 0.25], requires_grad=True))),
@@ -785,8 +809,9 @@ def fa4_standin(
 ) -> tuple[Tensor, None]:
     """``flash_attn.cute.flash_attn_func`` in float64 torch, on ``(B, L, H, E)`` tensors.
 
-    A ``score_mod`` with ``aux_tensors=[slopes]`` stands for the library's ALiBi score
-    modifier: FlashAttention 2's ``alibi_slopes``, ``-slope[h] * |i + (S - L) - j|``.
+    The library's score modifiers arrive as markers: ``("softcap", cap)`` for
+    ``cap * tanh(s / cap)``, and ``"alibi"`` with ``aux_tensors=[slopes]`` for FlashAttention 2's
+    ``alibi_slopes``, ``-slope[h] * |i + (S - L) - j|``.
 
     FlashAttention keeps ``i + (S - L) - left <= j <= i + (S - L) + right`` (``None``: that
     side is open); ``causal=True`` means ``right = 0``; a window with ``left + right < 0``
@@ -804,9 +829,13 @@ def fa4_standin(
     key = key.repeat_interleave(heads_q // heads_kv, dim=1)
     value = value.repeat_interleave(heads_q // heads_kv, dim=1)
     scores = (query @ key.transpose(-1, -2)) * scale
-    if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
-    assert (score_mod is None) == (aux_tensors is None) == (score_mod_bwd is None)
+    assert softcap == 0.0, "the library passes soft-cap as a score modifier"
+    assert (score_mod is None) == (score_mod_bwd is None)
+    if isinstance(score_mod, tuple):
+        kind, cap = score_mod
+        assert kind == "softcap" and score_mod_bwd == ("softcap_bwd", cap)
+        scores = cap * torch.tanh(scores / cap)
+    assert (score_mod == "alibi") == (aux_tensors is not None)
     if aux_tensors is not None:
         (slopes,) = aux_tensors
         assert slopes.shape == (heads_q,) and pack_gqa is False
@@ -838,7 +867,12 @@ def test_the_standin_matches_the_oracle_on_flash_attention_windows() -> None:
         out, _ = fa4_standin(*(x.transpose(1, 2) for x in (q, k, v)), window_size=(left, right))
         expected = attention(q, k, v, SlidingWindowBias(left, right), enable_gqa=True)
         torch.testing.assert_close(out.transpose(1, 2), expected)
-    out, _ = fa4_standin(*(x.transpose(1, 2) for x in (q, k, v)), causal=True, softcap=2.0)
+    out, _ = fa4_standin(
+        *(x.transpose(1, 2) for x in (q, k, v)),
+        causal=True,
+        score_mod=("softcap", 2.0),
+        score_mod_bwd=("softcap_bwd", 2.0),
+    )
     expected = attention(q, k, v, causal_lower_right() + SoftcapBias(2.0), enable_gqa=True)
     torch.testing.assert_close(out.transpose(1, 2), expected)
 
@@ -888,8 +922,11 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(fa4, "_flash_attn_func", lambda: recorder)
     monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: Recorder(fa4_varlen_standin))
-    # the score modifiers are CuTe code: the stand-in reads their meaning from aux_tensors
+    # the score modifiers are CuTe code: the stand-in gets markers for them
     monkeypatch.setattr(fa4, "_alibi_score_mods", lambda: ("alibi", "alibi_bwd"))
+    monkeypatch.setattr(
+        fa4, "_softcap_score_mods", lambda cap: (("softcap", cap), ("softcap_bwd", cap))
+    )
     return recorder
 
 
@@ -989,7 +1026,7 @@ def test_fa4_arguments_against_the_oracle(standin: Recorder, name: str, dtype: t
     check_on_fa4(problem, standin)
     (call,) = standin.calls
     assert call["window_size"] == case.window
-    assert call["softcap"] == case.softcap
+    assert call.get("score_mod") == (("softcap", case.softcap) if case.softcap else None)
     assert call["softmax_scale"] == pytest.approx(0.25 if case.scale is None else case.scale)
 
 
@@ -1112,7 +1149,7 @@ def test_varlen_layout_of_documents() -> None:
 def test_alibi_through_the_standin_matches_the_oracle(
     standin: Recorder, bias: AttnBias, length_q: int, length_kv: int, dtype: torch.dtype
 ) -> None:
-    problem = Problem(2, 4, 2, length_q, length_kv, 16, dtype, bias, False, None)
+    problem = Problem(2, 4, 4, length_q, length_kv, 16, dtype, bias, False, None)
     check_on_fa4(problem, standin)
     call = standin.calls[0]
     assert call["pack_gqa"] is False and call["score_mod"] == "alibi"

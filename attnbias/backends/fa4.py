@@ -88,6 +88,30 @@ def _alibi_score_mods() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return alibi, alibi_bwd
 
 
+@functools.cache
+def _softcap_score_mods(cap: float) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(score_mod, score_mod_bwd)`` for ``cap * tanh(s / cap)``.
+
+    FlashAttention 4's own ``softcap=`` divides every score by the cap; multiplying by its
+    reciprocal instead made the H100 forward 1.6x and forward + backward 1.3x faster (S=16384,
+    bf16), with the same error. One pair per cap, so the compiled kernels are reused.
+    """
+    import cutlass.cute as cute
+
+    inverse = 1.0 / cap
+
+    @cute.jit
+    def softcap(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return cute.math.tanh(score * inverse, fastmath=True) * cap
+
+    @cute.jit
+    def softcap_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        tanh = cute.math.tanh(score * inverse, fastmath=True)
+        return grad * (1.0 - tanh * tanh)
+
+    return softcap, softcap_bwd
+
+
 @dataclass(frozen=True)
 class _Varlen:
     """One document bias as FlashAttention's variable-length batch (for batch size 1)."""
@@ -239,6 +263,9 @@ class FlashAttention4(Backend):
                 reasons.append("ALiBi slopes per batch row (its score modifier reads (Hq,))")
             if lowered.softcap is not None:
                 reasons.append("ALiBi together with soft-cap")
+            if spec.query.shape[1] != spec.key.shape[1]:
+                # its backward reads the slopes with another head index than its forward
+                reasons.append("ALiBi with grouped-query attention (Hq != Hkv)")
             if lowered.slopes.requires_grad:
                 reasons.append("ALiBi slopes that require grad (no gradient for them here)")
         if lowered.others:
@@ -299,8 +326,10 @@ class FlashAttention4(Backend):
         options: dict[str, Any] = {
             "softmax_scale": spec.resolved_scale,
             "window_size": self._window(spec),
-            "softcap": lowered.softcap or 0.0,
         }
+        if lowered.softcap is not None:
+            score_mod, score_mod_bwd = _softcap_score_mods(lowered.softcap)
+            options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd)
         if lowered.slopes is not None:
             score_mod, score_mod_bwd = _alibi_score_mods()
             # Unpacked heads, so that the score modifier sees one query head per tile.
