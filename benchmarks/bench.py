@@ -101,9 +101,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def pick(requested: str | None, known: Sequence[str], what: str) -> list[str]:
+def pick(
+    requested: str | None, known: Sequence[str], what: str, default: Sequence[str] | None = None
+) -> list[str]:
     if requested is None:
-        return list(known)
+        return list(known if default is None else default)
     names = [n.strip() for n in requested.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -115,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = make_config(args)
     case_names = pick(args.cases, CASE_NAMES, "cases")
-    contenders = pick(args.contenders, CONTENDER_NAMES, "contenders")
+    # attnbias pinned to one backend is opt-in (--contenders attnbias-fa4,...): diagnostics
+    default = [name for name in CONTENDER_NAMES if not name.startswith("attnbias-")]
+    contenders = pick(args.contenders, CONTENDER_NAMES, "contenders", default)
     if args.out is not None:
         out_dir = args.out
     elif cfg.mode == "smoke":
