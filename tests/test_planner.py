@@ -621,11 +621,10 @@ def fa4_reasons(spec: Spec) -> list[str]:
         ((9, 0), SlidingWindowBias(5, 2), {"length_q": 5, "length_kv": 16}),
         ((9, 0), SoftcapBias(1.0) + causal_lower_right(), {"length_q": 16, "length_kv": 5}),
         ((9, 0), None, {"heads_q": 4, "heads_kv": 1, "dtype": torch.float16}),
-        ((9, 0), SlidingWindowBias(3), {"head_dim": 40}),
-        ((9, 0), SlidingWindowBias(3), {"head_dim": 8, "dtype": torch.float16}),
+        ((9, 0), SlidingWindowBias(3), {"head_dim": 128}),
+        ((9, 0), SlidingWindowBias(3), {"head_dim": 64, "dtype": torch.float16}),
         ((9, 0), SlidingWindowBias(3), {"head_dim": 256, "needs_grad": True}),
         ((9, 0), SlidingWindowBias(3), {"scale": 1e-3}),
-        ((10, 0), SlidingWindowBias(3), {"head_dim": 192, "head_dim_v": 128}),
         ((10, 0), SoftcapBias(2.0), {"head_dim": 256}),
         ((10, 0), SoftcapBias(2.0), {"head_dim": 128, "needs_grad": True}),
     ],
@@ -652,6 +651,11 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         {},
         lambda: spec_of(None, head_dim_v=20, dtype=torch.float16),
         "head dims (64, 20) are not multiples of 8",
+    ),
+    "head_dim_80": (
+        {},
+        lambda: spec_of(None, head_dim=80),
+        "head dims (80, 80) are not among those checked against the oracle",
     ),
     "head_dim_512": (
         {},
@@ -922,6 +926,8 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(fa4, "_flash_attn_func", lambda: recorder)
     monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: Recorder(fa4_varlen_standin))
+    # the stand-in checks the translation at small head dims
+    monkeypatch.setattr(fa4, "CHECKED_HEAD_DIMS", tuple(range(8, 257, 8)))
     # the score modifiers are CuTe code: the stand-in gets markers for them
     monkeypatch.setattr(fa4, "_alibi_score_mods", lambda: ("alibi", "alibi_bwd"))
     monkeypatch.setattr(

@@ -35,6 +35,9 @@ __all__ = ["FlashAttention4", "window_size"]
 
 # Compute capabilities whose FlashAttention 4 kernels were checked against the oracle.
 CAPABILITIES = (9, 10)
+# Head dims (E = Ev) checked against the oracle on the H100; head dim 80, which FlashAttention 4
+# accepts, failed those checks, so each further head dim is added here only once tested.
+CHECKED_HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache
@@ -214,6 +217,11 @@ def _head_dim_reasons(major: int, head_dim: int, head_dim_v: int, dtype: torch.d
         return [
             f"head dims ({head_dim}, {head_dim_v}) are not supported on compute capability 10 "
             f"(up to 128, or (192, 128), or (256, 256))"
+        ]
+    if head_dim != head_dim_v or head_dim not in CHECKED_HEAD_DIMS:
+        return [
+            f"head dims ({head_dim}, {head_dim_v}) are not among those checked against the "
+            f"oracle for this backend (E = Ev in {', '.join(map(str, CHECKED_HEAD_DIMS))})"
         ]
     return []
 
