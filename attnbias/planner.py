@@ -180,7 +180,13 @@ def plan(spec: Spec) -> Plan:
         order = policy.only
         heading = "pinned by use_backends"
     else:
-        gen = generation(spec.device)
+        # While torch.compile traces, only traceable backends can run (not FlashAttention 4),
+        # and the device query behind the generation is not traced: the generic order holds.
+        gen = (
+            ("cuda" if spec.device.type == "cuda" else "cpu")
+            if spec.compiling
+            else (generation(spec.device))
+        )
         kind = spec.lowered.kind
         preferred = PRIORITY[gen].get(kind, Order(())).pick(spec.needs_grad)
         order = tuple(dict.fromkeys(preferred + _FALLBACK))

@@ -233,6 +233,11 @@ class FlashAttention4(Backend):
     dtypes = (torch.float16, torch.bfloat16)
 
     def reasons(self, spec: Spec) -> list[str]:
+        if spec.compiling:  # and the checks below are not traceable
+            return [
+                "torch.compile cannot trace FlashAttention 4, so a compiled call takes the "
+                "Triton kernel"
+            ]
         reasons = []
         lowered = spec.lowered
         if not _installed():
@@ -257,11 +262,6 @@ class FlashAttention4(Backend):
                     and spec.needs_grad
                 ):
                     reasons.append("its backward at head dim 256 has no soft-cap on capability 10")
-        if spec.compiling:
-            reasons.append(
-                "torch.compile cannot trace FlashAttention 4, so a compiled call takes the "
-                "Triton kernel"
-            )
         if spec.dropout_p > 0.0:
             reasons.append(f"dropout_p={spec.dropout_p}: FlashAttention 4 has no dropout")
         if lowered.q_doc is not None:
