@@ -1159,3 +1159,28 @@ def test_alibi_through_the_standin_matches_the_oracle(
     check_on_fa4(problem, standin)
     call = standin.calls[0]
     assert call["pack_gqa"] is False and call["score_mod"] == "alibi"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        causal_upper_left,
+        lambda: SlidingWindowBias(2),
+        lambda: SlidingWindowBias(2) + SoftcapBias(3.0),
+        lambda: DocumentBias.from_seqlens([3, 5]) + causal_lower_right(),
+    ],
+)
+def test_the_planner_traces_under_torch_compile(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[], AttnBias]
+) -> None:
+    """fullgraph tracing of the whole route choice (a graph break would raise), FlashAttention 4
+    present or not; the compiled call gives what the eager call gives."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the routes that run on CPU
+    monkeypatch.setattr(fa4, "_installed", lambda: True)
+    torch._dynamo.reset()
+    bias = make()
+    q, k, v = qkv(length_q=8, length_kv=8, dtype=torch.float32)
+    compiled = torch.compile(
+        lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), fullgraph=True, backend="eager"
+    )
+    torch.testing.assert_close(compiled(q, k, v), attnbias.sdpa(q, k, v, attn_mask=bias))
