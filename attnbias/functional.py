@@ -105,6 +105,16 @@ def _choose(
     enable_gqa: bool,
 ) -> tuple[Callable[[], str], Callable[[], Tensor]]:
     """``(explanation, thunk)``: the one decision both sdpa and explain report."""
+    if (
+        isinstance(attn_mask, AttnBias)
+        and not attn_mask.needs_materialization()
+        and type(attn_mask).dispatch is _BuiltinBias.dispatch
+    ):
+        # The built-ins, first: theirs is the path whose host time counts.
+        chosen = plan(
+            make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
+        )
+        return chosen.explain, chosen.run
 
     def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
         return partial(
@@ -148,11 +158,6 @@ def _choose(
             ),
             materialized,
         )
-    if type(attn_mask).dispatch is _BuiltinBias.dispatch:
-        chosen = plan(
-            make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
-        )
-        return chosen.explain, chosen.run
     cls = type(attn_mask)
     return (
         says(

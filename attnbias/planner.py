@@ -173,27 +173,38 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(spec: Spec) -> Plan:
-    """Walk the priority list for ``spec`` and take the first backend with no reason against it."""
-    policy = _current_policy()
+def _order(gen: str, kind: str, needs_grad: bool, policy: _Policy) -> tuple[tuple[str, ...], str]:
+    """The backends to try, in order, and what decided it (for ``explain``)."""
     if policy.only is not None:
         order = policy.only
         heading = "pinned by use_backends"
     else:
-        # While torch.compile traces, only traceable backends can run (not FlashAttention 4),
-        # and the device query behind the generation is not traced: the generic order holds.
-        gen = (
-            ("cuda" if spec.device.type == "cuda" else "cpu")
-            if spec.compiling
-            else (generation(spec.device))
-        )
-        kind = spec.lowered.kind
-        preferred = PRIORITY[gen].get(kind, Order(())).pick(spec.needs_grad)
+        preferred = PRIORITY[gen].get(kind, Order(())).pick(needs_grad)
         order = tuple(dict.fromkeys(preferred + _FALLBACK))
-        heading = f"{gen}, {kind}, {'training' if spec.needs_grad else 'inference'}"
+        heading = f"{gen}, {kind}, {'training' if needs_grad else 'inference'}"
     if policy.exclude:
         order = tuple(name for name in order if name not in policy.exclude)
         heading += f"; excluded {', '.join(sorted(policy.exclude))}"
+    return order, heading
+
+
+# The same few orders come back call after call: kept, as a call's host time is its whole
+# runtime at short sequence lengths.
+_cached_order = functools.lru_cache(maxsize=256)(_order)
+
+
+def plan(spec: Spec) -> Plan:
+    """Walk the priority list for ``spec`` and take the first backend with no reason against it."""
+    policy = _current_policy()
+    kind = spec.lowered.kind
+    if spec.compiling:
+        # Only traceable backends can run while torch.compile traces (not FlashAttention 4),
+        # and neither the device query behind the generation nor the cache is traced: the
+        # generic order holds.
+        gen = "cuda" if spec.device.type == "cuda" else "cpu"
+        order, heading = _order(gen, kind, spec.needs_grad, policy)
+    else:
+        order, heading = _cached_order(generation(spec.device), kind, spec.needs_grad, policy)
     skipped: dict[str, list[str]] = {}
     for name in order:
         reasons = BACKENDS[name].not_supported_reasons(spec)

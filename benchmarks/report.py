@@ -4,6 +4,7 @@ the plot."""
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -168,12 +169,17 @@ def environment(cfg: Config) -> dict[str, str]:
         ["python", *sys.argv]
     )
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    try:
+        fa4_version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        fa4_version = "absent"
     return {
         "device": torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": str(torch.version.cuda),
         "cudnn": str(cudnn),
+        "flash-attn-4": fa4_version,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": commit,
@@ -272,7 +278,7 @@ def report(
         "",
         f"- device: {env['device']}",
         f"- torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
-        f"cuDNN {env['cudnn']}, Python {env['python']}",
+        f"cuDNN {env['cudnn']}, flash-attn-4 {env['flash-attn-4']}, Python {env['python']}",
         f"- date: {env['date']}, commit {env['git_commit']}",
         f"- command: `{env['command']}`",
         f"- mode: {cfg.mode}; {dtype}, H={cfg.num_heads}, E={cfg.head_dim}, "
