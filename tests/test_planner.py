@@ -64,11 +64,12 @@ def qkv(
     heads_kv: int = 2,
     dtype: torch.dtype = torch.bfloat16,
     needs_grad: bool = False,
+    batch: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     generator = torch.Generator().manual_seed(0)
 
     def draw(heads: int, length: int, dim: int) -> Tensor:
-        x = torch.randn(1, heads, length, dim, generator=generator).to(dtype)
+        x = torch.randn(batch, heads, length, dim, generator=generator).to(dtype)
         return x.requires_grad_(needs_grad)
 
     return (
@@ -702,6 +703,11 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         {},
         lambda: spec_of(causal_upper_left(), dropout_p=0.25),
         "dropout_p=0.25: FlashAttention 4 has no dropout",
+    ),
+    "documents_batch_2": (
+        {},
+        lambda: spec_of(DocumentBias.from_seqlens([6, 10]), batch=2),
+        "documents with batch size 2 (its variable-length batch would copy q, k and v",
     ),
     "documents_per_row": (
         {},
