@@ -312,14 +312,23 @@ class FlashAttention4(Backend):
             )
         return reasons
 
-    def _window(self, spec: Spec) -> tuple[int | None, int | None]:
-        documents = _document_part(spec) if spec.lowered.q_doc is not None else None
-        if documents is None:
+    @staticmethod
+    def _layout(spec: Spec) -> _Varlen | None:
+        """The variable-length layout of the call's documents (``None``: no documents)."""
+        if spec.lowered.q_doc is None:
+            return None
+        documents = _document_part(spec)
+        assert documents is not None  # reasons() refuses calls without exactly one
+        return varlen_layout(documents, spec.device)
+
+    @staticmethod
+    def _window(spec: Spec, layout: _Varlen | None) -> tuple[int | None, int | None]:
+        if layout is None:
             return window_size(spec.lowered, spec.shape[3] - spec.shape[2])
-        return window_size(spec.lowered, varlen_layout(documents, spec.device).end_offset or 0)
+        return window_size(spec.lowered, layout.end_offset or 0)
 
     def how(self, spec: Spec) -> str:
-        left, right = self._window(spec)
+        left, right = self._window(spec, self._layout(spec))
         terms = [f"window_size=({left}, {right})"]
         if spec.lowered.softcap is not None:
             terms.append(f"softcap={spec.lowered.softcap:g}")
@@ -331,9 +340,10 @@ class FlashAttention4(Backend):
 
     def run(self, spec: Spec) -> Tensor:
         lowered = spec.lowered
+        layout = self._layout(spec)
         options: dict[str, Any] = {
             "softmax_scale": spec.resolved_scale,
-            "window_size": self._window(spec),
+            "window_size": self._window(spec, layout),
         }
         if lowered.softcap is not None:
             score_mod, score_mod_bwd = _softcap_score_mods(lowered.softcap)
@@ -349,12 +359,9 @@ class FlashAttention4(Backend):
             )
         # FlashAttention takes (B, L, H, E): a transposed view, no copy.
         query, key, value = (t.transpose(1, 2) for t in (spec.query, spec.key, spec.value))
-        if lowered.q_doc is None:
+        if layout is None:
             out, _ = _flash_attn_func()(query, key, value, **options)
             return out.transpose(1, 2)
-        documents = _document_part(spec)
-        assert documents is not None  # reasons() refuses calls without exactly one
-        layout = varlen_layout(documents, spec.device)
         # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
         # with [0] would zero-fill and copy each gradient in the backward)
         out, _ = _flash_attn_varlen_func()(
