@@ -1,0 +1,23 @@
+"""The registry: every backend by name, in the order ``explain`` lists them.
+
+Which of them a call tries, and in what order, is the planner's (``attnbias.planner``).
+"""
+
+from attnbias.backends.base import Backend
+from attnbias.backends.fa4 import FlashAttention4
+from attnbias.backends.reference import Reference
+from attnbias.backends.stock import MaterializedSDPA, StockSDPA
+from attnbias.backends.triton import TritonKernel
+
+__all__ = ["BACKENDS"]
+
+BACKENDS: dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        FlashAttention4(),
+        TritonKernel(),
+        StockSDPA(),
+        MaterializedSDPA(),
+        Reference(),
+    )
+}
