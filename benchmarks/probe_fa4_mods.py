@@ -1,29 +1,13 @@
-"""Gradients of the FlashAttention 4 score modifiers (ALiBi, soft-cap) against float32 eager
-attention, by shape: MHA or GQA, L = S or not. Prints the max error of out, dq, dk, dv."""
+"""Gradients of the FlashAttention 4 score modifiers (ALiBi, soft-cap) against the library's
+float32 eager path, by shape: MHA or GQA, L = S or not. Prints the max error of out, dq, dk, dv."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 import attnbias
 from attnbias import AlibiBias, SoftcapBias, causal_lower_right
-
-
-def eager(q, k, v, slopes, cap, group):  # type: ignore[no-untyped-def]
-    k = k.repeat_interleave(group, 1)
-    v = v.repeat_interleave(group, 1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if cap is not None:
-        s = cap * torch.tanh(s / cap)
-    length_q, length_kv = q.shape[2], k.shape[2]
-    i = torch.arange(length_q, device=q.device)[:, None] + (length_kv - length_q)
-    j = torch.arange(length_kv, device=q.device)[None, :]
-    if slopes is not None:
-        s = s - slopes[:, None, None] * (i - j).abs()
-    s = s.masked_fill(j > i, float("-inf"))
-    return torch.softmax(s, -1) @ v
+from attnbias.reference import reference_attention
 
 
 def run(heads_q, heads_kv, length_q, length_kv, kind):  # type: ignore[no-untyped-def]
@@ -33,15 +17,13 @@ def run(heads_q, heads_kv, length_q, length_kv, kind):  # type: ignore[no-untype
     v = torch.randn_like(k)
     g = torch.randn_like(q)
     alibi = AlibiBias(num_heads=heads_q)
-    slopes = alibi.slope_tensor("cuda")[0] if kind == "alibi" else None
-    cap = 5.0 if kind == "softcap" else None
     bias = causal_lower_right() + (alibi if kind == "alibi" else SoftcapBias(5.0))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with attnbias.use_backends("fa4"):
         out = attnbias.sdpa(*leaves, attn_mask=bias, enable_gqa=heads_q != heads_kv)
     out.backward(g)
     ref_leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
-    ref = eager(*ref_leaves, slopes, cap, heads_q // heads_kv)
+    ref = reference_attention(*ref_leaves, bias, enable_gqa=heads_q != heads_kv)
     ref.backward(g.float())
     errors = [(out.float() - ref).abs().max().item()]
     errors += [

@@ -9,7 +9,9 @@ import torch
 from flash_attn.cute import flash_attn_func
 from triton.testing import do_bench
 
+from attnbias import SoftcapBias, causal_upper_left
 from attnbias.backends.fa4 import _softcap_score_mods
+from attnbias.reference import reference_attention
 
 CAP = 50.0
 
@@ -28,10 +30,10 @@ def main() -> None:
         "score_mod": dict(score_mod=mod, score_mod_bwd=mod_bwd),
     }
     small = [t[:, :2048].detach().clone().requires_grad_() for t in (q, k, v)]
-    s = small[0].float().transpose(1, 2) @ small[1].float().transpose(1, 2).transpose(-1, -2)
-    s = CAP * torch.tanh(s / 128**0.5 / CAP)
-    s = s.masked_fill(torch.ones(2048, 2048, device="cuda").triu(1).bool(), float("-inf"))
-    ref = (torch.softmax(s, -1) @ small[2].float().transpose(1, 2)).transpose(1, 2)
+    ref = reference_attention(
+        *(t.detach().float().transpose(1, 2) for t in small),
+        SoftcapBias(CAP) + causal_upper_left(),
+    ).transpose(1, 2)
     rows = []
     for name, options in variants.items():
         out = flash_attn_func(*small, causal=True, **options)[0]
