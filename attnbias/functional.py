@@ -12,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnbias import plan_cache
 from attnbias.backends import stock_sdpa
 from attnbias.bias import AttnBias, _BuiltinBias
-from attnbias.planner import plan
+from attnbias.planner import current_policy, plan
 from attnbias.spec import make_spec, with_causal
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
@@ -103,8 +104,13 @@ def _choose(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    call: Hashable | None = None,
 ) -> tuple[Callable[[], str], Callable[[], Tensor]]:
-    """``(explanation, thunk)``: the one decision both sdpa and explain report."""
+    """``(explanation, thunk)``: the one decision both sdpa and explain report.
+
+    ``call`` is the call's :func:`plan_cache.call_key`; a built-in bias's decision is kept
+    under it.
+    """
     if (
         isinstance(attn_mask, AttnBias)
         and not attn_mask.needs_materialization()
@@ -114,6 +120,8 @@ def _choose(
         chosen = plan(
             make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         )
+        if call is not None:
+            plan_cache.store(call, chosen.spec, chosen.backend)
         return chosen.explain, chosen.run
 
     def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
@@ -208,6 +216,14 @@ def sdpa(
         >>> sdpa(q, k, v, attn_mask=bias).shape
         torch.Size([1, 2, 8, 16])
     """
+    call = plan_cache.call_key(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, current_policy()
+    )
+    if call is not None:
+        cached = plan_cache.lookup(call)
+        if cached is not None:
+            # The same call, validated and planned before.
+            return cached.run(query, key, value, scale, dropout_p, enable_gqa)
     _validate(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     if isinstance(attn_mask, Tensor):
         warnings.warn(
@@ -217,7 +233,7 @@ def sdpa(
             UserWarning,
             stacklevel=2,
         )
-    _, run = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    _, run = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call)
     return run()
 
 

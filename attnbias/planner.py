@@ -18,7 +18,7 @@ import torch
 from attnbias.backends import BACKENDS, Backend
 from attnbias.spec import Spec
 
-__all__ = ["PRIORITY", "Order", "Plan", "generation", "plan", "use_backends"]
+__all__ = ["PRIORITY", "Order", "Plan", "current_policy", "generation", "plan", "use_backends"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ _NO_POLICY = _Policy()
 _STATE = threading.local()
 
 
-def _current_policy() -> _Policy:
+def current_policy() -> _Policy:
+    """The :func:`use_backends` policy of this thread (hashable: part of a call's identity)."""
     return getattr(_STATE, "policy", _NO_POLICY)
 
 
@@ -122,7 +123,7 @@ def use_backends(*only: str, exclude: Iterable[str] = ()) -> Iterator[None]:
     exclude = tuple(exclude)
     _check_names(only, "the pinned names")
     _check_names(exclude, "exclude")
-    outer = _current_policy()
+    outer = current_policy()
     _STATE.policy = _Policy(
         only=tuple(only) if only else outer.only, exclude=outer.exclude | set(exclude)
     )
@@ -195,7 +196,7 @@ _cached_order = functools.lru_cache(maxsize=256)(_order)
 
 def plan(spec: Spec) -> Plan:
     """Walk the priority list for ``spec`` and take the first backend with no reason against it."""
-    policy = _current_policy()
+    policy = current_policy()
     kind = spec.lowered.kind
     if spec.compiling:
         # Only traceable backends can run while torch.compile traces (not FlashAttention 4),

@@ -29,3 +29,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_cache() -> None:
+    """Tests fake GPUs and backends: no test may run on a decision another test cached."""
+    from attnbias import plan_cache
+
+    plan_cache.clear()

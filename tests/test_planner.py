@@ -943,20 +943,27 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
 
 def check_on_fa4(problem: Problem, recorder: Recorder, seed: int = 0) -> None:
+    """Twice, on new contents: the second call runs on the decision the first one cached."""
+    recorder.calls.clear()
+    for attempt in range(2):
+        _check_once_on_fa4(problem, seed + attempt)
+    assert len(recorder.calls) == 2
+    assert recorder.calls[0]["window_size"] == recorder.calls[1]["window_size"]
+
+
+def _check_once_on_fa4(problem: Problem, seed: int) -> None:
     q, k, v, grad_out = problem.tensors(seed)
     kwargs = dict(
         scale=problem.scale,
         is_causal=problem.is_causal,
         enable_gqa=problem.heads_q != problem.heads_kv,
     )
-    recorder.calls.clear()
     with use_backends("fa4"):
         route = attnbias.explain(q, k, v, attn_mask=problem.bias, **kwargs)
         results = run_with_grads(
             lambda *t: attnbias.sdpa(*t, attn_mask=problem.bias, **kwargs), (q, k, v), grad_out
         )
     assert route.startswith("fa4:"), route
-    assert len(recorder.calls) == 1
     expected = run_with_grads(
         lambda *t: attention(*t, problem.bias, **kwargs),
         (q.double(), k.double(), v.double()),
@@ -1036,7 +1043,7 @@ def test_fa4_arguments_against_the_oracle(standin: Recorder, name: str, dtype: t
         scale=case.scale,
     )
     check_on_fa4(problem, standin)
-    (call,) = standin.calls
+    call = standin.calls[0]
     assert call["window_size"] == case.window
     assert call.get("score_mod") == (("softcap", case.softcap) if case.softcap else None)
     assert call["softmax_scale"] == pytest.approx(0.25 if case.scale is None else case.scale)
@@ -1181,7 +1188,9 @@ def test_the_planner_traces_under_torch_compile(
 ) -> None:
     """fullgraph tracing of the whole route choice (a graph break would raise), FlashAttention 4
     present or not; the compiled call gives what the eager call gives."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the routes that run on CPU
+    # The routes that run on CPU. (Not by setting TRITON_INTERPRET=0: Triton modules imported
+    # while tracing would then be compiled for a GPU, and break the interpreted tests after.)
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
     monkeypatch.setattr(fa4, "_installed", lambda: True)
     torch._dynamo.reset()
     bias = make()
@@ -1190,3 +1199,21 @@ def test_the_planner_traces_under_torch_compile(
         lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), fullgraph=True, backend="eager"
     )
     torch.testing.assert_close(compiled(q, k, v), attnbias.sdpa(q, k, v, attn_mask=bias))
+
+
+def test_fa4_refuses_double_backward(standin: Recorder) -> None:
+    """Its backward is first-order only: a gradient penalty must fail, not silently vanish."""
+    q, k, v = qkv(length_q=8, length_kv=8, head_dim=16, needs_grad=True)
+    bias = causal_lower_right() + SlidingWindowBias(3)
+    with use_backends("fa4"):
+        out = attnbias.sdpa(q, k, v, attn_mask=bias)
+    with pytest.raises(RuntimeError, match=r"double backward.*use_backends\(\"reference\"\)"):
+        torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    # first order is unaffected
+    (dq,) = torch.autograd.grad(out.float().square().sum(), q)
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+    # and the exact eager path gives the second-order terms the error points to
+    with use_backends("reference"):
+        out = attnbias.sdpa(q.double(), k.double(), v.double(), attn_mask=bias)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    assert dq.requires_grad

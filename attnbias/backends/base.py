@@ -4,14 +4,45 @@ it runs one."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from attnbias.spec import Spec
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "refuse_double_backward"]
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity whose backward refuses to build a graph (``create_graph=True``)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, route: str) -> Tensor:
+        ctx.route = route
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        # Grad mode is on in a backward exactly when it was asked to build a graph.
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"attnbias: double backward (create_graph=True) through {ctx.route} is not "
+                f"supported: its gradients are computed by kernels that are not themselves "
+                f"differentiable, so the result would silently miss the second-order terms. "
+                f'Run this call on the exact eager path with attnbias.use_backends("reference")'
+            )
+        return grad, None
+
+
+def refuse_double_backward(out: Tensor, route: str) -> Tensor:
+    """``out``, whose backward raises instead of returning gradients detached from a graph.
+
+    For backends whose backward is first-order only: without this, ``create_graph=True``
+    would give gradients that silently do not depend on the inputs.
+    """
+    return _FirstOrderOnly.apply(out, route)  # type: ignore[no-any-return]
 
 
 class Backend(ABC):
@@ -41,6 +72,15 @@ class Backend(ABC):
     @abstractmethod
     def run(self, spec: Spec) -> Tensor:
         """``(B, Hq, L, Ev)`` attention for ``spec``."""
+
+    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+        """:meth:`run` for calls identical to ``spec`` but for the contents of their tensors.
+
+        A repeated call runs the returned function (see ``attnbias/plan_cache.py``), so
+        whatever depends only on the call's identity (shapes, flags, the lowered bias) can be
+        worked out here once. The function must not keep ``spec``'s query, key or value alive.
+        """
+        return self.run
 
     def label(self, spec: Spec) -> str:
         """The route's name in ``explain`` (the backend's name unless a form is worth naming)."""

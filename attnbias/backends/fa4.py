@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend
+from attnbias.backends.base import Backend, refuse_double_backward
 from attnbias.bias import DocumentBias, parts_of
 from attnbias.spec import Lowered, Spec
 
@@ -226,6 +226,10 @@ def _head_dim_reasons(major: int, head_dim: int, head_dim_v: int, dtype: torch.d
     return []
 
 
+def _first_order(out: Tensor, spec: Spec) -> Tensor:
+    return refuse_double_backward(out, "FlashAttention 4") if spec.needs_grad else out
+
+
 class FlashAttention4(Backend):
     """Bands, soft-cap, ALiBi, documents and GQA through ``flash_attn.cute``."""
 
@@ -339,6 +343,9 @@ class FlashAttention4(Backend):
         return f"FlashAttention 4 ({', '.join(terms)})"
 
     def run(self, spec: Spec) -> Tensor:
+        return self.prepare(spec)(spec)
+
+    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
         lowered = spec.lowered
         layout = self._layout(spec)
         options: dict[str, Any] = {
@@ -357,21 +364,38 @@ class FlashAttention4(Backend):
                 aux_tensors=[lowered.slopes[0]],
                 pack_gqa=False,
             )
-        # FlashAttention takes (B, L, H, E): a transposed view, no copy.
-        query, key, value = (t.transpose(1, 2) for t in (spec.query, spec.key, spec.value))
         if layout is None:
-            out, _ = _flash_attn_func()(query, key, value, **options)
-            return out.transpose(1, 2)
-        # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
-        # with [0] would zero-fill and copy each gradient in the backward)
-        out, _ = _flash_attn_varlen_func()(
-            query.squeeze(0),
-            key.squeeze(0),
-            value.squeeze(0),
+            dense = _flash_attn_func()
+
+            def run_dense(spec: Spec) -> Tensor:
+                # FlashAttention takes (B, L, H, E): a transposed view, no copy.
+                out, _ = dense(
+                    spec.query.transpose(1, 2),
+                    spec.key.transpose(1, 2),
+                    spec.value.transpose(1, 2),
+                    **options,
+                )
+                return _first_order(out.transpose(1, 2), spec)
+
+            return run_dense
+
+        varlen = _flash_attn_varlen_func()
+        options.update(
             cu_seqlens_q=layout.cu_seqlens_q,
             cu_seqlens_k=layout.cu_seqlens_k,
             max_seqlen_q=layout.max_seqlen_q,
             max_seqlen_k=layout.max_seqlen_k,
-            **options,
         )
-        return out.transpose(0, 1).unsqueeze(0)
+
+        def run_documents(spec: Spec) -> Tensor:
+            # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
+            # with [0] would zero-fill and copy each gradient in the backward)
+            out, _ = varlen(
+                spec.query.squeeze(0).transpose(0, 1),
+                spec.key.squeeze(0).transpose(0, 1),
+                spec.value.squeeze(0).transpose(0, 1),
+                **options,
+            )
+            return _first_order(out.transpose(0, 1).unsqueeze(0), spec)
+
+        return run_documents

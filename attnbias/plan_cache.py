@@ -1,0 +1,174 @@
+"""The decisions of recent calls, so that a repeated call skips validation, lowering and planning.
+
+At short sequence lengths a call's host time is its whole runtime, and most of it went into
+deciding the same thing again: a model calls attention with the same bias, shapes and flags in
+every layer and every step. A call is identified here by everything the decision reads:
+
+- the bias: the built-ins that hold no tensor (causal, sliding window, soft-cap, ALiBi with the
+  paper's slopes) by value, so a bias rebuilt each step still hits; a :class:`DocumentBias` by
+  identity, and the entry keeps it alive so that its identity cannot be reused;
+- the shapes, dtypes, devices and ``requires_grad`` of query, key and value, and grad mode;
+- every flag with its type (``1`` and ``True`` are different calls: validation may treat them
+  differently);
+- the :func:`~attnbias.use_backends` policy in force.
+
+Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), tensor
+subclasses, user biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each
+call, so that their gradient is recorded each time). Biases are immutable; writing into the id
+tensors of a :class:`DocumentBias` after using it is not seen (as it is not by its own
+per-device copies).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnbias.backends import Backend
+from attnbias.bias import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CompositeBias,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+)
+from attnbias.spec import Lowered, Spec
+
+__all__ = ["CachedPlan", "call_key", "clear", "lookup", "store"]
+
+# Entries kept; the oldest goes first. A model has a handful of distinct attention calls.
+MAX_ENTRIES = 64
+
+_BY_VALUE = (CausalBias, SlidingWindowBias, SoftcapBias)  # frozen, equal by value, no tensors
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPlan:
+    """What a call decided: its bias (``is_causal`` folded in), lowered form and backend, and
+    the backend's function prepared for it."""
+
+    bias: AttnBias | None
+    lowered: Lowered
+    run_prepared: Callable[[Spec], Tensor]
+    needs_grad: bool
+
+    def run(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool,
+    ) -> Tensor:
+        spec = Spec(
+            query,
+            key,
+            value,
+            self.bias,
+            self.lowered,
+            scale,
+            dropout_p,
+            enable_gqa,
+            self.needs_grad,
+            False,
+        )
+        return self.run_prepared(spec)
+
+
+_ENTRIES: dict[Hashable, CachedPlan] = {}
+_LOCK = threading.Lock()
+
+
+def _part_key(part: AttnBias) -> Hashable | None:
+    cls = type(part)
+    if cls in _BY_VALUE:
+        return part
+    if cls is DocumentBias:
+        return (cls, id(part))
+    if cls is AlibiBias and part.slopes is None:  # type: ignore[attr-defined]
+        return (cls, part.num_heads)  # type: ignore[attr-defined]
+    return None
+
+
+def _bias_key(bias: object) -> Hashable | None:
+    if type(bias) is CompositeBias:
+        keys = tuple(_part_key(part) for part in bias.parts)
+        return None if None in keys else keys
+    if isinstance(bias, AttnBias):
+        return _part_key(bias)
+    return None
+
+
+def _flag(value: object) -> Hashable | None:
+    """A flag with its type, or ``None`` for one that is not a plain bool, int, float or None."""
+    if value is None or type(value) in (bool, int, float):
+        return (type(value), value)
+    return None
+
+
+def call_key(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+    policy: Hashable,
+) -> Hashable | None:
+    """The identity of an :func:`attnbias.sdpa` call, or ``None`` when it is not cached."""
+    if torch.compiler.is_compiling():
+        return None
+    bias_key = _bias_key(attn_mask)
+    if bias_key is None:
+        return None
+    if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
+        return None
+    flags = (_flag(dropout_p), _flag(is_causal), _flag(scale), _flag(enable_gqa))
+    if None in flags:
+        return None
+    return (
+        bias_key,
+        flags,
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+        query.requires_grad,
+        key.requires_grad,
+        value.requires_grad,
+        torch.is_grad_enabled(),
+        policy,
+    )
+
+
+def lookup(key: Hashable) -> CachedPlan | None:
+    return _ENTRIES.get(key)
+
+
+def store(key: Hashable, spec: Spec, backend: Backend) -> None:
+    """Remember the decision for ``spec``; the caller checked that ``key`` identifies it."""
+    entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec), spec.needs_grad)
+    with _LOCK:
+        _ENTRIES[key] = entry
+        while len(_ENTRIES) > MAX_ENTRIES:
+            del _ENTRIES[next(iter(_ENTRIES))]
+
+
+def clear() -> None:
+    """Forget every decision (after changing what a backend's availability depends on)."""
+    with _LOCK:
+        _ENTRIES.clear()

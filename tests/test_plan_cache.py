@@ -1,0 +1,173 @@
+"""A repeated call reuses its decision, and only an identical call does.
+
+Every result is checked against the fp64 oracle, so a decision reused for a call it does not
+fit (another document layout, another band, another route) fails here. Calls run on the CPU
+routes (stock SDPA, the materialized mask, the eager reference), which need no kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    causal_lower_right,
+    functional,
+    plan_cache,
+    use_backends,
+)
+from attnbias.backends import triton as triton_backend
+from tests.oracle import assert_close_to_oracle, attention, run_with_grads
+
+
+@pytest.fixture(autouse=True)
+def cpu_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every decision the planner makes (a cached call makes none)."""
+    made: list[Any] = []
+    original = functional.plan
+
+    def counting(spec: Any) -> Any:
+        chosen = original(spec)
+        made.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(functional, "plan", counting)
+    return made
+
+
+def inputs(
+    length_q: int = 8, length_kv: int = 8, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(  # type: ignore[return-value]
+        torch.randn(1, 2, length, 16, generator=generator).to(dtype)
+        for length in (length_q, length_kv, length_kv)
+    )
+
+
+def check(q: Tensor, k: Tensor, v: Tensor, bias: AttnBias, out: Tensor, **kwargs: Any) -> None:
+    oracle = attention(q, k, v, bias, **kwargs)
+    stock = attention(q, k, v, bias, dtype=q.dtype, **kwargs)
+    assert_close_to_oracle([out], [oracle], [stock], q.dtype)
+
+
+def test_a_repeated_call_reuses_its_decision(plans: list[Any]) -> None:
+    q, k, v = inputs()
+    for _ in range(3):
+        # a new but equal bias each time, as a model builds it in every step
+        bias = causal_lower_right() + SlidingWindowBias(2) + SoftcapBias(5.0)
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    assert len(plans) == 1
+
+
+VARIANTS: dict[str, Callable[[Tensor, Tensor, Tensor], dict[str, Any]]] = {
+    "another length": lambda q, k, v: {"q": q[:, :, :5]},
+    "another dtype": lambda q, k, v: {"q": q.double(), "k": k.double(), "v": v.double()},
+    "another scale": lambda q, k, v: {"scale": 0.5},
+    "is_causal": lambda q, k, v: {"is_causal": True},
+    "an int where a float was": lambda q, k, v: {"scale": 1},
+    "gradients": lambda q, k, v: {"q": q.clone().requires_grad_()},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_call_that_differs_is_planned_again(plans: list[Any], variant: str) -> None:
+    q, k, v = inputs()
+    bias = SlidingWindowBias(3) + SoftcapBias(4.0)
+    attnbias.sdpa(q, k, v, attn_mask=bias, scale=1.0)
+    changed: dict[str, Any] = {"q": q, "k": k, "v": v, "scale": 1.0, "is_causal": False}
+    changed.update(VARIANTS[variant](q, k, v))
+    q2, k2, v2 = changed.pop("q"), changed.pop("k"), changed.pop("v")
+    out = attnbias.sdpa(q2, k2, v2, attn_mask=bias, **changed)
+    assert len(plans) == 2
+    check(q2.detach(), k2, v2, bias, out.detach(), **changed)
+
+
+def test_grad_mode_is_part_of_a_call(plans: list[Any]) -> None:
+    q, k, v = (x.requires_grad_() for x in inputs())
+    bias = SlidingWindowBias(2) + SoftcapBias(4.0)
+    with torch.no_grad():
+        attnbias.sdpa(q, k, v, attn_mask=bias)
+    out = attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert len(plans) == 2
+    assert out.requires_grad
+
+
+def test_documents_are_told_apart_by_identity(plans: list[Any]) -> None:
+    q, k, v = inputs(length_q=9, length_kv=9)
+    for seqlens in ([3, 6], [6, 3], [3, 6], [9]):
+        bias = DocumentBias.from_seqlens(seqlens) + causal_lower_right()
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    assert len(plans) == 4
+
+
+def test_use_backends_is_part_of_a_call(plans: list[Any]) -> None:
+    q, k, v = inputs()
+    bias = SlidingWindowBias(2)
+    attnbias.sdpa(q, k, v, attn_mask=bias)
+    with use_backends("reference"):
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert [p.backend.name for p in plans] == ["sdpa+mask", "reference"]
+
+
+def test_slopes_of_your_own_are_never_cached(plans: list[Any]) -> None:
+    """Their conversion must be recorded on every call, or the gradient would stop flowing."""
+    q, k, v = inputs(dtype=torch.float64)
+    grad_out = torch.randn_like(q)
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    for _ in range(2):
+        leaf = slopes.clone().requires_grad_()
+        out = attnbias.sdpa(q, k, v, attn_mask=AlibiBias(slopes=leaf) + causal_lower_right())
+        (got,) = torch.autograd.grad(out, leaf, grad_out)
+        expected = run_with_grads(
+            lambda s: attention(q, k, v, AlibiBias(slopes=s) + causal_lower_right()),
+            [slopes],
+            grad_out,
+        )[1]
+        torch.testing.assert_close(got, expected)
+    assert len(plans) == 2
+
+
+def test_the_paper_slopes_are_cached_by_head_count(plans: list[Any]) -> None:
+    q, k, v = inputs(dtype=torch.float64)
+    for _ in range(2):
+        bias = AlibiBias(num_heads=2) + SoftcapBias(3.0)
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    assert len(plans) == 1
+
+
+def test_the_cache_is_bounded() -> None:
+    bias = SlidingWindowBias(1) + SoftcapBias(2.0)
+    for length in range(1, plan_cache.MAX_ENTRIES + 10):
+        q, k, v = inputs(length_q=length, length_kv=length)
+        attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert len(plan_cache._ENTRIES) == plan_cache.MAX_ENTRIES
+
+
+def test_no_entry_keeps_the_inputs_alive() -> None:
+    """An entry holds the decision, not the tensors of the call that made it."""
+    import weakref
+
+    q, k, v = inputs()
+    refs = [weakref.ref(x) for x in (q, k, v)]
+    attnbias.sdpa(q, k, v, attn_mask=SlidingWindowBias(2) + SoftcapBias(3.0))
+    del q, k, v
+    assert all(ref() is None for ref in refs)
+    assert len(plan_cache._ENTRIES) == 1
