@@ -42,7 +42,7 @@ def refuse_double_backward(out: Tensor, route: str) -> Tensor:
     For backends whose backward is first-order only: without this, ``create_graph=True``
     would give gradients that silently do not depend on the inputs.
     """
-    return _FirstOrderOnly.apply(out, route)  # type: ignore[no-any-return]
+    return _FirstOrderOnly.apply(out, route)
 
 
 class Backend(ABC):
