@@ -69,7 +69,17 @@ def check(
     fn=sdpa,
     routes=KERNEL_ROUTES,
 ):  # type: ignore[no-untyped-def]
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    """Twice, on new contents: the second call runs on the decision the first one cached."""
+    for seed in (0, 1):
+        check_once(
+            bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed
+        )
+
+
+def check_once(
+    bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed
+):  # type: ignore[no-untyped-def]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
@@ -192,3 +202,12 @@ def test_fa4_is_chosen_where_the_priority_list_says() -> None:
     # documents beyond batch size 1 would need copies: the Triton kernel takes them
     q2 = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
     assert attnbias.explain(q2, q2, q2, attn_mask=docs).startswith("triton:")
+
+
+@needs_fa4
+def test_fa4_refuses_double_backward() -> None:
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with use_backends("fa4"):
+        out = sdpa(q, q, q, attn_mask=SlidingWindowBias(31))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
