@@ -702,7 +702,15 @@ class DocumentBias(_BuiltinBias):
                 f"DocumentBias.from_seqlens: {name} must be a non-empty 1-D list of lengths, got "
                 f"shape {tuple(lengths.shape)}"
             )
-        if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        mixed_bools = isinstance(seqlens, (list, tuple)) and any(
+            isinstance(n, bool) for n in seqlens
+        )
+        if (
+            mixed_bools
+            or lengths.dtype == torch.bool
+            or lengths.is_floating_point()
+            or lengths.is_complex()
+        ):
             # a fractional length would be truncated, and True would count as 1
             raise TypeError(
                 f"DocumentBias.from_seqlens: {name} must hold int lengths, got {lengths.tolist()} "
@@ -971,7 +979,7 @@ def check_materialized(
             f"{owner} returned a tensor of dtype={result.dtype}; {wanted} (convert a 0/1 mask "
             f"with .bool())"
         )
-    if device is not None and result.device != _expected_device(device):
+    if result.device != _expected_device(device):
         raise ValueError(
             f"{owner} returned a tensor on {result.device} but the inputs are on "
             f"{_expected_device(device)}; create it with device=device"

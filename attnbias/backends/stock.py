@@ -148,10 +148,10 @@ class StockSDPA(Backend):
         return "stock SDPA without a mask"
 
     def run(self, spec: Spec) -> Tensor:
-        if not spec.lowered.is_plain_causal:
-            # every row attends every key: stock SDPA's own NaN propagation is the contract's
-            return _stock(spec, None, False)
-        # stock SDPA lets a NaN key or value above the diagonal reach the rows before it
+        # Stock SDPA lets a NaN key or value above the diagonal reach the rows before it, and
+        # its float32 CPU kernel gives 0 for a row whose query is NaN: it runs on the zeroed
+        # inputs, and the rows that attend a non-finite value are set to NaN after.
+        causal = spec.lowered.is_plain_causal
         inputs = FiniteInputs.of(spec.query, spec.key, spec.value)
         out = stock_sdpa(
             inputs.query,
@@ -159,11 +159,11 @@ class StockSDPA(Backend):
             inputs.value,
             attn_mask=None,
             dropout_p=spec.dropout_p,
-            is_causal=True,
+            is_causal=causal,
             scale=spec.scale,
             enable_gqa=spec.enable_gqa,
         )
-        return inputs.poison(out, None, causal=True)
+        return inputs.poison(out, None, causal=causal)
 
 
 class MaterializedSDPA(Backend):
