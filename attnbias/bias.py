@@ -123,8 +123,9 @@ class AttnBias(ABC):
 
     A subclass provides at least one of two paths:
 
-    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes an additive
-      float tensor and stock SDPA runs with it. This is all a custom bias needs.
+    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes a bool
+      keep-mask or an additive float tensor and stock SDPA runs with it. This is all a custom
+      bias needs.
     * ``dispatch`` (and ``needs_materialization() -> False``): the bias runs attention itself,
       e.g. through a fused kernel.
 
@@ -150,7 +151,13 @@ class AttnBias(ABC):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
-        """Additive float tensor broadcastable to ``shape=(B, H, L, S)``."""
+        """The bias as a tensor broadcastable to ``shape=(B, H, L, S)``, on ``device``.
+
+        Either a bool keep-mask (``True`` = attend) or an additive float tensor (``0`` where
+        attended, ``-inf`` where masked, finite values for score biases; never NaN or
+        ``+inf``). A bool result is read as a keep-mask everywhere, sums included. The routes
+        ask for ``dtype=torch.float32`` (``float64`` for float64 inputs) and check the result.
+        """
         raise TypeError(
             f"{type(self).__name__} has no materialized form; it can only run through its "
             f"dispatch (its needs_materialization() must return False)"
@@ -171,7 +178,8 @@ class AttnBias(ABC):
         dropout_p: float,
         enable_gqa: bool = False,
     ) -> Tensor:
-        """Compute attention with this bias without materializing it."""
+        """Compute attention with this bias without materializing it: ``(B, Hq, L, Ev)`` in
+        the dtype and on the device of ``query`` (checked)."""
         raise TypeError(
             f"{type(attn_bias).__name__}.needs_materialization() returned False but the class "
             f"does not implement dispatch(); implement dispatch() or return True from "
@@ -243,8 +251,11 @@ class _BuiltinBias(AttnBias):
 class TensorBias(AttnBias):
     """A plain additive (float) or keep (bool) tensor, broadcastable to ``(B, Hq, L, S)``.
 
-    Always materialised: ``sdpa`` passes it to stock SDPA. A float bias that requires grad gets
-    its gradient. A bool tensor keeps ``True`` pairs (PyTorch's convention).
+    Always materialised: ``sdpa`` passes it to stock SDPA (a bool tensor as a keep-mask), or
+    to the float32 eager path when half-precision inputs cannot hold a float bias exactly. A
+    float bias that requires grad gets its exact gradient; its ``-inf`` entries mask, and a NaN
+    or ``+inf`` entry makes its row NaN, as in stock SDPA. A bool tensor keeps ``True`` pairs
+    (PyTorch's convention). Any rank up to 4 that broadcasts to ``(B, Hq, L, S)`` works.
 
     >>> TensorBias(torch.tensor([[0.0, -1.0], [float("-inf"), 0.5]])).materialize()
     tensor([[ 0.0000, -1.0000],
