@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,12 +40,16 @@ __all__ = [
     "CausalVariant",
     "CompositeBias",
     "DocumentBias",
+    "MaskedBias",
     "SlidingWindowBias",
     "SoftcapBias",
     "TensorBias",
     "alibi_slopes",
     "causal_lower_right",
     "causal_upper_left",
+    "check_dispatched",
+    "check_materialized",
+    "materialize_masked",
 ]
 
 _Device = torch.device | str | int | None
@@ -117,8 +123,9 @@ class AttnBias(ABC):
 
     A subclass provides at least one of two paths:
 
-    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes an additive
-      float tensor and stock SDPA runs with it. This is all a custom bias needs.
+    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes a bool
+      keep-mask or an additive float tensor and stock SDPA runs with it. This is all a custom
+      bias needs.
     * ``dispatch`` (and ``needs_materialization() -> False``): the bias runs attention itself,
       e.g. through a fused kernel.
 
@@ -144,7 +151,13 @@ class AttnBias(ABC):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
-        """Additive float tensor broadcastable to ``shape=(B, H, L, S)``."""
+        """The bias as a tensor broadcastable to ``shape=(B, H, L, S)``, on ``device``.
+
+        Either a bool keep-mask (``True`` = attend) or an additive float tensor (``0`` where
+        attended, ``-inf`` where masked, finite values for score biases; never NaN or
+        ``+inf``). A bool result is read as a keep-mask everywhere, sums included. The routes
+        ask for ``dtype=torch.float32`` (``float64`` for float64 inputs) and check the result.
+        """
         raise TypeError(
             f"{type(self).__name__} has no materialized form; it can only run through its "
             f"dispatch (its needs_materialization() must return False)"
@@ -165,7 +178,8 @@ class AttnBias(ABC):
         dropout_p: float,
         enable_gqa: bool = False,
     ) -> Tensor:
-        """Compute attention with this bias without materializing it."""
+        """Compute attention with this bias without materializing it: ``(B, Hq, L, Ev)`` in
+        the dtype and on the device of ``query`` (checked)."""
         raise TypeError(
             f"{type(attn_bias).__name__}.needs_materialization() returned False but the class "
             f"does not implement dispatch(); implement dispatch() or return True from "
@@ -237,8 +251,11 @@ class _BuiltinBias(AttnBias):
 class TensorBias(AttnBias):
     """A plain additive (float) or keep (bool) tensor, broadcastable to ``(B, Hq, L, S)``.
 
-    Always materialised: ``sdpa`` passes it to stock SDPA. A float bias that requires grad gets
-    its gradient. A bool tensor keeps ``True`` pairs (PyTorch's convention).
+    Always materialised: ``sdpa`` passes it to stock SDPA (a bool tensor as a keep-mask), or
+    to the float32 eager path when half-precision inputs cannot hold a float bias exactly. A
+    float bias that requires grad gets its exact gradient; its ``-inf`` entries mask, and a NaN
+    or ``+inf`` entry makes its row NaN, as in stock SDPA. A bool tensor keeps ``True`` pairs
+    (PyTorch's convention). Any rank up to 4 that broadcasts to ``(B, Hq, L, S)`` works.
 
     >>> TensorBias(torch.tensor([[0.0, -1.0], [float("-inf"), 0.5]])).materialize()
     tensor([[ 0.0000, -1.0000],
@@ -263,11 +280,23 @@ class TensorBias(AttnBias):
                 f"TensorBias must broadcast to (B, H, L, S), got a {self.bias.dim()}-D tensor "
                 f"of shape {tuple(self.bias.shape)}"
             )
+        if self.bias.is_meta:
+            raise ValueError(
+                f"TensorBias holds a meta tensor of shape {tuple(self.bias.shape)}, which has no "
+                f"values; build it from a tensor on the inputs' device"
+            )
+
+    @property
+    def matrix(self) -> Tensor:
+        """The tensor with at least two dimensions, ``(..., L or 1, S or 1)``: stock SDPA
+        indexes a mask's last two dimensions, so ``(S,)`` becomes ``(1, S)``."""
+        bias = self.bias
+        return bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 2 else bias
 
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
-        bias = self.bias
+        bias = self.matrix
         if shape is not None:
             self._check_broadcast(tuple(shape))
         if bias.dtype == torch.bool:
@@ -342,7 +371,11 @@ class CausalBias(_BuiltinBias):
                 ) from None
         for name in ("seq_len_q", "seq_len_kv"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"CausalBias {name} must be a positive int or None, got {value!r}")
+            if value < 1:
                 raise ValueError(f"CausalBias {name} must be a positive int, got {value!r}")
 
     def offset_hi(self, length_q: int, length_kv: int) -> int:
@@ -352,9 +385,11 @@ class CausalBias(_BuiltinBias):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
+        return _keep_to_additive(self._keep(device, shape), dtype or torch.float32)
+
+    def _keep(self, device: _Device, shape: _Shape) -> Tensor:
         length_q, length_kv = _resolve_lengths(shape, self.seq_len_q, self.seq_len_kv, "CausalBias")
-        keep = _band_keep(length_q, length_kv, None, self.offset_hi(length_q, length_kv), device)
-        return _keep_to_additive(keep, dtype or torch.float32)
+        return _band_keep(length_q, length_kv, None, self.offset_hi(length_q, length_kv), device)
 
     def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
         _resolve_lengths((length_q, length_kv), self.seq_len_q, self.seq_len_kv, "CausalBias")
@@ -403,6 +438,38 @@ def alibi_slopes(num_heads: int) -> list[float]:
     return power_of_two(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
 
 
+def _check_slopes(slopes: Any) -> None:
+    if not isinstance(slopes, Tensor):
+        raise TypeError(
+            f"AlibiBias slopes must be a torch.Tensor of shape (Hq,) or (B, Hq), got "
+            f"{type(slopes).__name__}; wrap them with torch.tensor(...)"
+        )
+    if not slopes.is_floating_point():
+        raise TypeError(
+            f"AlibiBias slopes must be a real floating point tensor, got dtype={slopes.dtype}; "
+            f"convert them with .float()"
+        )
+    if slopes.dim() not in (1, 2) or slopes.numel() == 0:
+        raise ValueError(
+            f"AlibiBias slopes must have shape (Hq,) or (B, Hq) with Hq > 0, got shape "
+            f"{tuple(slopes.shape)}"
+        )
+    if slopes.is_meta:
+        raise ValueError(
+            "AlibiBias slopes are a meta tensor, which has no values; build them on the "
+            "inputs' device"
+        )
+    if torch.compiler.is_compiling():
+        return
+    finite = torch.isfinite(slopes.detach())
+    if not bool(finite.all()):
+        index = tuple(int(i) for i in (~finite).nonzero()[0])
+        raise ValueError(
+            f"AlibiBias slopes must be finite, got {slopes.detach()[index].item()} at index "
+            f"{index}; the paper's slopes for H heads are AlibiBias(num_heads=H)"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class AlibiBias(_BuiltinBias):
     """ALiBi: adds ``-slope_h * |i + (S - L) - j|`` to the scores of head ``h``.
@@ -427,21 +494,17 @@ class AlibiBias(_BuiltinBias):
                 f"AlibiBias takes exactly one of num_heads or slopes, got num_heads="
                 f"{self.num_heads!r} and slopes={'None' if self.slopes is None else 'a tensor'}"
             )
-        if self.num_heads is not None and (
-            not isinstance(self.num_heads, int) or self.num_heads < 1
-        ):
-            raise ValueError(f"AlibiBias num_heads must be a positive int, got {self.num_heads!r}")
-        if self.slopes is not None:
-            if not isinstance(self.slopes, Tensor):
+        if self.num_heads is not None:
+            if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int):
                 raise TypeError(
-                    f"AlibiBias slopes must be a torch.Tensor of shape (Hq,) or (B, Hq), got "
-                    f"{type(self.slopes).__name__}"
+                    f"AlibiBias num_heads must be a positive int, got {self.num_heads!r}"
                 )
-            if self.slopes.dim() not in (1, 2) or not self.slopes.is_floating_point():
+            if self.num_heads < 1:
                 raise ValueError(
-                    f"AlibiBias slopes must be a float tensor of shape (Hq,) or (B, Hq), got "
-                    f"shape {tuple(self.slopes.shape)} and dtype {self.slopes.dtype}"
+                    f"AlibiBias num_heads must be a positive int, got {self.num_heads!r}"
                 )
+        if self.slopes is not None:
+            _check_slopes(self.slopes)
 
     @property
     def heads(self) -> int:
@@ -528,8 +591,10 @@ class SlidingWindowBias(_BuiltinBias):
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
                 raise TypeError(f"SlidingWindowBias {name} must be an int or None, got {value!r}")
+            value = operator.index(value)
+            object.__setattr__(self, name, value)
             if value < 0:
                 raise ValueError(
                     f"SlidingWindowBias {name} must be >= 0 (or None for unbounded), got "
@@ -546,11 +611,11 @@ class SlidingWindowBias(_BuiltinBias):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
+        return _keep_to_additive(self._keep(device, shape), dtype or torch.float32)
+
+    def _keep(self, device: _Device, shape: _Shape) -> Tensor:
         length_q, length_kv = _resolve_lengths(shape, None, None, "SlidingWindowBias")
-        lo, hi = self.offsets(length_q, length_kv)
-        return _keep_to_additive(
-            _band_keep(length_q, length_kv, lo, hi, device), dtype or torch.float32
-        )
+        return _band_keep(length_q, length_kv, *self.offsets(length_q, length_kv), device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -636,15 +701,41 @@ class DocumentBias(_BuiltinBias):
 
     @staticmethod
     def _ids_from_seqlens(seqlens: Sequence[int] | Tensor, name: str, device: _Device) -> Tensor:
-        lengths = torch.as_tensor(seqlens, dtype=torch.long, device=device)
+        try:
+            lengths = torch.as_tensor(seqlens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"DocumentBias.from_seqlens: {name} must be a list or 1-D tensor of int lengths, "
+                f"got {seqlens!r}"
+            ) from None
         if lengths.dim() != 1 or lengths.numel() == 0:
-            raise ValueError(f"DocumentBias.from_seqlens: {name} must be a non-empty 1-D list")
+            raise ValueError(
+                f"DocumentBias.from_seqlens: {name} must be a non-empty 1-D list of lengths, got "
+                f"shape {tuple(lengths.shape)}"
+            )
+        mixed_bools = isinstance(seqlens, (list, tuple)) and any(
+            isinstance(n, bool) for n in seqlens
+        )
+        if (
+            mixed_bools
+            or lengths.dtype == torch.bool
+            or lengths.is_floating_point()
+            or lengths.is_complex()
+        ):
+            # a fractional length would be truncated, and True would count as 1
+            raise TypeError(
+                f"DocumentBias.from_seqlens: {name} must hold int lengths, got {lengths.tolist()} "
+                f"(dtype={lengths.dtype}); pass whole numbers of tokens as ints"
+            )
+        lengths = lengths.to(device=device, dtype=torch.long)
         if bool((lengths < 0).any()) or int(lengths.sum()) == 0:
             raise ValueError(
                 f"DocumentBias.from_seqlens: {name} must be non-negative with a positive sum, "
                 f"got {lengths.tolist()}"
             )
-        return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        return torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device), lengths
+        )
 
     @property
     def kv_ids(self) -> Tensor:
@@ -670,6 +761,9 @@ class DocumentBias(_BuiltinBias):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
+        return _keep_to_additive(self._keep(device, shape), dtype or torch.float32)
+
+    def _keep(self, device: _Device, shape: _Shape) -> Tensor:
         q_ids, kv_ids = self.q_doc_ids, self.kv_ids
         if shape is not None:
             shape = tuple(shape)
@@ -681,7 +775,7 @@ class DocumentBias(_BuiltinBias):
             keep = keep[:, None]
         if device is not None:
             keep = keep.to(device)
-        return _keep_to_additive(keep, dtype or torch.float32)
+        return keep
 
     def _validate_call(self, batch: int, heads: int, length_q: int, length_kv: int) -> None:
         for name, ids, length, letter in (
@@ -727,7 +821,7 @@ class SoftcapBias(_BuiltinBias):
     cap: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.cap, bool) or not isinstance(self.cap, (int, float)):
+        if isinstance(self.cap, bool) or not isinstance(self.cap, numbers.Real):
             raise TypeError(f"SoftcapBias cap must be a positive float, got {self.cap!r}")
         if not (math.isfinite(self.cap) and self.cap > 0):
             raise ValueError(
@@ -775,12 +869,10 @@ class CompositeBias(AttnBias):
     def materialize(
         self, device: _Device = None, *, shape: _Shape = None, dtype: torch.dtype | None = None
     ) -> Tensor:
-        total: Tensor | None = None
-        for part in self.parts:
-            term = part.materialize(device, shape=shape, dtype=dtype)
-            total = term if total is None else total + term
-        assert total is not None  # parts is non-empty
-        return total
+        dtype = dtype or torch.float32
+        form = materialize_masked(self, device, shape, dtype).additive_form(dtype)
+        assert form is not None  # every part gives a keep-mask or an additive term
+        return form
 
     # A sum of built-in biases lowers like one; parts with no kernel form are materialized.
     dispatch = staticmethod(_BuiltinBias.dispatch)
@@ -791,3 +883,160 @@ class CompositeBias(AttnBias):
 
     def __repr__(self) -> str:
         return " + ".join(repr(p) for p in self.parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The materialized form every materializing route shares
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is materialized in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedBias:
+    """A bias as a keep-mask and an additive part, each broadcastable to ``(B, H, L, S)``.
+
+    ``keep`` (bool, ``True`` = attend) selects; it is never added to the scores, so a
+    non-finite score at a masked pair cannot reach a kept one. ``additive`` is float32 or wider
+    and holds only the score biases (its ``-inf`` entries are moved to ``keep``). ``None`` means
+    every pair is kept, or nothing is added.
+    """
+
+    keep: Tensor | None
+    additive: Tensor | None
+
+    def additive_form(self, dtype: torch.dtype) -> Tensor | None:
+        """The single float tensor of ``materialize``: ``additive`` with ``-inf`` where masked."""
+        if self.additive is None:
+            return None if self.keep is None else _keep_to_additive(self.keep, dtype)
+        if self.keep is None:
+            return self.additive.to(dtype)
+        return self.additive.masked_fill(~self.keep, -math.inf).to(dtype)
+
+
+def materialize_masked(
+    bias: AttnBias | None, device: _Device, shape: _Shape, dtype: torch.dtype
+) -> MaskedBias:
+    """``bias`` materialized for a call with scores of ``shape=(B, H, L, S)``, as
+    :class:`MaskedBias`; its additive part in :func:`_compute_dtype` of ``dtype``.
+
+    Built-in masks give bool keep-masks. Any other part's ``materialize`` is checked (see
+    :func:`check_materialized`); a bool result is its keep-mask, a float result is additive with
+    ``-inf`` meaning masked. The keep-masks intersect and the additive parts add up.
+    """
+    shape = None if shape is None else tuple(int(n) for n in shape)
+    compute = _compute_dtype(dtype)
+    keep: Tensor | None = None
+    additive: Tensor | None = None
+    for part in parts_of(bias):
+        part_keep: Tensor | None = None
+        part_additive: Tensor | None = None
+        if isinstance(part, (CausalBias, SlidingWindowBias, DocumentBias)):
+            part_keep = part._keep(device, shape)
+        elif isinstance(part, AlibiBias):
+            part_additive = part.materialize(device, shape=shape, dtype=compute)
+        else:
+            if isinstance(part, TensorBias):
+                if shape is not None:
+                    part._check_broadcast(shape)
+                result = part.matrix
+                if device is not None:
+                    result = result.to(device)
+            else:
+                result = check_materialized(
+                    part, part.materialize(device, shape=shape, dtype=compute), shape, device
+                )
+            if result.dtype == torch.bool:
+                part_keep = result
+            else:
+                result = result.to(compute)
+                masked = torch.isneginf(result)
+                part_keep = ~masked
+                part_additive = result.masked_fill(masked, 0.0)
+        if part_keep is not None:
+            keep = part_keep if keep is None else keep & part_keep
+        if part_additive is not None:
+            additive = part_additive if additive is None else additive + part_additive
+    return MaskedBias(keep, additive)
+
+
+def _expected_device(device: _Device) -> torch.device:
+    expected = torch.device("cpu") if device is None else torch.device(device)
+    if expected.type == "cuda" and expected.index is None:
+        expected = torch.device("cuda", torch.cuda.current_device())
+    return expected
+
+
+def check_materialized(
+    bias: AttnBias, result: Any, shape: tuple[int, ...] | None, device: _Device
+) -> Tensor:
+    """``result`` of ``bias.materialize(device, shape=shape, ...)``, checked for the routes.
+
+    It must be a bool keep-mask (``True`` = attend) or a float additive tensor (``-inf`` =
+    masked; no NaN or ``+inf``), on ``device``, broadcastable to ``shape=(B, H, L, S)``.
+    Raises ``TypeError`` / ``ValueError`` naming the class, the value and the fix.
+    """
+    owner = f"{type(bias).__name__}.materialize"
+    wanted = (
+        f"return a bool keep-mask (True = attend) or a float additive tensor (-inf = masked) "
+        f"broadcastable to (B, H, L, S)={shape}"
+    )
+    if not isinstance(result, Tensor):
+        raise TypeError(f"{owner} returned {type(result).__name__}, not a tensor; {wanted}")
+    if result.dtype != torch.bool and not result.is_floating_point():
+        raise TypeError(
+            f"{owner} returned a tensor of dtype={result.dtype}; {wanted} (convert a 0/1 mask "
+            f"with .bool())"
+        )
+    if result.device != _expected_device(device):
+        raise ValueError(
+            f"{owner} returned a tensor on {result.device} but the inputs are on "
+            f"{_expected_device(device)}; create it with device=device"
+        )
+    try:
+        fits = shape is None or torch.broadcast_shapes(result.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        fits = False
+    if not fits or result.dim() > 4:
+        raise ValueError(
+            f"{owner} returned a tensor of shape {tuple(result.shape)}, which does not broadcast "
+            f"to (B, H, L, S)={shape}; give it a shape such as (L, S), (B, 1, L, S) or (B, H, L, S)"
+        )
+    if result.dim() < 2:
+        result = result.reshape((1,) * (2 - result.dim()) + tuple(result.shape))
+    if result.is_floating_point() and not torch.compiler.is_compiling():
+        bad = torch.isnan(result) | torch.isposinf(result)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{owner} returned {result.detach()[index].item()} at index {index} "
+                f"({int(bad.sum())} NaN or +inf entries); return 0 where attended, -inf where "
+                f"masked and finite values for score biases"
+            )
+    return result
+
+
+def check_dispatched(bias: AttnBias, result: Any, query: Tensor, value: Tensor) -> Tensor:
+    """``result`` of ``type(bias).dispatch(query, key, value, ...)``, checked: a tensor of shape
+    ``(B, Hq, L, Ev)`` in the dtype and on the device of ``query``."""
+    owner = f"{type(bias).__name__}.dispatch"
+    batch, heads, length_q, _ = query.shape
+    expected = (batch, heads, length_q, value.shape[-1])
+    if not isinstance(result, Tensor):
+        raise TypeError(
+            f"{owner} returned {type(result).__name__}, not a tensor; return the attention "
+            f"output of shape (B, Hq, L, Ev)={expected}"
+        )
+    if tuple(result.shape) != expected:
+        raise ValueError(
+            f"{owner} returned shape {tuple(result.shape)}; the attention output must have shape "
+            f"(B, Hq, L, Ev)={expected}"
+        )
+    if result.dtype != query.dtype or result.device != query.device:
+        raise TypeError(
+            f"{owner} returned a tensor of dtype={result.dtype} on {result.device}; the output "
+            f"must match the query: dtype={query.dtype} on {query.device}"
+        )
+    return result

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from attnbias import plan_cache
 from attnbias.backends import stock_sdpa
-from attnbias.bias import AttnBias, _BuiltinBias
+from attnbias.backends.stock import materialized_attention
+from attnbias.bias import AttnBias, _BuiltinBias, check_dispatched
 from attnbias.planner import current_policy, plan
 from attnbias.spec import make_spec, with_causal
 
@@ -153,11 +154,17 @@ def _choose(
     if attn_mask.needs_materialization():
         bias = with_causal(attn_mask, is_causal)
         assert bias is not None  # attn_mask is not None here
-        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
         def materialized() -> Tensor:
-            mask = bias.materialize(query.device, shape=shape, dtype=query.dtype)
-            return stock(mask, False)()
+            return materialized_attention(
+                query,
+                key,
+                value,
+                bias,
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
 
         return (
             says(
@@ -172,7 +179,12 @@ def _choose(
             f"{cls.__name__}.dispatch: {cls.__name__} does not need materialization and runs "
             f"through its own dispatch()"
         ),
-        lambda: cls.dispatch(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa),
+        lambda: check_dispatched(
+            attn_mask,
+            cls.dispatch(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa),
+            query,
+            value,
+        ),
     )
 
 

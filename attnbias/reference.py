@@ -3,23 +3,30 @@
 It materializes the ``(B, Hq, L, S)`` scores, so it is meant for CPU tensors, for what the fused
 kernel does not cover (dropout with soft-cap, user biases combined with soft-cap), and as a
 readable statement of the semantics.
+
+It also holds the one mechanism by which every materializing route keeps non-finite values at
+masked positions out of the results (:class:`FiniteInputs`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attnbias.bias import AttnBias, CompositeBias, SoftcapBias, parts_of
+from attnbias.bias import (
+    AttnBias,
+    CompositeBias,
+    MaskedBias,
+    SoftcapBias,
+    _compute_dtype,
+    materialize_masked,
+    parts_of,
+)
 
-__all__ = ["reference_attention"]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision inputs are computed in float32: the path is exact up to float32 rounding.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+__all__ = ["FiniteInputs", "reference_attention", "split_softcap"]
 
 
 def split_softcap(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:
@@ -31,6 +38,100 @@ def split_softcap(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]
     if not rest:
         return cap, None
     return cap, rest[0] if len(rest) == 1 else CompositeBias(tuple(rest))
+
+
+def _zero_nonfinite(tensor: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(tensor), tensor, torch.zeros((), dtype=tensor.dtype))
+
+
+@dataclass(frozen=True, eq=False)
+class FiniteInputs:
+    """Query, key and value with every non-finite entry replaced by 0, and which rows must
+    still come out NaN.
+
+    Why: a keep-mask is per ``(i, j)``, but attention contracts over ``j`` (``weights @ v``
+    forward, ``dscores @ k`` backward): a weight of 0 times a NaN value is NaN, so no selection
+    of the scores keeps a NaN key or value that row ``i`` does not attend out of row ``i`` (stock
+    SDPA's fused kernels do not either, bool mask or not). So the attention runs on the zeroed
+    inputs, where every product is finite and masked pairs contribute exactly 0, forward and
+    backward; then each row that attends a non-finite key or value, or whose own query is
+    non-finite and attends any key, is set to NaN (with a NaN gradient), as stock SDPA would
+    give it. A row is poisoned whole: one NaN in a value makes its whole output row NaN.
+
+    Shapes: ``query`` ``(B, Hq, L, E)``, ``key`` ``(B, Hkv, S, E)``, ``value`` ``(B, Hkv, S,
+    Ev)``.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    bad_query: Tensor  # (B, Hq, L) bool
+    bad_key_value: Tensor  # (B, Hq, S) bool, key/value heads repeated for GQA
+
+    @classmethod
+    def of(cls, query: Tensor, key: Tensor, value: Tensor) -> FiniteInputs:
+        bad_key_value = ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
+        heads_q, heads_kv = query.shape[1], key.shape[1]
+        if heads_kv not in (0, heads_q):
+            bad_key_value = bad_key_value.repeat_interleave(heads_q // heads_kv, dim=1)
+        return cls(
+            query=_zero_nonfinite(query),
+            key=_zero_nonfinite(key),
+            value=_zero_nonfinite(value),
+            bad_query=~torch.isfinite(query).all(-1),
+            bad_key_value=bad_key_value,
+        )
+
+    def poisoned_rows(self, keep: Tensor | None) -> Tensor:
+        """``(B, Hq, L)`` bool: rows that attend a non-finite key/value, or have a non-finite
+        query and attend some key. ``keep`` (bool, broadcastable to ``(B, Hq, L, S)``) is the
+        whole keep-mask of the call; ``None`` keeps every pair."""
+        batch, heads, _ = self.bad_query.shape
+        bad = self.bad_key_value
+        if keep is None:
+            return bad.any(-1, keepdim=True) | (self.bad_query & (bad.shape[-1] > 0))
+        keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+        keep_b, keep_h, keep_l, keep_s = keep.shape
+        if keep_s == 1:  # one column broadcast over every key
+            bad = bad.any(-1, keepdim=True)
+        # rows_reached[b, h, i] = any_j keep[b, h, i, j] & bad[b, h, j], as one matmul per
+        # (b, h) of the keep-mask's own size: the broadcast batch and head dimensions of the
+        # mask become columns of the right operand instead of copies of the mask.
+        # [keep_b, keep_h, S', n] with n = (B // keep_b) * (Hq // keep_h)
+        right = (
+            bad.reshape(keep_b, batch // keep_b, keep_h, heads // keep_h, bad.shape[-1])
+            .permute(0, 2, 4, 1, 3)
+            .reshape(keep_b, keep_h, bad.shape[-1], -1)
+        )
+        counts = keep.to(torch.float32) @ right.to(torch.float32)  # [keep_b, keep_h, keep_l, n]
+        reached = (
+            (counts > 0)
+            .reshape(keep_b, keep_h, keep_l, batch // keep_b, heads // keep_h)
+            .permute(0, 3, 1, 4, 2)
+            .reshape(batch, heads, keep_l)
+        )
+        return reached | (self.bad_query & keep.any(-1))
+
+    def poisoned_rows_causal(self) -> Tensor:
+        """:meth:`poisoned_rows` for the upper-left causal mask (``j <= i``), from a prefix
+        count over the keys instead of an ``(L, S)`` mask."""
+        length_q, length_kv = self.bad_query.shape[-1], self.bad_key_value.shape[-1]
+        if length_kv == 0:
+            return torch.zeros_like(self.bad_query)
+        reached_by_prefix = self.bad_key_value.to(torch.int32).cumsum(-1) > 0  # (B, Hq, S)
+        last_key = torch.arange(length_q, device=self.bad_query.device).clamp(max=length_kv - 1)
+        return reached_by_prefix[..., last_key] | self.bad_query
+
+    def poison(self, out: Tensor, keep: Tensor | None, *, causal: bool = False) -> Tensor:
+        """``out`` ``(B, Hq, L, Ev)`` with the poisoned rows NaN, their gradient NaN too.
+        ``causal``: the call's mask is upper-left causal (``keep`` is then ignored)."""
+        if out.numel() == 0:
+            return out
+        rows = (self.poisoned_rows_causal() if causal else self.poisoned_rows(keep))[..., None]
+        # a product, not a selection: the gradient of a poisoned row is NaN as well, and every
+        # other row's passes unchanged (a where would send 0 * NaN to every row's gradient)
+        factor = torch.where(rows, math.nan, 1.0).to(out.dtype)
+        return out * factor
 
 
 def reference_attention(
@@ -55,36 +156,70 @@ def reference_attention(
         enable_gqa: share each key/value head among ``Hq // Hkv`` query heads.
 
     Returns:
-        ``(B, Hq, L, Ev)`` in the dtype of ``query``. Half-precision inputs are computed in
-        float32. A query row with no kept key gives 0, and its gradients are 0.
+        ``(B, Hq, L, Ev)`` in the dtype of ``query``. Half-precision inputs, and the additive
+        biases, are computed in float32. A query row with no kept key gives 0, and its gradients
+        are 0. A NaN or Inf in a key or value that a row does not attend does not reach that
+        row (nor any gradient of the pairs it attends); one in a key or value that it attends
+        makes that row NaN.
     """
-    batch, heads_q, length_q, head_dim = query.shape
-    length_kv = key.shape[-2]
+    batch, heads_q, length_q, _ = query.shape
+    cap, rest = split_softcap(bias)
+    masked = materialize_masked(
+        rest, query.device, (batch, heads_q, length_q, key.shape[-2]), query.dtype
+    )
+    return masked_reference_attention(
+        query,
+        key,
+        value,
+        masked,
+        cap=cap,
+        scale=scale,
+        dropout_p=dropout_p,
+        enable_gqa=enable_gqa,
+    )
+
+
+def masked_reference_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    masked: MaskedBias,
+    *,
+    cap: float | None,
+    scale: float | None,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> Tensor:
+    """:func:`reference_attention` for a bias already materialized as ``masked``."""
+    head_dim = query.shape[-1]
     compute = _compute_dtype(query.dtype)
-    q, k, v = query.to(compute), key.to(compute), value.to(compute)
-    if enable_gqa and key.shape[1] != heads_q:
-        group = heads_q // key.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    inputs = FiniteInputs.of(query, key, value)
+    q, k, v = inputs.query.to(compute), inputs.key.to(compute), inputs.value.to(compute)
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if enable_gqa and heads_kv not in (0, heads_q):
+        k = k.repeat_interleave(heads_q // heads_kv, dim=1)
+        v = v.repeat_interleave(heads_q // heads_kv, dim=1)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, Hq, L, S)
-    cap, rest = split_softcap(bias)
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
-    if rest is not None:
-        additive = rest.materialize(
-            query.device, shape=(batch, heads_q, length_q, length_kv), dtype=compute
-        )
-        scores = scores + additive
+    if masked.additive is not None:
+        scores = scores + masked.additive
+    if masked.keep is not None:
+        scores = scores.masked_fill(~masked.keep, -math.inf)
 
     # Softmax that maps a row with no finite score to all-zero weights (and zero gradients)
     # instead of NaN: subtract a finite row maximum and guard the denominator.
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    if scores.shape[-1] == 0:
+        row_max = scores.new_zeros((*scores.shape[:-1], 1))
+    else:
+        row_max = scores.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
     weights = weights / torch.where(denom == 0, torch.ones_like(denom), denom)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
-    return (weights @ v).to(query.dtype)
+    out = inputs.poison(weights @ v, masked.keep)
+    return out.to(query.dtype)

@@ -98,15 +98,37 @@ class Lowered:
         return ", ".join(terms) if terms else "no mask"
 
 
+def _dense_ranks(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each id replaced by its position in the sorted ids of both sides, ``[0, N)`` for the
+    ``N`` ids in all: equal ids get equal ranks and the order is kept, so non-decreasing ids
+    stay non-decreasing and whatever the ids' magnitude, the ranks are small."""
+    everything = torch.cat([query_ids.flatten(), key_ids.flatten()]).sort().values
+    return (
+        torch.searchsorted(everything, query_ids.contiguous()),
+        torch.searchsorted(everything, key_ids.contiguous()),
+    )
+
+
 def _merge_docs(
     first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """Ids whose equality means equality under both document layouts (still non-decreasing)."""
-    q1, kv1 = first
-    q2, kv2 = second
-    low = torch.minimum(q2.min(), kv2.min())
-    span = torch.maximum(q2.max(), kv2.max()) - low + 1
-    return (q1 * span + (q2 - low)), (kv1 * span + (kv2 - low))
+    """Ids whose equality means equality under both document layouts (still non-decreasing).
+
+    The pair ``(first id, second id)`` of each position, numbered in lexicographic order: both
+    layouts are relabelled to their ranks among the ``N`` ids of the query and key sides
+    (``[0, N)``), and ``rank1 * N + rank2`` is then exact in int64 for any ids (the product of
+    the raw ids overflowed), non-decreasing where both layouts are, and the same on the query
+    and key sides. ``(1 or B, L)`` and ``(1 or B, S)`` in, the same shapes out.
+    """
+    q1, kv1 = _dense_ranks(*first)
+    q2, kv2 = _dense_ranks(*second)
+    count = q1.numel() + kv1.numel()
+    if count >= 2**31:
+        raise ValueError(
+            f"DocumentBias: merging two document layouts needs fewer than 2**31 ids in all, got "
+            f"{count}; pass one DocumentBias with the combined ids"
+        )
+    return _dense_ranks(q1 * count + q2, kv1 * count + kv2)
 
 
 def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.device) -> Lowered:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -129,3 +130,70 @@ def problems(
         is_causal=draw(st.booleans()) if bias is not None else False,
         scale=draw(st.sampled_from([None, 0.3])),
     )
+
+
+@dataclass
+class Garbage:
+    """Where non-finite values go in an attention problem: ``(tensor, b, h, position, e)``
+    entries with ``tensor`` one of ``"query"``, ``"key"``, ``"value"``."""
+
+    entries: list[tuple[str, int, int, int, int]]
+    values: list[float]
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, clean: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of ``q, k, v`` with the garbage in, or with zeros in its place (``clean``)."""
+        tensors = {"query": q.clone(), "key": k.clone(), "value": v.clone()}
+        for (name, b, h, position, e), value in zip(self.entries, self.values, strict=True):
+            tensors[name][b, h, position, e] = 0.0 if clean else value
+        return tensors["query"], tensors["key"], tensors["value"]
+
+
+@st.composite
+def garbage(draw: st.DrawFn, problem: Problem) -> Garbage:
+    """One to three NaN / +Inf / -Inf entries anywhere in the query, key or value: which rows
+    attend them is up to the bias, so draws land both in attended and in unattended positions."""
+    entries = []
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(["query", "key", "value"]))
+        heads = problem.heads_q if name == "query" else problem.heads_kv
+        length = problem.length_q if name == "query" else problem.length_kv
+        entries.append(
+            (
+                name,
+                draw(st.integers(0, problem.batch - 1)),
+                draw(st.integers(0, heads - 1)),
+                draw(st.integers(0, length - 1)),
+                draw(st.integers(0, problem.head_dim - 1)),
+            )
+        )
+    values = [draw(st.sampled_from([math.nan, math.inf, -math.inf])) for _ in entries]
+    return Garbage(entries, values)
+
+
+@st.composite
+def unattended_keys(draw: st.DrawFn) -> tuple[AttnBias, int, int, list[int]]:
+    """``(bias, L, S, keys)``: a bias under which no query row attends the listed keys, so
+    non-finite keys and values there must change nothing, gradients included."""
+    length_q = draw(st.integers(1, 8))
+    extra = draw(st.integers(1, 6))
+    length_kv = length_q + extra
+    kind = draw(st.sampled_from(["causal", "window", "docs", "tensor"]))
+    if kind == "causal":  # upper-left: keys j >= L are never attended
+        bias: AttnBias = CausalBias(CausalVariant.UPPER_LEFT)
+        keys = list(range(length_q, length_kv))
+    elif kind == "window":  # bottom-right aligned, right side 0: the first keys drop out
+        bias = SlidingWindowBias(draw(st.integers(0, extra - 1)))
+        keys = list(range(0, length_kv - length_q - bias.window_left))  # type: ignore[operator]
+    elif kind == "docs":  # a last key document with no query tokens
+        bias = DocumentBias.from_seqlens([length_q, 0], [length_q, extra])
+        keys = list(range(length_q, length_kv))
+    else:
+        keep = torch.ones(length_q, length_kv, dtype=torch.bool)
+        keys = sorted(draw(st.sets(st.integers(0, length_kv - 1), min_size=1, max_size=extra)))
+        keep[:, keys] = False
+        bias = TensorBias(keep)
+    if draw(st.booleans()):
+        bias = bias + AlibiBias(num_heads=2)
+    return bias, length_q, length_kv, keys

@@ -20,6 +20,7 @@ from attnbias import (
     causal_upper_left,
     sdpa,
 )
+from attnbias.backends import triton as triton_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,7 +30,7 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     """``default``: the route sdpa picks (the Triton kernel, interpreted on CPU in CI).
     ``fallback``: with the kernel unavailable, the materialized / eager routes."""
     if request.param == "fallback":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
         if DEVICE == "cuda":
             pytest.skip("the fallback routes are exercised on CPU")
     return str(request.param)

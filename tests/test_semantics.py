@@ -26,6 +26,7 @@ from attnbias import (
     patch_sdpa,
     sdpa,
 )
+from attnbias.backends import triton as triton_backend
 from attnbias.bias import CompositeBias, alibi_slopes
 
 LENGTHS = [(1, 1), (5, 5), (3, 8), (8, 3), (7, 16), (16, 7)]
@@ -219,7 +220,7 @@ def test_patch_sdpa_routes_and_restores() -> None:
 
 
 def test_explain_names_the_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
     q = torch.randn(1, 2, 8, 16)
     assert explain(q, q, q).startswith("sdpa:")
     assert explain(q, q, q, attn_mask=causal_upper_left()).startswith("sdpa(is_causal=True)")
@@ -233,7 +234,7 @@ def test_explain_names_the_route(monkeypatch: pytest.MonkeyPatch) -> None:
     assert explain(q, q, q, attn_mask=causal_lower_right() + SlidingWindowBias(100)).startswith(
         "sdpa(is_causal=True)"
     )
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: True)
     assert explain(q, q, q, attn_mask=SlidingWindowBias(2)).startswith("triton")
     assert "dropout" in explain(q, q, q, attn_mask=SlidingWindowBias(2), dropout_p=0.1)
 

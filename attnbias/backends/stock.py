@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias.backends.base import Backend
+from attnbias.bias import AttnBias, MaskedBias, materialize_masked
+from attnbias.reference import FiniteInputs, masked_reference_attention
 from attnbias.spec import Spec
 
-__all__ = ["MaterializedSDPA", "StockSDPA", "stock_sdpa"]
+__all__ = ["MaterializedSDPA", "StockSDPA", "materialized_attention", "stock_sdpa"]
 
 # Kept at import so that patch_sdpa() can never make the library call itself.
 _original_sdpa = F.scaled_dot_product_attention
@@ -40,6 +42,74 @@ def stock_sdpa(
         scale=scale,
         enable_gqa=enable_gqa,
     )
+
+
+def _stock_mask(masked: MaskedBias, dtype: torch.dtype) -> tuple[bool, Tensor | None]:
+    """``(exact, attn_mask)``: the mask stock SDPA gets for ``masked`` with inputs in ``dtype``;
+    ``exact`` is False when stock SDPA cannot take it exactly.
+
+    A pure keep-mask goes as bool (stock SDPA selects with it; 1 byte per pair). An additive
+    part goes in the inputs' dtype, which stock SDPA requires on CUDA (its fused kernels refuse
+    a float32 mask with half inputs, or give NaN), only when that cast is exact: in fp16 a bias
+    of -1e9 would become -inf and, in bf16, 1000.3 would become 1000.
+    """
+    if masked.additive is None:
+        return True, masked.keep
+    additive = masked.additive.detach()
+    if dtype != additive.dtype:
+        if torch.compiler.is_compiling():
+            return False, None  # no data-dependent choice while tracing: float32 is exact
+        if not torch.equal(additive.to(dtype).to(additive.dtype), additive):
+            return False, None
+    return True, masked.additive_form(dtype)
+
+
+def materialized_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias,
+    *,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """Stock SDPA with ``bias`` materialized: ``(B, Hq, L, S)`` scores' mask in, ``(B, Hq, L,
+    Ev)`` out.
+
+    The bias is materialized once as a keep-mask and a float32 (or float64) additive part
+    (:func:`attnbias.bias.materialize_masked`, which checks a user class's result). Stock SDPA
+    runs on the inputs with non-finite entries zeroed, and the rows that attend one are set to
+    NaN after (:class:`attnbias.reference.FiniteInputs`): stock SDPA itself lets a masked NaN
+    key or value reach every row. An additive part that the inputs' half precision cannot hold
+    exactly runs in the float32 eager path instead, so the bias meets the scores in float32.
+    """
+    shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    masked = materialize_masked(bias, query.device, shape, query.dtype)
+    exact, mask = _stock_mask(masked, query.dtype)
+    if not exact:
+        return masked_reference_attention(
+            query,
+            key,
+            value,
+            masked,
+            cap=None,
+            scale=scale,
+            dropout_p=dropout_p,
+            enable_gqa=enable_gqa,
+        )
+    inputs = FiniteInputs.of(query, key, value)
+    out = stock_sdpa(
+        inputs.query,
+        inputs.key,
+        inputs.value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=False,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return inputs.poison(out, masked.keep)
 
 
 def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -78,6 +148,8 @@ class StockSDPA(Backend):
         return "stock SDPA without a mask"
 
     def run(self, spec: Spec) -> Tensor:
+        # Stock SDPA's fused kernels as they are, on the fastest path there is: what they do
+        # with non-finite inputs in masked positions is stock SDPA's documented behaviour.
         return _stock(spec, None, spec.lowered.is_plain_causal)
 
 
@@ -100,11 +172,21 @@ class MaterializedSDPA(Backend):
         return reasons
 
     def how(self, spec: Spec) -> str:
-        return "stock SDPA with the materialized (L, S) mask"
+        return (
+            "stock SDPA with the materialized (L, S) mask (a bool keep-mask, non-finite inputs "
+            "zeroed and the rows attending them set to NaN)"
+        )
 
     def run(self, spec: Spec) -> Tensor:
         bias = spec.bias
         if bias is None:  # the planner sends masks only; an empty bias needs none
             return _stock(spec, None, False)
-        mask = bias.materialize(spec.device, shape=spec.shape, dtype=spec.dtype)
-        return _stock(spec, mask, False)
+        return materialized_attention(
+            spec.query,
+            spec.key,
+            spec.value,
+            bias,
+            dropout_p=spec.dropout_p,
+            scale=spec.scale,
+            enable_gqa=spec.enable_gqa,
+        )
