@@ -260,14 +260,25 @@ def sdpa(
         key: ``(B, Hkv, S, E)``.
         value: ``(B, Hkv, S, Ev)``.
         attn_mask: the bias.
-        dropout_p: dropout probability on the attention weights.
-        is_causal: add an upper-left causal mask.
-        scale: score scale, default ``1 / sqrt(E)``.
+        dropout_p: dropout probability on the attention weights, in ``[0, 1]`` (``1.0`` drops
+            every weight, as in stock SDPA); a number or a 0-d tensor.
+        is_causal: add an upper-left causal mask; a Python bool, as stock SDPA requires.
+        scale: score scale, default ``1 / sqrt(E)``; any finite number (0 and negative
+            included) or a 0-d tensor.
         enable_gqa: allow ``Hkv < Hq`` (``Hq`` a multiple of ``Hkv``); query head ``h`` uses
-            key/value head ``h // (Hq // Hkv)``.
+            key/value head ``h // (Hq // Hkv)``. A Python bool.
 
     Returns:
-        ``(B, Hq, L, Ev)``. A query row that keeps no key gives 0 (and zero gradients).
+        ``(B, Hq, L, Ev)``. A query row that keeps no key gives 0 (and zero gradients). An
+        empty ``B``, ``Hq``, ``L`` or ``S`` gives what stock SDPA gives: an empty result, or
+        0 for every row when ``S = 0``.
+
+    Raises:
+        TypeError: a flag that is not a bool, a number that is not a number, an ``attn_mask``
+            of another type, or inputs that are not floating point tensors of one dtype.
+        ValueError: shapes that do not fit together, tensors on different devices, a
+            non-finite ``scale``, ``dropout_p`` outside ``[0, 1]``, a bias that does not fit
+            the call. Each message names the values and the fix.
 
     Example::
 
