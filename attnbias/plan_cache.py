@@ -12,9 +12,10 @@ every layer and every step. A call is identified here by everything the decision
   differently);
 - the :func:`~attnbias.use_backends` policy in force.
 
-Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), tensor
-subclasses, user biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each
-call, so that their gradient is recorded each time). Biases are immutable; writing into the id
+Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
+an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
+biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each call, so that their
+gradient is recorded each time). Biases are immutable; writing into the id
 tensors of a :class:`DocumentBias` after using it is not seen (as it is not by its own
 per-device copies).
 """
@@ -135,6 +136,8 @@ def call_key(
     flags = (_flag(dropout_p), _flag(is_causal), _flag(scale), _flag(enable_gqa))
     if None in flags:
         return None
+    if 0 in query.shape or 0 in key.shape or 0 in value.shape:
+        return None  # rare, and validation adjusts some of them (the scale at E = 0)
     return (
         bias_key,
         flags,

@@ -88,6 +88,8 @@ class FiniteInputs:
         whole keep-mask of the call; ``None`` keeps every pair."""
         batch, heads, _ = self.bad_query.shape
         bad = self.bad_key_value
+        if bad.shape[-1] == 0:  # no key: no row attends anything
+            return torch.zeros_like(self.bad_query)
         if keep is None:
             return bad.any(-1, keepdim=True) | (self.bad_query & (bad.shape[-1] > 0))
         keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))

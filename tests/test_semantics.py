@@ -201,7 +201,7 @@ def test_patch_sdpa_routes_and_restores() -> None:
     q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
     bias = causal_lower_right() + SoftcapBias(1.0)
     with patch_sdpa():
-        assert F.scaled_dot_product_attention is sdpa
+        assert F.scaled_dot_product_attention is not original
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         # a plain call in the patched function still reaches stock SDPA (no recursion)
         plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -210,7 +210,7 @@ def test_patch_sdpa_routes_and_restores() -> None:
     torch.testing.assert_close(plain, original(q, k, v, is_causal=True))
 
     patch = patch_sdpa()
-    assert F.scaled_dot_product_attention is sdpa
+    assert F.scaled_dot_product_attention is not original
     patch.restore()
     assert F.scaled_dot_product_attention is original
 
