@@ -28,6 +28,7 @@ from attnbias.bias import (
     DocumentBias,
     SlidingWindowBias,
     SoftcapBias,
+    TensorBias,
     parts_of,
 )
 
@@ -254,6 +255,7 @@ def make_spec(
     tensors = [query, key, value]
     if lowered.slopes is not None:
         tensors.append(lowered.slopes)
+    tensors += [part.bias for part in lowered.others if isinstance(part, TensorBias)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return Spec(
         query=query,

@@ -171,3 +171,16 @@ def test_no_entry_keeps_the_inputs_alive() -> None:
     del q, k, v
     assert all(ref() is None for ref in refs)
     assert len(plan_cache._ENTRIES) == 1
+
+
+def test_a_tensor_bias_that_requires_grad_makes_a_training_call() -> None:
+    from attnbias import TensorBias
+    from attnbias.spec import make_spec
+
+    q, k, v = inputs()
+    table = torch.zeros(8, 8, requires_grad=True)
+    spec = make_spec(q, k, v, TensorBias(table) + SoftcapBias(3.0), False, None, 0.0, False)
+    assert spec.needs_grad
+    with torch.no_grad():
+        spec = make_spec(q, k, v, TensorBias(table) + SoftcapBias(3.0), False, None, 0.0, False)
+    assert not spec.needs_grad
