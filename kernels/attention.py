@@ -22,6 +22,18 @@ log-sum-exp written out is in natural log. A row that keeps no key gets output 0
 ``lse = -inf``; the backward kernels read such a row's ``lse`` as ``+inf`` so every
 probability recomputed from it is exactly 0 and no gradient from it is NaN.
 
+Any finite scale works: with a positive normal scale and no score modifier the forward
+masks and maximises raw dot products and scales them in the exponent's FMA; otherwise (0,
+negative, below float32's smallest normal) it scales first (``POSITIVE_SCALE``).
+
+Masked pairs *select* their value (``-inf`` scores, zero probabilities and score gradients)
+with ``tl.where``, so a NaN or Inf in a key, value, query or output gradient reaches only
+the pairs that keep it: in a partial tile the rows of the operand multiplied by zero weights
+are zeroed first and their non-finiteness is added back to the pairs that keep them
+(``_finite_rows``); full tiles keep every pair and need neither; skipped tiles and rows past
+``L`` or ``S`` (or head dims past ``E``) are never loaded. A NaN in a kept position
+propagates to what depends on it, as in stock SDPA.
+
 Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq % Hkv == 0``;
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``), ``L`` queries, ``S`` keys,
 ``E`` head dim (16 to 256; padded to the next power of two inside the kernels).
@@ -51,6 +63,8 @@ from triton.language.extra import libdevice
 __all__ = ["KernelConfig", "attention_backward", "attention_forward", "traceable_launches"]
 
 LOG2E = 1.4426950408889634  # log2(e): scores are pre-scaled by it so the softmax can use exp2
+# The smallest positive normal float32: a smaller scale may flush to zero on the GPU.
+_FP32_TINY = torch.finfo(torch.float32).tiny
 
 # How the soft-cap evaluates tanh: an exact formula built from exp (the interpreter has no
 # libdevice and no inline asm), libdevice's tanh (fp32 inputs on the GPU, where the error
@@ -183,6 +197,21 @@ def _load_tile(
         else:
             x = tl.load(ptrs, mask=offs_e[None, :] < HEAD_DIM, other=0.0)  # [ROWS, BLOCK_E]
     return x
+
+
+@triton.jit
+def _finite_rows(x):
+    """``x`` ``[ROWS, BLOCK_E]`` with its non-finite rows zeroed, and ``[ROWS]`` fp32 that is
+    0 for a finite row and NaN for a row holding a NaN or an Inf.
+
+    A partial tile multiplies the zero weights of the pairs it masks with rows of keys,
+    values, queries or output gradients; a NaN or Inf in such a row would make ``0 * x`` NaN
+    in a result that must not depend on it. The caller zeroes the rows and adds the second
+    result to the weights of the pairs it keeps, so a non-finite row still reaches every pair
+    that uses it, as in stock SDPA.
+    """
+    nan_rows = tl.sum(x.to(tl.float32) * 0.0, 1)  # inf * 0 and nan * 0 are NaN
+    return tl.where(nan_rows[:, None] == 0.0, x, tl.zeros_like(x)), nan_rows
 
 
 @triton.jit
@@ -392,8 +421,11 @@ def _attn_fwd_inner(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
 ):
-    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    # Raw dot products can be masked and maximised before scaling only when the scale is a
+    # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI) and POSITIVE_SCALE
     # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
     BOUNDS: tl.constexpr = MASKED and not EVEN
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -404,15 +436,22 @@ def _attn_fwd_inner(
         k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if not PLAIN:
-            # built from fp32 vectors: one add per score, no integer-to-float conversion
-            rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
+            if HAS_ALIBI:
+                # built from fp32 vectors: one add per score, no integer-to-float conversion
+                rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
+            else:
+                rel = 0.0
             qk, _t = _log2_scores(
                 qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
-                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+                HAS_OFFSET=False, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE,
             )  # fmt: skip
         if MASKED:
+            # masked pairs select -inf whatever their score (a NaN key there stays out)
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            qk = tl.where(keep, qk, float("-inf"))
+            v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+            v, v_nan = _finite_rows(v)
+            qk = tl.where(keep, qk + v_nan[None, :], float("-inf"))
         # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
         if PLAIN:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -429,7 +468,8 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        if not MASKED:
+            v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         m_i = m_new
         offs_n += BLOCK_N
@@ -477,6 +517,7 @@ def _attn_fwd(
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -522,21 +563,21 @@ def _attn_fwd(
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -628,15 +669,20 @@ def _attn_bwd_dkdv_inner(
         else:
             tT = qkT
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:
-            keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
-            pT = tl.where(keep, pT, 0.0)
         do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        if MASKED:
+            # masked pairs select 0 (see _finite_rows for the rows of q and dO)
+            keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
+            q, q_nan = _finite_rows(q)
+            do, do_nan = _finite_rows(do)
+            pT = tl.where(keep, pT + do_nan[None, :], 0.0)
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
+        if MASKED:
+            dsT = tl.where(keep, dsT + q_nan[None, :], 0.0)
         dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         offs_m += BLOCK_M
         q_ptrs += BLOCK_M * stride_qm
@@ -780,6 +826,7 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq_inner(
     dq,
+    dslope,
     q,
     do,
     lse2,
@@ -811,7 +858,11 @@ def _attn_bwd_dq_inner(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_DSLOPE: tl.constexpr,
 ):
+    """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
+    ``dslope`` ``[BLOCK_M]``: each row's sum of ``dS * |i + (S - L) - j|``, where ``dS`` is
+    the gradient of the score that ALiBi's term ``-slope * |i + (S - L) - j|`` is added to."""
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     start = (block_first * BLOCK_N).to(tl.int64)
@@ -831,18 +882,24 @@ def _attn_bwd_dq_inner(
         else:
             t = qk
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASKED:
-            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            p = tl.where(keep, p, 0.0)
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
+        if MASKED:
+            # masked pairs select 0 whatever p and dp are (see _finite_rows for the rows of k)
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            k, k_nan = _finite_rows(k)
+            ds = tl.where(keep, ds + k_nan[None, :], 0.0)
+        if HAS_DSLOPE:
+            dslope += tl.sum(ds * tl.abs(rel), 1)
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
+            if MASKED:  # t of a masked pair may be NaN
+                ds = tl.where(keep, ds, 0.0)
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq
+    return dq, dslope
 
 
 @triton.jit
@@ -859,6 +916,7 @@ def _attn_bwd_dq(
     RowLo,
     RowHi,
     Slopes,
+    DSlope,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -892,11 +950,14 @@ def _attn_bwd_dq(
     DOT_PRECISION: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     EVEN_N: tl.constexpr,
+    HAS_DSLOPE: tl.constexpr,
 ):  # fmt: skip
     """``dQ`` of one query tile of one query head.
 
     Also computes the tile's row terms ``delta = rowsum(dO * O) - dLse`` of the softmax
-    gradient and stores them for the dK/dV kernel, which must run after this one.
+    gradient and stores them for the dK/dV kernel, which must run after this one. With
+    ``HAS_DSLOPE`` it stores the tile's part of the gradient of its head's ALiBi slope in
+    ``DSlope`` ``(B, Hq, programs along L)``, which the launcher sums.
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -953,28 +1014,33 @@ def _attn_bwd_dq(
     shift = seq_k - seq_q
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
 
+    if HAS_DSLOPE:
+        # ALiBi's term is -slope * |i + (S - L) - j|
+        dslope_ptr = DSlope + (off_b * num_heads + off_h) * tl.num_programs(0) + pid_m
+        tl.store(dslope_ptr, -tl.sum(dslope, 0))
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(
         DQ + off_b * stride_dqb + off_h.to(tl.int64) * stride_dqh, start_m, stride_dqm, stride_dqk,
@@ -1430,7 +1496,7 @@ def attention_forward(
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if lse.numel() == 0:
         return out, lse
     mask = _mask_args(
         q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
@@ -1463,6 +1529,7 @@ def attention_forward(
         REVERSE=_late_rows_first(seq_q, seq_k, mask),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EVEN_N=seq_k % cfg.block_n == 0,
+        POSITIVE_SCALE=mask.qk_scale >= _FP32_TINY,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -1485,20 +1552,28 @@ def attention_backward(
     alibi_slopes: Tensor | None,
     softcap: float | None,
     grad_lse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of :func:`attention_forward`, in the inputs' dtype and shapes.
+    slopes_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients ``(dq, dk, dv, dslopes)`` of :func:`attention_forward`, in the inputs' dtypes
+    and shapes.
 
     ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
     ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
-    Rows that kept no key contribute nothing.
+    ``dslopes``, the gradient of ``alibi_slopes`` (same shape), is computed only when
+    ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise.
+    Rows that kept no key contribute nothing; keys that no row keeps get zero gradients.
     """
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if seq_q == 0 or batch == 0 or num_heads == 0:
-        return dq, dk.zero_(), dv.zero_()
+    slopes_grad = slopes_grad and alibi_slopes is not None
+    dslopes = None
+    if batch * num_heads * seq_q * seq_k * head_dim == 0:  # nothing depends on anything
+        if slopes_grad and alibi_slopes is not None:
+            dslopes = torch.zeros_like(alibi_slopes)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dslopes
     mask = _mask_args(
         q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
         alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=True,
@@ -1526,9 +1601,14 @@ def attention_backward(
     # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
     cfg = _pick_config(DQ_CONFIGS, q, block_e)
     grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    dslope_parts = (
+        torch.empty((batch, num_heads, grid[0]), dtype=torch.float32, device=q.device)
+        if slopes_grad
+        else None
+    )
     _launch(_attn_bwd_dq)[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
-        mask.row_lo, mask.row_hi, mask.slopes,
+        mask.row_lo, mask.row_hi, mask.slopes, dslope_parts,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -1544,31 +1624,43 @@ def attention_backward(
         REVERSE=_late_rows_first(seq_q, seq_k, mask),
         HAS_DLSE=grad_lse is not None,
         EVEN_N=seq_k % cfg.block_n == 0,
+        HAS_DSLOPE=dslope_parts is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **common,
     )  # fmt: skip
-    if seq_k > 0:
-        cfg = _pick_config(DKDV_CONFIGS, q, block_e)
-        grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
-        _launch(_attn_bwd_dkdv)[grid](
-            q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *grad_out.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            _doc_stride(mask, seq_k),
-            mask.stride_sb, mask.stride_sh,
-            num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-            scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            REVERSE=_late_cols_first(seq_q, seq_k, mask),
-            EVEN_M=seq_q % cfg.block_m == 0,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **common,
-        )  # fmt: skip
-    return dq, dk, dv
+    if dslope_parts is not None and alibi_slopes is not None:
+        dslopes = _reduce_to(dslope_parts.sum(-1), alibi_slopes)
+    cfg = _pick_config(DKDV_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
+    _launch(_attn_bwd_dkdv)[grid](
+        q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *grad_out.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        _doc_stride(mask, seq_k),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        REVERSE=_late_cols_first(seq_q, seq_k, mask),
+        EVEN_M=seq_q % cfg.block_m == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )  # fmt: skip
+    return dq, dk, dv, dslopes
+
+
+def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:
+    """``(B, Hq)`` per-slope gradients summed over the batch where ``like`` is ``(Hq,)`` or
+    ``(1, Hq)``, in ``like``'s dtype."""
+    if like.dim() == 1:
+        grad = grad.sum(0)
+    elif like.shape[0] == 1:
+        grad = grad.sum(0, keepdim=True)
+    return grad.to(like.dtype)

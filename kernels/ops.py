@@ -1,14 +1,16 @@
 """The launchers as PyTorch custom ops, with autograd, and the public attention function.
 
 ``attnbias::attention_fwd`` returns ``(out, lse)`` and ``attnbias::attention_bwd`` returns
-``(dq, dk, dv)``. Both are ``torch.library.triton_op``s whose kernels are launched through
+``(dq, dk, dv, dslopes)``. Both are ``torch.library.triton_op``s whose kernels are launched through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces into them without a graph break.
 Outside of tracing (eager mode, and Triton's interpreter on CPU tensors) the same launchers
 run through a plain ``torch.autograd.Function`` instead: the custom-op boundary and
 ``wrap_triton`` cost about 0.1 ms of host time per kernel launch, which is the whole runtime
-of a short sequence, and tracing interpreted kernels is not supported anyway.
+of a short sequence, and tracing interpreted kernels is not supported anyway. Both paths share
+one backward function, which also refuses double backward.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,16 +58,54 @@ def _attention_bwd(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    slopes_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dslopes)``; ``dslopes`` is empty unless ``slopes_grad`` (an op returns
+    tensors only)."""
     with traceable_launches():
-        return attention_backward(
+        dq, dk, dv, dslopes = attention_backward(
             grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
             q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
-            grad_lse=grad_lse,
+            grad_lse=grad_lse, slopes_grad=slopes_grad,
         )  # fmt: skip
+    if dslopes is None:
+        dslopes = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dslopes
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+# Position of ``alibi_slopes`` among the inputs of the forward (both paths).
+_SLOPES = 8
+
+SECOND_ORDER_MESSAGE = (
+    "attnbias: the gradients of the Triton attention kernel cannot be differentiated again "
+    "(double backward, e.g. a gradient penalty, is not supported); run this attention call "
+    'under attnbias.use_backends("reference"), whose gradients are exact to any order'
+)
+
+
+class _FirstOrderGradients(torch.autograd.Function):
+    """The kernel's gradients as a function of what they are computed from (``sources``), for
+    ``create_graph=True``: they then require grad, and differentiating them again raises
+    instead of silently leaving out the second-order terms."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, compute: Callable[[], tuple[Tensor | None, ...]], *sources: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        return compute()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
+def _setup_context(
+    ctx: Any,
+    inputs: tuple[Any, ...],
+    output: tuple[Tensor, Tensor],
+    *,
+    traceable: bool = True,
+) -> None:
     q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_doc, kv_doc, alibi_slopes)
@@ -73,16 +113,42 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     ctx.band_lo = band_lo
     ctx.band_hi = band_hi
     ctx.softcap = softcap
+    ctx.traceable = traceable  # False: eager, launch the kernels without the op boundary
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The backward of both paths: gradients of q, k, v and the ALiBi slopes.
+
+    Under ``create_graph=True`` (grad mode on here) the gradients come back attached to what
+    they were computed from, through :class:`_FirstOrderGradients`, so that a second backward
+    through them raises.
+    """
     q, k, v, out, lse, q_doc, kv_doc, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = torch.ops.attnbias.attention_bwd(
-        grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
-        q_doc, kv_doc, alibi_slopes, ctx.softcap,
-    )  # fmt: skip
-    # No gradient for the scale, the band, document ids, slopes or the cap.
-    return dq, dk, dv, None, None, None, None, None, None, None
+    slopes_grad = alibi_slopes is not None and bool(ctx.needs_input_grad[_SLOPES])
+
+    def compute() -> tuple[Tensor | None, ...]:
+        if ctx.traceable:
+            dq, dk, dv, dslopes = torch.ops.attnbias.attention_bwd(
+                grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
+                q_doc, kv_doc, alibi_slopes, ctx.softcap, slopes_grad,
+            )  # fmt: skip
+        else:
+            dq, dk, dv, dslopes = attention_backward(
+                grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,
+                band_hi=ctx.band_hi, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes,
+                softcap=ctx.softcap, grad_lse=grad_lse, slopes_grad=slopes_grad,
+            )  # fmt: skip
+        return dq, dk, dv, dslopes if slopes_grad else None
+
+    sources = [
+        t for t in (grad_out, grad_lse, q, k, v, alibi_slopes) if t is not None and t.requires_grad
+    ]
+    if torch.is_grad_enabled() and sources and not torch.compiler.is_compiling():
+        dq, dk, dv, dslopes = _FirstOrderGradients.apply(compute, *sources)
+    else:
+        dq, dk, dv, dslopes = compute()
+    # No gradient for the scale, the band, the document ids or the cap.
+    return dq, dk, dv, None, None, None, None, None, dslopes, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -113,18 +179,13 @@ class _EagerAttention(torch.autograd.Function):
             ctx,
             (q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap),
             (out, lse),
+            traceable=False,
         )
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, q_doc, kv_doc, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,
-            band_hi=ctx.band_hi, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes,
-            softcap=ctx.softcap,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return _backward(ctx, grad_out, None)
 
 
 def block_sparse_attention(
@@ -140,7 +201,7 @@ def block_sparse_attention(
     alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    """Attention over the pairs kept by a band and packed documents, differentiable in q, k, v.
+    """Attention over the pairs kept by a band and packed documents.
 
     Shapes: ``q`` ``(B, Hq, L, E)``, ``k``/``v`` ``(B, Hkv, S, E)`` with ``Hq % Hkv == 0``;
     returns ``(B, Hq, L, E)`` in ``q.dtype``. A pair ``(i, j)`` is kept when
@@ -149,6 +210,11 @@ def block_sparse_attention(
     ``q_doc[i] == kv_doc[j]``. Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap)``
     if ``softcap`` is set, then ``- slope[b, h] * |i + S - L - j|`` if ``alibi_slopes``
     ``(1 | B, Hq)`` is set. Rows that keep nothing give 0 and zero gradients.
+
+    Differentiable in ``q``, ``k``, ``v`` and ``alibi_slopes``, once: differentiating the
+    gradients again (``create_graph=True``, then a backward through them) raises
+    ``NotImplementedError``. Any finite ``scale`` works (0 and negative ones too). A NaN or Inf
+    in a key, value, query or output gradient reaches only the pairs that keep it.
 
     Inputs are not validated here; the ``attnbias`` front-end does that.
     """

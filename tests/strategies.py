@@ -197,3 +197,93 @@ def unattended_keys(draw: st.DrawFn) -> tuple[AttnBias, int, int, list[int]]:
     if draw(st.booleans()):
         bias = bias + AlibiBias(num_heads=2)
     return bias, length_q, length_kv, keys
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel route: built-in biases with a kernel form, any finite scale
+
+
+@st.composite
+def kernel_bias(
+    draw: st.DrawFn, batch: int, heads_q: int, length_q: int, length_kv: int
+) -> AttnBias:
+    """A sum of one to four built-in biases that lowers to the kernel's form (a band,
+    documents, ALiBi, soft-cap): causal in either corner, sliding windows (open sides, widths
+    from 0 past the lengths), one or two document layouts, the paper's or given ALiBi slopes
+    (``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)``, zero included), one or two of them, soft-cap."""
+    kinds = draw(
+        st.lists(
+            st.sampled_from(["causal", "window", "docs", "alibi", "softcap"]),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    parts: list[AttnBias] = []
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    for kind in kinds:
+        if kind == "causal":
+            parts.append(CausalBias(draw(st.sampled_from(list(CausalVariant)))))
+        elif kind == "window":
+            side = st.one_of(st.none(), st.integers(0, max(length_q, length_kv) + 2))
+            parts.append(SlidingWindowBias(draw(side), draw(side)))
+        elif kind == "docs":
+            parts.append(draw(document_bias(batch, length_q, length_kv)))
+        elif kind == "alibi":
+            shape = draw(st.sampled_from([None, (heads_q,), (1, heads_q), (batch, heads_q)]))
+            if shape is None:
+                parts.append(AlibiBias(num_heads=heads_q))
+            else:
+                parts.append(AlibiBias(slopes=torch.rand(shape, generator=generator)))
+        elif not any(isinstance(p, SoftcapBias) for p in parts):
+            parts.append(SoftcapBias(draw(st.sampled_from([0.5, 3.0, 30.0]))))
+    bias = parts[0]
+    for part in parts[1:]:
+        bias = bias + part
+    return bias
+
+
+def finite_scales() -> st.SearchStrategy[float]:
+    """Finite scales of either sign: 0 and -0, below float32's smallest normal (the GPU may
+    flush those to 0), and up to 0.7 in size (scores up to about +-15 at the head dims and
+    magnitudes drawn here).
+
+    Larger scores are right too, but in float32 no flash-attention backward stays within twice
+    stock PyTorch's error there: it recomputes the probabilities from a stored log-sum-exp,
+    which costs about ``eps * (|s| + |lse|)`` (``tests/test_kernels.py`` budgets for that).
+    """
+    return st.one_of(
+        st.sampled_from([0.0, -0.0, 1e-45, -1e-40, 1e-38, -0.5]),
+        st.floats(-0.7, 0.7, allow_nan=False, allow_infinity=False),
+    )
+
+
+@st.composite
+def kernel_problems(
+    draw: st.DrawFn,
+    *,
+    max_len: int = 32,
+    head_dims: tuple[int, ...] = (16, 24),
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    scales: st.SearchStrategy[float | None] | None = None,
+) -> Problem:
+    """A call the Triton kernel can take: a kernel-form bias (never ``None``), lengths from 1
+    to ``max_len`` (L < S, L = S, L > S), GQA groups of 1 to 3. At most 3 (batch, query head)
+    pairs, which keeps Triton's interpreter fast; per-batch ids and slopes come with B = 2."""
+    batch, heads_kv, group = draw(
+        st.sampled_from([(1, 1, 1), (1, 1, 2), (1, 1, 3), (1, 2, 1), (2, 1, 1)])
+    )
+    heads_q = heads_kv * group
+    length_q = draw(st.integers(1, max_len))
+    length_kv = draw(st.integers(1, max_len))
+    return Problem(
+        batch=batch,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        length_q=length_q,
+        length_kv=length_kv,
+        head_dim=draw(st.sampled_from(head_dims)),
+        dtype=draw(st.sampled_from(dtypes)),
+        bias=draw(kernel_bias(batch, heads_q, length_q, length_kv)),
+        is_causal=draw(st.booleans()),
+        scale=draw(scales if scales is not None else st.sampled_from([None, 0.3])),
+    )

@@ -244,7 +244,7 @@ def check(
     if not grads:
         return out, lse
 
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
+    dq, dk, dv, _ = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
     g64 = torch.autograd.grad(out64, (q64, k64, v64), grad_out.double())
     g_e = torch.autograd.grad(out_e, (qe, ke, ve), grad_out)
     for name, got, ref64, ref_e, like in zip(
@@ -474,7 +474,7 @@ def test_fully_masked_rows(dtype: torch.dtype) -> None:
     empty_rows = torch.isinf(lse)
     assert empty_rows[..., 12:21].all(), "document 1 has no keys"
     grad_out = torch.randn_like(out)
-    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
+    dq, dk, dv, _ = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs())
     for g in (dq, dk, dv):
         assert torch.isfinite(g).all()
     assert (dq[empty_rows] == 0).all()
@@ -486,7 +486,7 @@ def test_everything_masked() -> None:
     mask = Mask(0.25, band_lo=3, band_hi=-3)
     out, lse = attention_forward(q, k, v, **mask.kwargs())
     assert (out == 0).all() and torch.isneginf(lse).all()
-    grads = attention_backward(torch.randn_like(out), q, k, v, out, lse, **mask.kwargs())
+    grads = attention_backward(torch.randn_like(out), q, k, v, out, lse, **mask.kwargs())[:3]
     for g in grads:
         assert (g == 0).all()
 
@@ -521,7 +521,7 @@ def test_gradient_of_lse() -> None:
     gen = torch.Generator().manual_seed(4)
     grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
     grad_lse = torch.randn(lse.shape, generator=gen).to(DEVICE)
-    grads = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs(), grad_lse=grad_lse)
+    grads = attention_backward(grad_out, q, k, v, out, lse, **mask.kwargs(), grad_lse=grad_lse)[:3]
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*leaves, mask)
     want = torch.autograd.grad((ref_out, ref_lse), leaves, (grad_out.double(), grad_lse.double()))
@@ -800,9 +800,9 @@ def test_gpu_backward_in_stream_order(user_stream: bool) -> None:
         check(q, k, v, mask)
         # the gradients are complete in stream order: scale them on the caller's stream now
         out, lse = attention_forward(q, k, v, **mask.kwargs())
-        grads = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())
+        grads = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())[:3]
         doubled = [2 * g.float() for g in grads]
-        again = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())
+        again = attention_backward(torch.ones_like(out), q, k, v, out, lse, **mask.kwargs())[:3]
     torch.cuda.current_stream().wait_stream(stream)
     for twice, single in zip(doubled, again, strict=True):
         torch.testing.assert_close(twice, 2 * single.float(), rtol=0, atol=0)

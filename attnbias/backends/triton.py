@@ -9,7 +9,7 @@ import os
 from torch import Tensor
 
 from attnbias.backends.base import Backend
-from attnbias.kernels.limits import DTYPES, MAX_HEAD_DIM
+from attnbias.kernels.limits import DTYPES, MAX_ALIBI_LENGTH, MAX_HEAD_DIM
 from attnbias.spec import Spec
 
 __all__ = ["TritonKernel"]
@@ -27,7 +27,11 @@ def _triton_installed() -> bool:
 class TritonKernel(Backend):
     """Every band, documents, ALiBi and soft-cap, forward and backward, skipping masked blocks.
 
-    On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``).
+    Any finite scale; a NaN or Inf in a position a row does not keep reaches neither that row
+    nor any gradient; gradients for q, k, v and ALiBi slopes that require grad; double
+    backward (differentiating the gradients again) raises ``NotImplementedError`` pointing to
+    the reference path. On CPU tensors it runs only under Triton's interpreter
+    (``TRITON_INTERPRET=1``).
     """
 
     name = "triton"
@@ -50,6 +54,12 @@ class TritonKernel(Backend):
             )
         if spec.head_dim > MAX_HEAD_DIM:
             reasons.append(f"head dim {spec.head_dim} is above the kernel's {MAX_HEAD_DIM}")
+        _, _, length_q, length_kv = spec.shape
+        if spec.lowered.slopes is not None and max(length_q, length_kv) > MAX_ALIBI_LENGTH:
+            reasons.append(
+                f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
+                f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
+            )
         if not spec.compiling and not _triton_installed():
             reasons.append("Triton is not installed")
         return reasons
