@@ -27,12 +27,13 @@ masks and maximises raw dot products and scales them in the exponent's FMA; othe
 negative, below float32's smallest normal) it scales first (``POSITIVE_SCALE``).
 
 Masked pairs *select* their value (``-inf`` scores, zero probabilities and score gradients)
-with ``tl.where``, so a NaN or Inf in a key, value, query or output gradient reaches only
-the pairs that keep it: in a partial tile the rows of the operand multiplied by zero weights
-are zeroed first and their non-finiteness is added back to the pairs that keep them
-(``_finite_rows``); full tiles keep every pair and need neither; skipped tiles and rows past
-``L`` or ``S`` (or head dims past ``E``) are never loaded. A NaN in a kept position
-propagates to what depends on it, as in stock SDPA.
+with ``tl.where``, so a NaN or Inf in a masked key never becomes a score. Skipped tiles and
+rows past ``L`` or ``S`` (or head dims past ``E``) are never loaded. Within a partial tile
+the zero weights of masked pairs still multiply their rows of values (forward), keys (dQ),
+queries and output gradients (dK/dV): a NaN or Inf there reaches the rows of that tile, as
+in the other fused kernels (stock SDPA's, FlashAttention 4). Zeroing those rows first cost
+13-31% on windows and documents on the H100 (``benchmarks/NOTES.md``). A NaN in a kept
+position propagates to what depends on it, as in stock SDPA.
 
 Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq % Hkv == 0``;
 query head ``h`` reads key/value head ``h // (Hq // Hkv)``), ``L`` queries, ``S`` keys,
@@ -197,21 +198,6 @@ def _load_tile(
         else:
             x = tl.load(ptrs, mask=offs_e[None, :] < HEAD_DIM, other=0.0)  # [ROWS, BLOCK_E]
     return x
-
-
-@triton.jit
-def _finite_rows(x):
-    """``x`` ``[ROWS, BLOCK_E]`` with its non-finite rows zeroed, and ``[ROWS]`` fp32 that is
-    0 for a finite row and NaN for a row holding a NaN or an Inf.
-
-    A partial tile multiplies the zero weights of the pairs it masks with rows of keys,
-    values, queries or output gradients; a NaN or Inf in such a row would make ``0 * x`` NaN
-    in a result that must not depend on it. The caller zeroes the rows and adds the second
-    result to the weights of the pairs it keeps, so a non-finite row still reaches every pair
-    that uses it, as in stock SDPA.
-    """
-    nan_rows = tl.sum(x.to(tl.float32) * 0.0, 1)  # inf * 0 and nan * 0 are NaN
-    return tl.where(nan_rows[:, None] == 0.0, x, tl.zeros_like(x)), nan_rows
 
 
 @triton.jit
@@ -449,9 +435,7 @@ def _attn_fwd_inner(
         if MASKED:
             # masked pairs select -inf whatever their score (a NaN key there stays out)
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-            v, v_nan = _finite_rows(v)
-            qk = tl.where(keep, qk + v_nan[None, :], float("-inf"))
+            qk = tl.where(keep, qk, float("-inf"))
         # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
         if PLAIN:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -468,8 +452,7 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if not MASKED:
-            v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         m_i = m_new
         offs_n += BLOCK_N
@@ -671,18 +654,16 @@ def _attn_bwd_dkdv_inner(
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         if MASKED:
-            # masked pairs select 0 (see _finite_rows for the rows of q and dO)
+            # masked pairs select 0 whatever their score
             keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
-            q, q_nan = _finite_rows(q)
-            do, do_nan = _finite_rows(do)
-            pT = tl.where(keep, pT + do_nan[None, :], 0.0)
+            pT = tl.where(keep, pT, 0.0)
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         if MASKED:
-            dsT = tl.where(keep, dsT + q_nan[None, :], 0.0)
+            dsT = tl.where(keep, dsT, 0.0)
         dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         offs_m += BLOCK_M
         q_ptrs += BLOCK_M * stride_qm
@@ -885,10 +866,9 @@ def _attn_bwd_dq_inner(
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])
         if MASKED:
-            # masked pairs select 0 whatever p and dp are (see _finite_rows for the rows of k)
+            # masked pairs select 0 whatever p and dp are
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            k, k_nan = _finite_rows(k)
-            ds = tl.where(keep, ds + k_nan[None, :], 0.0)
+            ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
             dslope += tl.sum(ds * tl.abs(rel), 1)
         if HAS_SOFTCAP:
