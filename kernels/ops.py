@@ -1,7 +1,7 @@
 """The launchers as PyTorch custom ops, with autograd, and the public attention function.
 
 ``attnbias::attention_fwd`` returns ``(out, lse)`` and ``attnbias::attention_bwd`` returns
-``(dq, dk, dv, dslopes)``. Both are ``torch.library.triton_op``s whose kernels are launched through
+``(dq, dk, dv)``. Both are ``torch.library.triton_op``s whose kernels are launched through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces into them without a graph break.
 Outside of tracing (eager mode, and Triton's interpreter on CPU tensors) the same launchers
 run through a plain ``torch.autograd.Function`` instead: the custom-op boundary and
@@ -58,19 +58,16 @@ def _attention_bwd(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
-    slopes_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dslopes)``; ``dslopes`` is empty unless ``slopes_grad`` (an op returns
-    tensors only)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``. The ALiBi slopes' gradient is computed on the eager path only (an
+    empty placeholder output broke inductor's compilation of the backward)."""
     with traceable_launches():
-        dq, dk, dv, dslopes = attention_backward(
+        dq, dk, dv, _ = attention_backward(
             grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
             q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
-            grad_lse=grad_lse, slopes_grad=slopes_grad,
+            grad_lse=grad_lse, slopes_grad=False,
         )  # fmt: skip
-    if dslopes is None:
-        dslopes = q.new_empty((0,), dtype=torch.float32)
-    return dq, dk, dv, dslopes
+    return dq, dk, dv
 
 
 # Position of ``alibi_slopes`` among the inputs of the forward (both paths).
@@ -128,10 +125,17 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
 
     def compute() -> tuple[Tensor | None, ...]:
         if ctx.traceable:
-            dq, dk, dv, dslopes = torch.ops.attnbias.attention_bwd(
+            if slopes_grad:
+                raise NotImplementedError(
+                    "attnbias: gradients of ALiBi slopes through the Triton kernel are computed "
+                    "in eager mode only, not under torch.compile; run the compiled call under "
+                    'attnbias.use_backends("reference") or keep the slopes fixed'
+                )
+            dq, dk, dv = torch.ops.attnbias.attention_bwd(
                 grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
-                q_doc, kv_doc, alibi_slopes, ctx.softcap, slopes_grad,
+                q_doc, kv_doc, alibi_slopes, ctx.softcap,
             )  # fmt: skip
+            dslopes = None
         else:
             dq, dk, dv, dslopes = attention_backward(
                 grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,

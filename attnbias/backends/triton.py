@@ -60,6 +60,12 @@ class TritonKernel(Backend):
                 f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
                 f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
             )
+        slopes = spec.lowered.slopes
+        if spec.compiling and spec.needs_grad and slopes is not None and slopes.requires_grad:
+            reasons.append(
+                "ALiBi slopes that require grad while torch.compile traces (the kernel computes "
+                "their gradient in eager mode only)"
+            )
         if not spec.compiling and not _triton_installed():
             reasons.append("Triton is not installed")
         return reasons
