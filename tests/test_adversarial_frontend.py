@@ -229,6 +229,11 @@ def test_dropout_out_of_range_is_refused(value: float) -> None:
     assert repr(value) in str(caught.value)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="stock SDPA's CUDA kernels give NaN for dropout_p=1.0 (a 1 / (1 - p) scale), so there "
+    "is no zero result to match",
+)
 @given(spelling=typed_numbers(1.0), bias=bias_sums(1, 2, 5, 5))
 def test_dropout_one_drops_everything_like_stock(spelling: Any, bias: AttnBias | None) -> None:
     q, k, v = qkv()

@@ -1217,3 +1217,15 @@ def test_fa4_refuses_double_backward(standin: Recorder) -> None:
         out = attnbias.sdpa(q.double(), k.double(), v.double(), attn_mask=bias)
     (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     assert dq.requires_grad
+
+
+def test_triton_refuses_trainable_slopes_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their gradient comes from the kernel's eager path only: a traced call goes elsewhere."""
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: True)
+    q, k, v = qkv(head_dim=16, needs_grad=True)
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    spec = make_spec(q, k, v, AlibiBias(slopes=slopes), False, None, 0.0, False)
+    assert not BACKENDS["triton"].not_supported_reasons(spec)
+    traced = dataclasses.replace(spec, compiling=True)
+    (reason,) = BACKENDS["triton"].not_supported_reasons(traced)
+    assert "ALiBi slopes that require grad while torch.compile traces" in reason
