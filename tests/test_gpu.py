@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, attention, run_with_grads
+from oracle import assert_close_to_oracle, attention, flash_rounding, run_with_grads
 
 import attnbias
 from attnbias import (
@@ -100,7 +100,10 @@ def check_once(
     low = run_with_grads(
         lambda *t: attention(*t, bias, enable_gqa=gqa, dtype=dtype), (q, k, v), grad_out
     )
-    assert_close_to_oracle(results, expected, low, dtype, ("out", "dq", "dk", "dv"))
+    # every route here is a flash-attention kernel: its own rounding is part of the budget
+    rounding = flash_rounding(q, k, v, bias, grad_out)
+    names = ("out", "dq", "dk", "dv")
+    assert_close_to_oracle(results, expected, low, dtype, names, rounding)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from oracle import flash_rounding_sizes
 from torch import Tensor
 
 from attnbias.kernels import attention_backward, attention_forward, block_sparse_attention
@@ -114,50 +115,10 @@ def reference(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tens
 def rounding_sizes(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, mask: Mask
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """What a flash-attention kernel's rounding is relative to, per result (fp64 inputs):
-    ``(in_dtype, in_fp32)``, to be multiplied by the epsilon of the inputs' dtype and of fp32.
-
-    * in the inputs' dtype: the kernel rounds ``P`` and ``dS = P * (dP - delta)`` to it before
-      the products ``P V``, ``P^T dO``, ``dS K``, ``dS^T Q``, so each result is off by eps
-      times the size of its terms, ``|P| |V|`` and so on, which can exceed the result itself
-      where the terms cancel; and ``delta = rowsum(dO * O)`` reads the output as stored in
-      that dtype, which moves ``dS`` by ``P * rowsum(|dO| |O|)`` times eps;
-    * in fp32: the kernel recomputes ``P = exp(s - lse)`` from a stored log-sum-exp, so
-      rounding ``s`` or ``lse`` moves ``p`` by about ``p * eps * (|s| + |lse|)`` (large with a
-      steep ALiBi slope), which eager softmax avoids by rounding only ``s - max``; and
-      ``dP - delta`` keeps the rounding of the terms that cancel in it (with one key per row
-      the exact dK is 0): ``(P (1 + |s| + |lse|) (|dO| |V|^T + rowsum(|dO| |O|)))``, carried
-      through the same products.
-    """
+    """:func:`oracle.flash_rounding_sizes` for the scores of ``mask`` (fp64 inputs)."""
     group = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    s, empty = scores(q, k, mask)
-    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
-    names = ("out", "dq", "dk", "dv")
-    if p.numel() == 0:
-        return dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
-
-    def through_products(p_like: Tensor, ds_like: Tensor) -> dict[str, float]:
-        """The four products' term sizes, from sizes standing in for ``P`` and ``dS``."""
-        return {
-            "out": (p_like @ v.abs()).amax().item(),
-            "dv": (p_like.transpose(-1, -2) @ grad_out.abs()).amax().item(),
-            "dq": mask.scale * (ds_like @ k.abs()).amax().item(),
-            "dk": mask.scale * (ds_like.transpose(-1, -2) @ q.abs()).amax().item(),
-        }
-
-    dp = grad_out @ v.transpose(-1, -2)
-    delta = (grad_out * out).sum(-1, keepdim=True)
-    # delta is read from the output as stored, rounded to the inputs' dtype
-    delta_terms = (grad_out.abs() * out.abs()).sum(-1, keepdim=True)
-    in_dtype = through_products(p, (p * (dp - delta)).abs() + p * delta_terms)
-    exponent = s.abs().nan_to_num(posinf=0.0) + lse.nan_to_num(neginf=0.0).abs()[..., None]
-    p_error = p * exponent
-    cancelling = (p + p_error) * (
-        grad_out.abs() @ v.abs().transpose(-1, -2)
-        + (grad_out.abs() * out.abs()).sum(-1, keepdim=True)
-    )
-    return in_dtype, through_products(p_error, cancelling)
+    s, empty = scores(q, k.repeat_interleave(group, dim=1), mask)
+    return flash_rounding_sizes(q, k, v, out, lse, grad_out, s, empty, mask.scale)
 
 
 def make_qkv(
