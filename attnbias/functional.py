@@ -191,7 +191,9 @@ def _choose(
             make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         )
         if call is not None:
-            plan_cache.store(call, chosen.spec, chosen.backend)
+            # the backend prepares its run once, for this call and the identical ones after it
+            entry = plan_cache.store(call, chosen.spec, chosen.backend)
+            return chosen.explain, partial(entry.run_prepared, chosen.spec)
         return chosen.explain, chosen.run
 
     def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:

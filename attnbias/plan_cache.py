@@ -162,13 +162,15 @@ def lookup(key: Hashable) -> CachedPlan | None:
     return _ENTRIES.get(key)
 
 
-def store(key: Hashable, spec: Spec, backend: Backend) -> None:
-    """Remember the decision for ``spec``; the caller checked that ``key`` identifies it."""
+def store(key: Hashable, spec: Spec, backend: Backend) -> CachedPlan:
+    """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
+    Returns the entry, whose prepared run also serves the call that made it."""
     entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec), spec.needs_grad)
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:
             del _ENTRIES[next(iter(_ENTRIES))]
+    return entry
 
 
 def clear() -> None:
