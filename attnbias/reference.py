@@ -114,22 +114,11 @@ class FiniteInputs:
         )
         return reached | (self.bad_query & keep.any(-1))
 
-    def poisoned_rows_causal(self) -> Tensor:
-        """:meth:`poisoned_rows` for the upper-left causal mask (``j <= i``), from a prefix
-        count over the keys instead of an ``(L, S)`` mask."""
-        length_q, length_kv = self.bad_query.shape[-1], self.bad_key_value.shape[-1]
-        if length_kv == 0:
-            return torch.zeros_like(self.bad_query)
-        reached_by_prefix = self.bad_key_value.to(torch.int32).cumsum(-1) > 0  # (B, Hq, S)
-        last_key = torch.arange(length_q, device=self.bad_query.device).clamp(max=length_kv - 1)
-        return reached_by_prefix[..., last_key] | self.bad_query
-
-    def poison(self, out: Tensor, keep: Tensor | None, *, causal: bool = False) -> Tensor:
-        """``out`` ``(B, Hq, L, Ev)`` with the poisoned rows NaN, their gradient NaN too.
-        ``causal``: the call's mask is upper-left causal (``keep`` is then ignored)."""
+    def poison(self, out: Tensor, keep: Tensor | None) -> Tensor:
+        """``out`` ``(B, Hq, L, Ev)`` with the poisoned rows NaN, their gradient NaN too."""
         if out.numel() == 0:
             return out
-        rows = (self.poisoned_rows_causal() if causal else self.poisoned_rows(keep))[..., None]
+        rows = self.poisoned_rows(keep)[..., None]
         # a product, not a selection: the gradient of a poisoned row is NaN as well, and every
         # other row's passes unchanged (a where would send 0 * NaN to every row's gradient)
         factor = torch.where(rows, math.nan, 1.0).to(out.dtype)
