@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,6 +59,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
+
+from .limits import interpreting
 
 __all__ = ["KernelConfig", "attention_backward", "attention_forward", "traceable_launches"]
 
@@ -78,7 +79,7 @@ TANH_APPROX = 2
 
 # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; widening them
 # to fp32 first is exact, so the interpreter then matches the GPU up to summation order.
-_INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_INTERPRETER = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -1111,10 +1112,6 @@ del _C
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _arch(device: torch.device) -> int:
     if device.type != "cuda" or torch.version.hip is not None:
         return 0
@@ -1130,14 +1127,14 @@ def _cuda_arch(index: int) -> int:
 def _pick_config(
     table: dict[tuple[int, int, int], KernelConfig], q: Tensor, block_e: int
 ) -> KernelConfig:
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_CONFIG
     elem = 4 if q.dtype == torch.float32 else 2
     return table.get((_arch(q.device), block_e, elem)) or table[(0, block_e, elem)]
 
 
 def _tanh_mode(q: Tensor) -> int:
-    if _interpreting():
+    if interpreting():
         return TANH_EXACT
     if q.dtype == torch.float32 or torch.version.hip is not None:
         return TANH_LIBDEVICE
@@ -1167,7 +1164,7 @@ def _launch(kernel: Any) -> Any:
     """``kernel`` as something to launch with ``[grid](*args, **constexprs)``: traceable
     inside :func:`traceable_launches`, the plain kernel under the interpreter, and otherwise
     a :class:`_CachedLaunch` of it."""
-    if _interpreting():
+    if interpreting():
         return kernel
     if _TRACEABLE_LAUNCH.get():
         from torch.library import wrap_triton
