@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["attention_backward", "attention_forward", "block_sparse_attention"]
 
 _MODULE_OF = {
-    "attention_backward": ".attention",
-    "attention_forward": ".attention",
+    "attention_backward": ".backward",
+    "attention_forward": ".forward",
     "block_sparse_attention": ".ops",
 }
 
 if TYPE_CHECKING:
-    from .attention import attention_backward, attention_forward
+    from .backward import attention_backward
+    from .forward import attention_forward
     from .ops import block_sparse_attention
 
 

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from .attention import attention_backward, attention_forward, traceable_launches
+from .backward import attention_backward
+from .forward import attention_forward
+from .launch import traceable_launches
 
 __all__ = ["block_sparse_attention"]
 

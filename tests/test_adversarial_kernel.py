@@ -214,7 +214,7 @@ def tile_pairs(keep: Tensor) -> Tensor:
     (and a key block the query blocks from the first to the last row keeping one of its keys).
     Within such a tile the zero weights of masked pairs multiply their rows of keys, values,
     queries and output gradients, so a non-finite value there may reach every pair of the tile,
-    as in the other fused kernels (the module docstring of ``attnbias.kernels.attention``).
+    as in the other fused kernels (the module docstring of ``attnbias.kernels.common``).
     Tiles: 16 x 16 under the interpreter; on a GPU 128 x 128 bounds every tile shape.
     """
     block = 16 if DEVICE == "cpu" else 128

@@ -404,11 +404,9 @@ def test_non_contiguous(dtype: torch.dtype) -> None:
 def test_unequal_tiles(monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int) -> None:
     if DEVICE == "cuda":
         pytest.skip("tile sizes come from the GPU tables on a GPU")
-    from attnbias.kernels import attention
+    from attnbias.kernels import configs
 
-    monkeypatch.setattr(
-        attention, "INTERPRETER_CONFIG", attention.KernelConfig(block_m, block_n, 1, 1)
-    )
+    monkeypatch.setattr(configs, "INTERPRETER_CONFIG", configs.KernelConfig(block_m, block_n, 1, 1))
     q_doc = docs_from_seqlens([13, 40, 18])[None]
     kv_doc = docs_from_seqlens([30, 20, 21])[None]
     q, k, v = make_qkv(1, 2, 1, 71, 71, 16, BF16)
@@ -494,10 +492,11 @@ class _FakeParam:
     def __init__(self, name: str) -> None:
         self.name = name
         self.is_constexpr = name == "BLOCK"
+        self.do_not_specialize = name == "n"
 
 
 class _FakeKernel:
-    """Records how ``_CachedLaunch`` launches: through the jit function or a compiled kernel."""
+    """Records how ``CachedLaunch`` launches: through the jit function or a compiled kernel."""
 
     def __init__(self) -> None:
         self.params = [_FakeParam(n) for n in ("X", "Y", "stride_x", "n", "scale", "BLOCK")]
@@ -520,25 +519,30 @@ class _FakeKernel:
 
 
 def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch cache reuses a compiled kernel only for equal scalars, constexprs, launch
-    options and tensor dtypes and 16-byte alignment; it passes the constexprs through."""
-    from attnbias.kernels.attention import _CachedLaunch
+    """The launch cache reuses a compiled kernel only for equal scalars (integers of a
+    ``do_not_specialize`` parameter: equal width), constexprs, launch options and tensor
+    dtypes and 16-byte alignment; it passes the constexprs through."""
+    from attnbias.kernels.launch import CachedLaunch
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fake = _FakeKernel()
-    launch = _CachedLaunch(fake)
-    assert (launch.num_tensors, launch.num_args, launch.constexpr_names) == (2, 5, ["BLOCK"])
+    launch = CachedLaunch(fake)
+    assert (launch.num_args, launch.constexpr_names) == (5, ["BLOCK"])
     base = torch.zeros(64)
     x, y = base[:16], base[16:32]  # both 16-byte aligned
     launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16, num_warps=4)
     launch[(2,)](y, None, 1, 7, 0.5, BLOCK=16, num_warps=4)  # same key: compiled launcher
     assert fake.launches[-1] == ("compiled", (2,), (y, None, 1, 7, 0.5, 16))
+    launch[(2,)](y, None, 1, 9, 0.5, BLOCK=16, num_warps=4)  # n is not specialized on
+    assert fake.launches[-1] == ("compiled", (2,), (y, None, 1, 9, 0.5, 16))
     variants = [
         (base[1:17], None, 1, 7, 0.5),  # misaligned
         (x.double(), None, 1, 7, 0.5),  # dtype
         (x, y, 1, 7, 0.5),  # None -> tensor
         (x, None, 2, 7, 0.5),  # scalar
         (x, None, 1, 7, 0.25),  # float scalar
+        (x, None, True, 7, 0.5),  # bool for int
+        (x, None, 1, 2**31, 0.5),  # n's width
     ]
     for args in variants:
         launch[(1,)](*args, BLOCK=16, num_warps=4)
@@ -555,7 +559,7 @@ def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
             return lambda *args, **options: self.launches.append(("jit", grid, args))
 
     plain = NoCompiledKernel()
-    launch = _CachedLaunch(plain)
+    launch = CachedLaunch(plain)
     launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16)
     launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16)
     assert [kind for kind, _, _ in plain.launches] == ["jit", "jit"] and not launch.compiled
@@ -599,10 +603,10 @@ def test_launch_order_puts_the_longer_half_first(
     """Programs start with the end of the sequence only when the band gives that end more
     work: in launch order, the first half of the rows (columns) keeps at least as many pairs
     as the second half, whenever the band cuts short at most half of them at each end."""
-    import attnbias.kernels.attention as attention_module
+    from attnbias.kernels.masks import late_cols_first, late_rows_first, mask_args
 
     seq_q, seq_k, band_lo, band_hi = lengths_band
-    args = attention_module._mask_args(
+    args = mask_args(
         torch.empty(1, 1, seq_q, 16), torch.empty(1, 1, seq_k, 16),
         **Mask(1.0, band_lo=band_lo, band_hi=band_hi).kwargs(), rows=False, cols=False,
     )  # fmt: skip
@@ -610,13 +614,13 @@ def test_launch_order_puts_the_longer_half_first(
     for work, late_first, cut_start, cut_end in (
         (
             keep.sum(1),
-            attention_module._late_rows_first(seq_q, seq_k, args),
+            late_rows_first(seq_q, seq_k, args),
             -band_lo if band_lo is not None else seq_q,
             seq_q - seq_k + band_hi if band_hi is not None else seq_q,
         ),
         (
             keep.sum(0),
-            attention_module._late_cols_first(seq_q, seq_k, args),
+            late_cols_first(seq_q, seq_k, args),
             band_hi if band_hi is not None else seq_k,
             seq_k - seq_q - band_lo if band_lo is not None else seq_k,
         ),
@@ -773,7 +777,7 @@ def test_gpu_backward_in_stream_order(user_stream: bool) -> None:
 def test_gpu_misaligned_inputs_after_aligned() -> None:
     """Launches reuse compiled kernels per tensor alignment: inputs at an odd element offset
     after aligned ones of the same shapes must get a kernel compiled for them."""
-    import attnbias.kernels.attention as attention_module
+    from attnbias.kernels import forward, launch
 
     mask = Mask(scale_of(64), band_lo=-100, band_hi=0, alibi_slopes=torch.rand(4).to(DEVICE))
     q, k, v = make_qkv(2, 4, 2, 300, 300, 64, BF16)
@@ -786,7 +790,7 @@ def test_gpu_misaligned_inputs_after_aligned() -> None:
         assert view.data_ptr() % 16 != 0
         shifted.append(view)
     check(*shifted, mask)
-    launches = attention_module._CACHED_LAUNCHES[attention_module._attn_fwd].compiled
+    launches = launch.CACHED_LAUNCHES[forward._attn_fwd].compiled
     assert len(launches) >= 2
 
 

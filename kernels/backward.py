@@ -1,0 +1,608 @@
+"""The backward kernels: dQ (one program per query block, which also stores the row terms
+``delta``) then dK/dV (one program per key block and key/value head, summing over its group of
+query heads), and the ALiBi slopes' gradient."""
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import (
+    _alibi_coef,
+    _col_bounds,
+    _dot,
+    _key_block_range,
+    _load_tile,
+    _log2_scores,
+    _query_block_range,
+    _row_bounds,
+    _tile_ptrs,
+)
+from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config, tanh_mode
+from .launch import launcher
+from .masks import doc_stride, late_cols_first, late_rows_first, mask_args
+
+__all__ = ["attention_backward"]
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_head,
+    do_head,
+    lse_head,
+    delta_head,
+    stride_qm,
+    stride_qk,
+    stride_dom,
+    stride_dok,
+    offs_n,
+    col_lo,
+    col_hi,
+    block_first,
+    block_end,
+    seq_q,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    alibi_coef,
+    MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile.
+
+    Works on transposed tiles ``[BLOCK_N, BLOCK_M]`` so that ``dK``/``dV`` rows stay in place.
+    """
+    BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
+    offs_m = block_first * BLOCK_M + tl.arange(0, BLOCK_M)
+    start = (block_first * BLOCK_M).to(tl.int64)
+    q_ptrs = _tile_ptrs(q_head, start, stride_qm, stride_qk, BLOCK_M, BLOCK_E)
+    do_ptrs = _tile_ptrs(do_head, start, stride_dom, stride_dok, BLOCK_M, BLOCK_E)
+    for _ in range(block_first, block_end):
+        q = _load_tile(q_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        if BOUNDS:
+            in_rows = offs_m < seq_q
+            lse = tl.load(lse_head + offs_m, mask=in_rows, other=float("inf"))  # [BLOCK_M]
+            delta = tl.load(delta_head + offs_m, mask=in_rows, other=0.0)  # [BLOCK_M]
+        else:
+            lse = tl.load(lse_head + offs_m)  # [BLOCK_M]
+            delta = tl.load(delta_head + offs_m)  # [BLOCK_M]
+        # A row that kept nothing has lse = -inf: read it as +inf so its probabilities are 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
+            sT, tT = _log2_scores(
+                qkT, relT, lse2[None, :], qk_scale, softcap_in, softcap_out, alibi_coef,
+                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            pT = tl.math.exp2(sT)
+        else:
+            tT = qkT
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+        if MASKED:
+            # masked pairs select 0 whatever their score
+            keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        if MASKED:
+            dsT = tl.where(keep, dsT, 0.0)
+        dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
+        offs_m += BLOCK_M
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    ColLo,
+    ColHi,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_dob, stride_doh, stride_dom, stride_dok,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkk,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvk,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    sm_scale,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr,
+):  # fmt: skip
+    """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads."""
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
+    pid_n = tl.program_id(0)
+    if REVERSE:  # keys late in the sequence are kept by the most queries: start them first
+        pid_n = tl.num_programs(0) - 1 - pid_n
+    off_hk = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    k_ptrs = _tile_ptrs(
+        K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh, start_n, stride_kn, stride_kk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    v_ptrs = _tile_ptrs(
+        V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh, start_n, stride_vn, stride_vk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    k = _load_tile(k_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+    v = _load_tile(v_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _query_block_range(
+        start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    col_lo, col_hi = _col_bounds(
+        offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    shift = seq_k - seq_q
+
+    dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    # The query heads of a GQA group share this key tile: loop over them here, no atomics.
+    for g in range(0, group_size):
+        off_h = (off_hk * group_size + g).to(tl.int64)
+        q_head = Q + off_b * stride_qb + off_h * stride_qh
+        do_head = DO + off_b * stride_dob + off_h * stride_doh
+        lse_head = Lse + (off_b * num_heads + off_h) * seq_q
+        delta_head = Delta + (off_b * num_heads + off_h) * seq_q
+        alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            False, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk *= sm_scale
+    store_mask = (offs_n[:, None] < seq_k) & (offs_e[None, :] < HEAD_DIM)
+    dk_ptrs = _tile_ptrs(
+        DK + off_b * stride_dkb + off_hk.to(tl.int64) * stride_dkh, start_n, stride_dkn, stride_dkk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    dv_ptrs = _tile_ptrs(
+        DV + off_b * stride_dvb + off_hk.to(tl.int64) * stride_dvh, start_n, stride_dvn, stride_dvk,
+        BLOCK_N, BLOCK_E,
+    )  # fmt: skip
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=store_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    dq,
+    dslope,
+    q,
+    do,
+    lse2,
+    delta,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kk,
+    stride_vn,
+    stride_vk,
+    offs_m,
+    row_lo,
+    row_hi,
+    block_first,
+    block_end,
+    seq_k,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    alibi_coef,
+    MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_DSLOPE: tl.constexpr,
+):
+    """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
+    ``dslope`` ``[BLOCK_M]``: each row's sum of ``dS * |i + (S - L) - j|``, where ``dS`` is
+    the gradient of the score that ALiBi's term ``-slope * |i + (S - L) - j|`` is added to."""
+    BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
+    offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = (block_first * BLOCK_N).to(tl.int64)
+    k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+    v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+    for _ in range(block_first, block_end):
+        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP or HAS_ALIBI:
+            rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
+            s, t = _log2_scores(
+                qk, rel, lse2[:, None], qk_scale, softcap_in, softcap_out, alibi_coef,
+                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            p = tl.math.exp2(s)
+        else:
+            t = qk
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        if MASKED:
+            # masked pairs select 0 whatever p and dp are
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            ds = tl.where(keep, ds, 0.0)
+        if HAS_DSLOPE:
+            dslope += tl.sum(ds * tl.abs(rel), 1)
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+            if MASKED:  # t of a masked pair may be NaN
+                ds = tl.where(keep, ds, 0.0)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq, dslope
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    Lse,
+    DLse,
+    Delta,
+    DQ,
+    RowLo,
+    RowHi,
+    Slopes,
+    DSlope,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    stride_dob, stride_doh, stride_dom, stride_dok,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqk,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    sm_scale,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_DSLOPE: tl.constexpr,
+):  # fmt: skip
+    """``dQ`` of one query tile of one query head.
+
+    Also computes the tile's row terms ``delta = rowsum(dO * O) - dLse`` of the softmax
+    gradient and stores them for the dK/dV kernel, which must run after this one. With
+    ``HAS_DSLOPE`` it stores the tile's part of the gradient of its head's ALiBi slope in
+    ``DSlope`` ``(B, Hq, programs along L)``, which the launcher sums.
+    """
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
+    pid_m = tl.program_id(0)
+    if REVERSE:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hk = (off_h // group_size).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    q_ptrs = _tile_ptrs(
+        Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, stride_qk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    do_ptrs = _tile_ptrs(
+        DO + off_b * stride_dob + off_h.to(tl.int64) * stride_doh, start_m, stride_dom, stride_dok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    do = _load_tile(do_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    o_ptrs = _tile_ptrs(
+        Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh, start_m, stride_om, stride_ok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    o = _load_tile(o_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    in_rows = offs_m < seq_q
+    row_ptrs = (off_b * num_heads + off_h) * seq_q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
+    tl.store(Delta + row_ptrs, delta, mask=in_rows)
+    lse = tl.load(Lse + row_ptrs, mask=in_rows, other=float("inf"))  # [BLOCK_M]
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    k_head = K + off_b * stride_kb + off_hk * stride_kh
+    v_head = V + off_b * stride_vb + off_hk * stride_vh
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _key_block_range(
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    row_lo, row_hi = _row_bounds(
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+    shift = seq_k - seq_q
+
+    dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+    )  # fmt: skip
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+    )  # fmt: skip
+    dq, dslope = _attn_bwd_dq_inner(
+        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+    )  # fmt: skip
+
+    if HAS_DSLOPE:
+        # ALiBi's term is -slope * |i + (S - L) - j|
+        dslope_ptr = DSlope + (off_b * num_heads + off_h) * tl.num_programs(0) + pid_m
+        tl.store(dslope_ptr, -tl.sum(dslope, 0))
+    dq *= sm_scale
+    dq_ptrs = _tile_ptrs(
+        DQ + off_b * stride_dqb + off_h.to(tl.int64) * stride_dqh, start_m, stride_dqm, stride_dqk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    tl.store(
+        dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    )
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    grad_lse: Tensor | None = None,
+    slopes_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients ``(dq, dk, dv, dslopes)`` of :func:`attention_forward`, in the inputs' dtypes
+    and shapes.
+
+    ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
+    ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
+    ``dslopes``, the gradient of ``alibi_slopes`` (same shape), is computed only when
+    ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise.
+    Rows that kept no key contribute nothing; keys that no row keeps get zero gradients.
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    slopes_grad = slopes_grad and alibi_slopes is not None
+    dslopes = None
+    if batch * num_heads * seq_q * seq_k * head_dim == 0:  # nothing depends on anything
+        if slopes_grad and alibi_slopes is not None:
+            dslopes = torch.zeros_like(alibi_slopes)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dslopes
+    mask = mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=True,
+    )  # fmt: skip
+    lse = lse.to(torch.float32).contiguous()
+    block_e = padded_head_dim(head_dim)
+    group_size = num_heads // num_kv_heads
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=tanh_mode(q),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+    delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+
+    # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
+    cfg = pick_config(DQ_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    dslope_parts = (
+        torch.empty((batch, num_heads, grid[0]), dtype=torch.float32, device=q.device)
+        if slopes_grad
+        else None
+    )
+    launcher(_attn_bwd_dq)[grid](
+        q, k, v, out, grad_out, lse, grad_lse, delta, dq,
+        mask.row_lo, mask.row_hi, mask.slopes, dslope_parts,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *grad_out.stride(),
+        *dq.stride(),
+        doc_stride(mask, seq_q),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        REVERSE=late_rows_first(seq_q, seq_k, mask),
+        HAS_DLSE=grad_lse is not None,
+        EVEN_N=seq_k % cfg.block_n == 0,
+        HAS_DSLOPE=dslope_parts is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )  # fmt: skip
+    if dslope_parts is not None and alibi_slopes is not None:
+        dslopes = _reduce_to(dslope_parts.sum(-1), alibi_slopes)
+    cfg = pick_config(DKDV_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
+    launcher(_attn_bwd_dkdv)[grid](
+        q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *grad_out.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        doc_stride(mask, seq_k),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        REVERSE=late_cols_first(seq_q, seq_k, mask),
+        EVEN_M=seq_q % cfg.block_m == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **common,
+    )  # fmt: skip
+    return dq, dk, dv, dslopes
+
+
+def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:
+    """``(B, Hq)`` per-slope gradients summed over the batch where ``like`` is ``(Hq,)`` or
+    ``(1, Hq)``, in ``like``'s dtype."""
+    if like.dim() == 1:
+        grad = grad.sum(0)
+    elif like.shape[0] == 1:
+        grad = grad.sum(0, keepdim=True)
+    return grad.to(like.dtype)

@@ -1,0 +1,355 @@
+"""Constants and ``@triton.jit`` helpers shared by the forward, backward and decode kernels.
+
+Mask model (``i`` a query row in ``[0, L)``, ``j`` a key column in ``[0, S)``)::
+
+    keep(i, j) = band_lo <= j - i <= band_hi          (either side may be unbounded)
+                 and q_doc[b, i] == kv_doc[b, j]      (when document ids are given)
+
+Document ids are non-decreasing along the sequence, so the keys a query row keeps form one
+contiguous range ``[row_lo[i], row_hi[i])`` and the queries a key column is kept by form one
+contiguous range ``[col_lo[j], col_hi[j])``; both bounds are non-decreasing in the index.
+The launchers fold the document part of these ranges out of the ids with
+``torch.searchsorted`` (device-side, no host sync) and the kernels add the band part. Hence:
+
+* a tile of rows ``[first, last]`` touches only keys in ``[row_lo[first], row_hi[last])``:
+  one contiguous run of key blocks, everything else is skipped;
+* a key block inside ``[row_lo[last], row_hi[first])`` is *full* (every pair of the tile is
+  kept, no element mask is built); the blocks between the touched run and the full run are
+  *partial* and take the masked variant of the inner loop (a ``tl.constexpr`` flag).
+
+Scores are kept in base 2: ``s2 = log2(e) * s`` so the softmax uses ``exp2``; the
+log-sum-exp written out is in natural log. A row that keeps no key gets output 0 and
+``lse = -inf``; the backward kernels read such a row's ``lse`` as ``+inf`` so every
+probability recomputed from it is exactly 0 and no gradient from it is NaN.
+
+Any finite scale works: with a positive normal scale and no score modifier the forward
+masks and maximises raw dot products and scales them in the exponent's FMA; otherwise (0,
+negative, below float32's smallest normal) it scales first (``POSITIVE_SCALE``).
+
+Masked pairs *select* their value (``-inf`` scores, zero probabilities and score gradients)
+with ``tl.where``, so a NaN or Inf in a masked key never becomes a score. Skipped tiles and
+rows past ``L`` or ``S`` (or head dims past ``E``) are never loaded. Within a partial tile
+the zero weights of masked pairs still multiply their rows of values (forward), keys (dQ),
+queries and output gradients (dK/dV): a NaN or Inf there reaches the rows of that tile, as
+in the other fused kernels (stock SDPA's, FlashAttention 4). Zeroing those rows first cost
+13-31% on windows and documents on the H100 (``benchmarks/NOTES.md``). A NaN in a kept
+position propagates to what depends on it, as in stock SDPA.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq % Hkv == 0``;
+query head ``h`` reads key/value head ``h // (Hq // Hkv)``), ``L`` queries, ``S`` keys,
+``E`` head dim (16 to 256; padded to the next power of two inside the kernels).
+"""
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .limits import interpreting
+
+__all__ = ["FP32_TINY", "LOG2E", "TANH_APPROX", "TANH_EXACT", "TANH_LIBDEVICE"]
+
+LOG2E = 1.4426950408889634  # log2(e): scores are pre-scaled by it so the softmax can use exp2
+# The smallest positive normal float32: a smaller scale may flush to zero on the GPU.
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+# How the soft-cap evaluates tanh: an exact formula built from exp (the interpreter has no
+# libdevice and no inline asm), libdevice's tanh (fp32 inputs on the GPU, where the error
+# budget is fp32's), or the hardware's tanh.approx.f32 (fp16/bf16 inputs: its ~2^-11
+# relative error is below what rounding the scores to 16 bits costs eager PyTorch).
+TANH_EXACT = 0
+TANH_LIBDEVICE = 1
+TANH_APPROX = 2
+
+
+# Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; widening them
+# to fp32 first is exact, so the interpreter then matches the GPU up to summation order.
+_INTERPRETER = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if _INTERPRETER and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)  # [rows of a, cols of b]
+
+
+@triton.jit
+def _tanh(x, TANH_MODE: tl.constexpr):
+    if TANH_MODE == 2:
+        y = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;",
+            "=r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    elif TANH_MODE == 1:
+        y = libdevice.tanh(x)
+    else:
+        # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, so nothing overflows; near 0
+        # that quotient cancels, so small |x| takes the odd Taylor series (error < 1e-9).
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        big = (1.0 - e) / (1.0 + e)
+        x2 = ax * ax
+        small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        r = tl.where(ax < 0.125, small, big)
+        y = tl.where(x < 0, -r, r)
+    return y
+
+
+@triton.jit
+def _log2_scores(
+    qk,
+    rel,
+    offset,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    alibi_coef,
+    HAS_OFFSET: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+):
+    """Base-2 scores from raw dot products, minus ``offset`` (a broadcast row or column of
+    base-2 log-sum-exps) when ``HAS_OFFSET``.
+
+    ``rel = i + (S - L) - j`` as fp32 is read only for ALiBi (integers below 2^24 are exact
+    in fp32, so it is the integer distance), whose term is ``alibi_coef * |rel|``, or
+    ``alibi_coef * rel`` when every kept pair has ``rel`` of the sign ``ALIBI_SIGN`` (+1 or
+    -1; 0 when unknown), with ``alibi_coef`` = ``-slope * log2(e)`` times that sign (-1 for 0).
+
+    Returns ``(s2, t)`` where ``t = tanh(scale * qk / cap)`` under a soft-cap (the backward
+    pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then). The terms are summed
+    so that each step is one FMA.
+    """
+    if HAS_ALIBI:
+        dist = tl.abs(rel) if ALIBI_SIGN == 0 else rel
+        extra = dist * alibi_coef - offset if HAS_OFFSET else dist * alibi_coef
+    elif HAS_OFFSET:
+        extra = -offset
+    else:
+        extra = 0.0
+    if HAS_SOFTCAP:
+        t = _tanh(qk * softcap_in, TANH_MODE)
+        s = t * softcap_out + extra
+    else:
+        t = qk
+        s = qk * qk_scale + extra
+    return s, t
+
+
+@triton.jit
+def _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI: tl.constexpr,
+                ALIBI_SIGN: tl.constexpr):  # fmt: skip
+    """The factor of the ALiBi distance in base-2 scores (see ``_log2_scores``)."""
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh)
+        coef = slope * (1.4426950408889634 if ALIBI_SIGN < 0 else -1.4426950408889634)
+    else:
+        coef = 0.0
+    return coef
+
+
+@triton.jit
+def _load_tile(
+    ptrs,
+    offs_rows,
+    n_rows,
+    ROW_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Load a ``[ROWS, BLOCK_E]`` tile, masking rows past ``n_rows`` and padded head dims."""
+    offs_e = tl.arange(0, BLOCK_E)
+    if ROW_MASK:
+        if BLOCK_E == HEAD_DIM:
+            x = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)  # [ROWS, BLOCK_E]
+        else:
+            mask = (offs_rows[:, None] < n_rows) & (offs_e[None, :] < HEAD_DIM)
+            x = tl.load(ptrs, mask=mask, other=0.0)  # [ROWS, BLOCK_E]
+    else:
+        if BLOCK_E == HEAD_DIM:
+            x = tl.load(ptrs)  # [ROWS, BLOCK_E]
+        else:
+            x = tl.load(ptrs, mask=offs_e[None, :] < HEAD_DIM, other=0.0)  # [ROWS, BLOCK_E]
+    return x
+
+
+@triton.jit
+def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
+    matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""
+    return (
+        head
+        + start.to(tl.int64) * stride_row
+        + tl.arange(0, ROWS)[:, None] * stride_row
+        + tl.arange(0, BLOCK_E)[None, :] * stride_col
+    )
+
+
+@triton.jit
+def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut the index range ``[lo, hi)`` into block ranges.
+
+    ``[full_lo, full_hi)`` is the sub-range kept for every row (column) of the tile. Returns
+    ``(first, full_first, full_end, end)``: blocks ``[first, full_first)`` and
+    ``[full_end, end)`` are partial, ``[full_first, full_end)`` full. All divisions see
+    non-negative operands (Triton's integer division truncates).
+    """
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.maximum(full_lo, lo)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    first = lo // BLOCK
+    end = (hi + BLOCK - 1) // BLOCK
+    end = tl.where(hi > lo, end, first)
+    full_first = (full_lo + BLOCK - 1) // BLOCK
+    full_end = full_hi // BLOCK
+    no_full = full_end <= full_first
+    full_first = tl.where(no_full, end, full_first)
+    full_end = tl.where(no_full, end, full_end)
+    return first, full_first, full_end, end
+
+
+@triton.jit
+def _key_block_range(
+    start_m,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks seen by query rows ``[start_m, start_m + BLOCK_M)`` (see ``_split_blocks``)."""
+    first = start_m
+    last = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    lo = first * 0
+    hi = lo + seq_k
+    full_lo = lo
+    full_hi = hi
+    if HAS_LO:
+        lo = tl.maximum(lo, first + band_lo)
+        full_lo = tl.maximum(full_lo, last + band_lo)
+    if HAS_HI:
+        hi = tl.minimum(hi, last + band_hi + 1)
+        full_hi = tl.minimum(full_hi, first + band_hi + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(RowLo + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last))
+        hi = tl.minimum(hi, tl.load(RowHi + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first))
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _row_bounds(
+    offs_m,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Per query row, the kept keys ``[row_lo, row_hi)`` (``row_hi <= S``), both ``[BLOCK_M]``."""
+    row_lo = offs_m * 0
+    row_hi = row_lo + seq_k
+    if HAS_LO:
+        row_lo = tl.maximum(row_lo, offs_m + band_lo)
+    if HAS_HI:
+        row_hi = tl.minimum(row_hi, offs_m + band_hi + 1)
+    if HAS_DOCS:
+        in_rows = offs_m < seq_q
+        doc_lo = tl.load(RowLo + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        doc_hi = tl.load(RowHi + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        row_lo = tl.maximum(row_lo, doc_lo)
+        row_hi = tl.minimum(row_hi, doc_hi)
+    return row_lo, row_hi
+
+
+@triton.jit
+def _query_block_range(
+    start_n,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    ColLo,
+    ColHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query blocks that see key columns ``[start_n, start_n + BLOCK_N)``."""
+    first = start_n
+    last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+    lo = first * 0
+    hi = lo + seq_q
+    full_lo = lo
+    full_hi = hi
+    if HAS_HI:  # j - i <= band_hi  <=>  i >= j - band_hi
+        lo = tl.maximum(lo, first - band_hi)
+        full_lo = tl.maximum(full_lo, last - band_hi)
+    if HAS_LO:  # j - i >= band_lo  <=>  i <= j - band_lo
+        hi = tl.minimum(hi, last - band_lo + 1)
+        full_hi = tl.minimum(full_hi, first - band_lo + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(ColLo + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(ColLo + doc_off + last))
+        hi = tl.minimum(hi, tl.load(ColHi + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(ColHi + doc_off + first))
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def _col_bounds(
+    offs_n,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    ColLo,
+    ColHi,
+    doc_off,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S``."""
+    in_cols = offs_n < seq_k
+    col_lo = offs_n * 0
+    col_hi = tl.where(in_cols, col_lo + seq_q, 0)
+    if HAS_HI:
+        col_lo = tl.maximum(col_lo, offs_n - band_hi)
+    if HAS_LO:
+        col_hi = tl.minimum(col_hi, offs_n - band_lo + 1)
+    if HAS_DOCS:
+        doc_lo = tl.load(ColLo + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+        doc_hi = tl.load(ColHi + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+        col_lo = tl.maximum(col_lo, doc_lo)
+        col_hi = tl.minimum(col_hi, doc_hi)
+    return col_lo, col_hi

@@ -1,0 +1,309 @@
+"""The forward kernel: one program per (query block, query head, batch) streams the key blocks
+its rows keep (see ``kernels/common.py`` for the mask model), with an online softmax."""
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import (
+    FP32_TINY,
+    _alibi_coef,
+    _dot,
+    _key_block_range,
+    _load_tile,
+    _log2_scores,
+    _row_bounds,
+    _tile_ptrs,
+)
+from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config, tanh_mode
+from .launch import launcher
+from .masks import doc_stride, late_rows_first, mask_args
+
+__all__ = ["attention_forward"]
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kk,
+    stride_vn,
+    stride_vk,
+    offs_m,
+    row_lo,
+    row_hi,
+    block_first,
+    block_end,
+    seq_k,
+    shift,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    alibi_coef,
+    MASKED: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
+):
+    # Raw dot products can be masked and maximised before scaling only when the scale is a
+    # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI) and POSITIVE_SCALE
+    # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
+    BOUNDS: tl.constexpr = MASKED and not EVEN
+    offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = (block_first * BLOCK_N).to(tl.int64)
+    k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+    v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+    for _ in range(block_first, block_end):
+        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if not PLAIN:
+            if HAS_ALIBI:
+                # built from fp32 vectors: one add per score, no integer-to-float conversion
+                rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
+            else:
+                rel = 0.0
+            qk, _t = _log2_scores(
+                qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
+                HAS_OFFSET=False, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE,
+            )  # fmt: skip
+        if MASKED:
+            # masked pairs select -inf whatever their score (a NaN key there stays out)
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            qk = tl.where(keep, qk, float("-inf"))
+        # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
+        if PLAIN:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+        if MASKED:
+            # A row with nothing kept so far has m_new = -inf; subtract 0 so exp2 gives 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if PLAIN:
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        else:
+            p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
+        m_i = m_new
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    RowLo,
+    RowHi,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    stride_db,
+    stride_sb, stride_sh,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    REVERSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
+    pid_m = tl.program_id(0)
+    if REVERSE:  # rows late in the sequence keep the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2).to(tl.int64)
+    off_hk = (off_h // group_size).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    q_ptrs = _tile_ptrs(
+        Q + off_b * stride_qb + off_h.to(tl.int64) * stride_qh, start_m, stride_qm, stride_qk,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
+    k_head = K + off_b * stride_kb + off_hk * stride_kh
+    v_head = V + off_b * stride_vb + off_hk * stride_vh
+
+    doc_off = off_b * stride_db
+    block_first, full_first, full_end, block_end = _key_block_range(
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
+        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    row_lo, row_hi = _row_bounds(
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
+    )
+    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+    shift = seq_k - seq_q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    # partial prefix, full middle, partial suffix
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(
+        empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+    )
+    in_rows = offs_m < seq_q
+    lse_ptrs = Lse + (off_b * num_heads + off_h) * seq_q + offs_m
+    tl.store(lse_ptrs, lse, mask=in_rows)
+    o_ptrs = _tile_ptrs(
+        Out + off_b * stride_ob + off_h.to(tl.int64) * stride_oh, start_m, stride_om, stride_ok,
+        BLOCK_M, BLOCK_E,
+    )  # fmt: skip
+    tl.store(
+        o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    )
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Block-sparse attention forward.
+
+    Args:
+        q: ``(B, Hq, L, E)``; k, v: ``(B, Hkv, S, E)``, same dtype (fp16, bf16 or fp32) and
+            device, any strides.
+        scale: multiplies ``q @ k^T``.
+        band_lo, band_hi: keep ``band_lo <= j - i <= band_hi``; ``None`` leaves a side open.
+        q_doc, kv_doc: non-decreasing integer document ids ``(1 | B, L)`` and ``(1 | B, S)``
+            (both or neither); a pair is kept only within one document.
+        alibi_slopes: fp32 ``(1 | B, Hq)``; adds ``-slope * |i + (S - L) - j|``.
+        softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
+
+    Returns:
+        ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
+        natural log; a row that keeps no key has ``out = 0`` and ``lse = -inf``.
+
+    Inputs are assumed valid (the caller validates them).
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+    if lse.numel() == 0:
+        return out, lse
+    mask = mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=False,
+    )  # fmt: skip
+    block_e = padded_head_dim(head_dim)
+    cfg = pick_config(FORWARD_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    launcher(_attn_fwd)[grid](
+        q, k, v, out, lse, mask.row_lo, mask.row_hi, mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        doc_stride(mask, seq_q),
+        mask.stride_sb, mask.stride_sh,
+        num_heads, num_heads // num_kv_heads, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=tanh_mode(q),
+        REVERSE=late_rows_first(seq_q, seq_k, mask),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EVEN_N=seq_k % cfg.block_n == 0,
+        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse

@@ -1,0 +1,207 @@
+"""The launchers' view of a call's mask: band bounds, document ranges, ALiBi and soft-cap
+arguments, and the launch order of programs."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .common import LOG2E
+from .launch import launches_traceable
+
+__all__ = ["MaskArgs", "doc_stride", "late_cols_first", "late_rows_first", "mask_args"]
+
+
+@dataclass(frozen=True)
+class MaskArgs:
+    """Kernel arguments describing the mask and score modifiers of one call."""
+
+    has_lo: bool
+    has_hi: bool
+    band_lo: int
+    band_hi: int
+    row_lo: Tensor | None  # (Bd, L) int32: first key of each query row's document
+    row_hi: Tensor | None  # (Bd, L) int32: one past its last key
+    col_lo: Tensor | None  # (Bd, S) int32: first query of each key column's document
+    col_hi: Tensor | None  # (Bd, S) int32: one past its last query
+    docs_per_batch: bool  # False when one row of ids is shared by the whole batch
+    slopes: Tensor | None
+    alibi_sign: int  # +1 (-1): every kept pair has i + (S - L) - j >= 0 (<= 0); 0 unknown
+    stride_sb: int
+    stride_sh: int
+    qk_scale: float
+    softcap_in: float
+    softcap_out: float
+
+
+def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """For each id of ``ids``, the positions ``[lo, hi)`` of that id in ``sorted_ids``."""
+    lo = torch.searchsorted(sorted_ids, ids, side="left", out_int32=True)
+    hi = torch.searchsorted(sorted_ids, ids, side="right", out_int32=True)
+    return lo, hi
+
+
+@dataclass
+class _DocRanges:
+    """Per query row and per key column, the range of positions of its document on the other
+    side; ``None`` where not computed."""
+
+    kv_doc: weakref.ref[Tensor] | None = None  # the key ids they were computed with, if cached
+    versions: tuple[int, int] = (0, 0)  # the query and key ids' version counters at that time
+    row_lo: Tensor | None = None  # (Bd, L) int32: first key of each query row's document
+    row_hi: Tensor | None = None  # (Bd, L) int32: one past its last key
+    col_lo: Tensor | None = None  # (Bd, S) int32: first query of each key column's document
+    col_hi: Tensor | None = None  # (Bd, S) int32: one past its last query
+    per_batch: bool = False  # False when one row of ids is shared by the whole batch
+
+    def computed_from(self, q_doc: Tensor, kv_doc: Tensor) -> bool:
+        """Whether these ranges belong to ``q_doc``/``kv_doc`` as they are now."""
+        return (
+            self.kv_doc is not None
+            and self.kv_doc() is kv_doc
+            and self.versions == (q_doc._version, kv_doc._version)
+        )
+
+
+# Eager calls with one bias pass the same id tensors every time (the biases keep their ids on
+# the device), so the ranges are computed once per pair of id tensors, not on every call; they
+# are dropped with the query ids, and recomputed if either tensor was modified in place.
+_DOC_RANGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -> _DocRanges:
+    cacheable = not (launches_traceable() or torch.compiler.is_compiling())
+    found: _DocRanges | None = _DOC_RANGES.get(q_doc) if cacheable else None
+    if found is not None and found.computed_from(q_doc, kv_doc):
+        ranges = found
+    elif cacheable:
+        ranges = _DocRanges(weakref.ref(kv_doc), (q_doc._version, kv_doc._version))
+        _DOC_RANGES[q_doc] = ranges
+        rows = cols = True  # both sides at once: the backward needs them all
+    else:
+        ranges = _DocRanges()
+    if (rows and ranges.row_lo is None) or (cols and ranges.col_lo is None):
+        q_ids = q_doc if q_doc.dim() == 2 else q_doc.unsqueeze(0)
+        kv_ids = kv_doc if kv_doc.dim() == 2 else kv_doc.unsqueeze(0)
+        nb = max(q_ids.shape[0], kv_ids.shape[0])
+        q_ids = q_ids.to(torch.int64).expand(nb, q_ids.shape[1]).contiguous()
+        kv_ids = kv_ids.to(torch.int64).expand(nb, kv_ids.shape[1]).contiguous()
+        ranges.per_batch = nb > 1
+        if rows and ranges.row_lo is None:
+            ranges.row_lo, ranges.row_hi = _doc_ranges(kv_ids, q_ids)
+        if cols and ranges.col_lo is None:
+            ranges.col_lo, ranges.col_hi = _doc_ranges(q_ids, kv_ids)
+    return ranges
+
+
+def mask_args(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    rows: bool,
+    cols: bool,
+) -> MaskArgs:
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    # Every pair has 1 - L <= j - i <= S - 1: a bound outside that range keeps everything and is
+    # dropped; a bound beyond the other end keeps nothing and is clamped to stay in int32.
+    has_lo = band_lo is not None and band_lo > 1 - seq_q
+    has_hi = band_hi is not None and band_hi < seq_k - 1
+    lo = min(int(band_lo), seq_k) if has_lo and band_lo is not None else 0
+    hi = max(int(band_hi), -seq_q) if has_hi and band_hi is not None else 0
+
+    row_lo = row_hi = col_lo = col_hi = None
+    docs_per_batch = False
+    if q_doc is not None and kv_doc is not None:
+        docs = _document_ranges(q_doc, kv_doc, rows=rows, cols=cols)
+        row_lo, row_hi, col_lo, col_hi = docs.row_lo, docs.row_hi, docs.col_lo, docs.col_hi
+        docs_per_batch = docs.per_batch
+
+    slopes = None
+    stride_sb = stride_sh = 0
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+        if slopes.dim() == 1:
+            stride_sh = slopes.stride(0)
+        else:
+            stride_sb = 0 if slopes.shape[0] == 1 else slopes.stride(0)
+            stride_sh = slopes.stride(1)
+
+    # The ALiBi distance i + (S - L) - j = (S - L) - (j - i) has one sign over the band when
+    # the band lies on one side of j - i = S - L (causal attention does); its |.| is then
+    # the distance or its negation, which saves an instruction per score.
+    shift = seq_k - seq_q
+    alibi_sign = 0
+    if has_hi and hi <= shift:
+        alibi_sign = 1
+    elif has_lo and lo >= shift:
+        alibi_sign = -1
+
+    if softcap is not None:
+        softcap_in, softcap_out = scale / softcap, softcap * LOG2E
+    else:
+        softcap_in = softcap_out = 0.0
+    return MaskArgs(
+        has_lo=has_lo,
+        has_hi=has_hi,
+        band_lo=lo,
+        band_hi=hi,
+        row_lo=row_lo,
+        row_hi=row_hi,
+        col_lo=col_lo,
+        col_hi=col_hi,
+        docs_per_batch=docs_per_batch,
+        slopes=slopes,
+        alibi_sign=alibi_sign,
+        stride_sb=stride_sb,
+        stride_sh=stride_sh,
+        qk_scale=scale * LOG2E,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+    )
+
+
+def _late_first(rows: int, cols: int, lo: int | None, hi: int | None) -> bool:
+    """Whether a band gives late rows more columns than early ones, so that launching their
+    programs first (longest first) leaves the short ones for the last wave.
+
+    Row ``r`` keeps columns ``[max(0, r + lo), min(cols - 1, r + hi)]`` (``None``: open): the
+    band cuts rows short at the start (``r < -lo``) and at the end (``r > cols - 1 - hi``);
+    launch late rows first when more rows are cut short at the start. Documents are not known
+    on the host and are left out.
+    """
+    if lo is None:
+        return hi is not None  # rows keep [0, r + hi]: more for later rows
+    if hi is None:
+        return False  # rows keep [r + lo, cols): fewer for later rows
+    return min(max(-lo, 0), rows) > min(max(rows - cols + hi, 0), rows)
+
+
+def late_rows_first(seq_q: int, seq_k: int, mask: MaskArgs) -> bool:
+    """:func:`_late_first` for query rows (forward and dQ programs)."""
+    lo = mask.band_lo if mask.has_lo else None
+    hi = mask.band_hi if mask.has_hi else None
+    return _late_first(seq_q, seq_k, lo, hi)
+
+
+def late_cols_first(seq_q: int, seq_k: int, mask: MaskArgs) -> bool:
+    """:func:`_late_first` for key columns (dK/dV programs): column ``j`` is kept by rows
+    ``[j - hi, j - lo]``, the band mirrored."""
+    lo = -mask.band_hi if mask.has_hi else None
+    hi = -mask.band_lo if mask.has_lo else None
+    return _late_first(seq_k, seq_q, lo, hi)
+
+
+def doc_stride(mask: MaskArgs, length: int) -> int:
+    """Batch stride of the contiguous ``(Bd, length)`` document ranges (0 broadcasts)."""
+    return length if mask.docs_per_batch else 0
