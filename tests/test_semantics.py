@@ -17,6 +17,7 @@ from attnbias import (
     CausalBias,
     CausalVariant,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -147,6 +148,65 @@ def test_documents_are_block_diagonal() -> None:
     assert torch.equal(cross.materialize() == 0, expected)
     batched = DocumentBias(torch.tensor([[0, 0, 1], [0, 1, 1]]))
     assert batched.materialize().shape == (2, 1, 3, 3)
+
+
+def test_key_ranges_keep_start_to_end_per_batch_row() -> None:
+    bias = KeyRangeBias(start=[2, 0, 1], end=[4, 3, 1])
+    keep = bias.materialize(shape=(3, 2, 5, 4)) == 0
+    assert keep.shape == (3, 1, 1, 4)
+    expected = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0]]).bool()
+    assert torch.equal(keep[:, 0, 0], expected)
+    # open sides: start 0, end S; one row broadcasts over the batch
+    assert torch.equal(
+        KeyRangeBias(end=[2]).materialize(shape=(2, 1, 1, 3)) == 0,
+        torch.tensor([1, 1, 0]).bool().expand(2, 1, 1, 3),
+    )
+
+
+def test_key_ranges_from_padding_masks() -> None:
+    left_right = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    bias = KeyRangeBias.from_padding_mask(left_right)
+    assert bias.start is not None and bias.end is not None
+    assert bias.start.tolist() == [2, 0, 0, 0]
+    assert bias.end.tolist() == [4, 3, 0, 4]
+    assert torch.equal(bias.materialize(shape=(4, 1, 1, 4))[:, 0, 0] == 0, left_right.bool())
+    with pytest.raises(ValueError, match="row 1 of the mask has padding between"):
+        KeyRangeBias.from_padding_mask(torch.tensor([[1, 1, 0], [1, 0, 1]]))
+    with pytest.raises(ValueError, match="bool or 0/1"):
+        KeyRangeBias.from_padding_mask(torch.tensor([[2, 1, 0]]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"start": [1.5]}, TypeError, "int positions"),
+        ({"start": [True]}, TypeError, "int positions"),
+        ({"end": torch.tensor([1.0])}, TypeError, "integer positions"),
+        ({"end": [-1]}, ValueError, ">= 0"),
+        ({"end": torch.tensor([[1]])}, ValueError, "shape \\(B,\\)"),
+        ({"start": [2], "end": [1]}, ValueError, "start <= end"),
+        ({"start": [0, 0], "end": [1, 1, 1]}, ValueError, "one position per batch row"),
+    ],
+)
+def test_key_range_errors(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        KeyRangeBias(**kwargs)  # type: ignore[arg-type]
+
+
+def test_key_range_must_fit_the_call() -> None:
+    q = torch.randn(2, 1, 3, 8)
+    with pytest.raises(ValueError, match="past the call's S=3"):
+        sdpa(q, q, q, attn_mask=KeyRangeBias(end=[4, 2]))
+    with pytest.raises(ValueError, match="batch size B=2"):
+        sdpa(q, q, q, attn_mask=KeyRangeBias(end=[1, 2, 3]))
+
+
+def test_bias_docstring_examples() -> None:
+    import doctest
+
+    import attnbias.bias
+
+    assert doctest.testmod(attnbias.bias).failed == 0
 
 
 def test_softcap_matches_eager_definition() -> None:
