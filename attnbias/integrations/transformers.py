@@ -1,0 +1,494 @@
+"""Hugging Face transformers models on attnbias: ``attn_implementation="attnbias"``.
+
+::
+
+    import attnbias.integrations.transformers as attnbias_hf
+    from transformers import AutoModelForCausalLM
+
+    attnbias_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnbias")
+
+:func:`register` adds two functions to transformers under the name ``"attnbias"``:
+
+- a mask function (``AttentionMaskInterface``): where transformers would build an ``(B, 1, L, S)``
+  mask for a model, it returns a :class:`ModelMask`, the same pattern as a bias object:
+  causal (:func:`attnbias.causal_lower_right`, aligned with the end of the key/value cache),
+  the sliding window (``SlidingWindowBias(W - 1)`` for transformers' ``sliding_window=W``, which
+  counts the query's own key), packed sequences found from ``position_ids``
+  (:class:`attnbias.DocumentBias`) and left or right padding from the 2-D ``attention_mask``
+  (:meth:`attnbias.KeyRangeBias.from_padding_mask`);
+- an attention function (``AttentionInterface``): adds the layer's soft-cap
+  (:class:`attnbias.SoftcapBias`, Gemma 2's ``attn_logit_softcapping``) to the layer's mask and
+  calls :func:`attnbias.sdpa` with the layer's ``scaling``, dropout and grouped key/value heads
+  (``enable_gqa``, no copies of the key/value heads).
+
+Each layer gets the mask of its kind (transformers builds one per kind, ``full_attention`` and
+``sliding_attention`` in ``config.layer_types``), so models whose layers alternate (Gemma 2 and
+3) run each layer with its own bias.
+
+A mask that no bias expresses exactly (a 4-D mask passed by the user, a mask function of the
+model's own such as Gemma 3's bidirectional image tokens, a padding mask with holes, a static
+cache's offset while ``torch.compile`` traces) is materialised, by transformers' own SDPA mask
+function, and passed as :class:`attnbias.TensorBias`; a warning names the model, the layer and
+the reason, once per reason.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, L query length, S key length,
+E head dimension.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnbias.bias import (
+    AttnBias,
+    DocumentBias,
+    KeyRangeBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+)
+from attnbias.functional import sdpa
+
+__all__ = ["ATTN_IMPLEMENTATION", "ModelMask", "attention_forward", "make_mask", "register"]
+
+# The name models are loaded with: attn_implementation="attnbias".
+ATTN_IMPLEMENTATION = "attnbias"
+
+# What the recogniser below reads from transformers' mask functions: they are closures, and
+# closures made by one `def` share its code object, so a function is identified exactly by
+# comparing code objects, and its parameters are read from its closure cells.
+_CODES: dict[str, Any] | None = None
+_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+
+
+def register() -> None:
+    """Register attnbias in transformers under ``attn_implementation="attnbias"``.
+
+    Adds :func:`attention_forward` to ``transformers.AttentionInterface`` and :func:`make_mask`
+    to ``transformers.masking_utils.AttentionMaskInterface``. Calling it again does nothing more.
+    Then ``AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnbias")`` (or
+    ``from_config``, or ``model.set_attn_implementation("attnbias")``) runs the model's
+    attention through :func:`attnbias.sdpa` with bias objects.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, make_mask)
+
+
+@dataclass(frozen=True, eq=False)
+class ModelMask:
+    """What :func:`make_mask` gives a model in place of an ``(B, 1, L, S)`` mask tensor.
+
+    Attributes:
+        bias: the mask as a bias object for calls of shape ``(B, Hq, L, keys)``; ``None`` keeps
+            every pair.
+        keys: how many keys, from the first, the layer's call attends to: ``kv_length``, or
+            fewer where the keys after them are kept by no query (the unfilled end of a static
+            cache), which the attention function then leaves out (a view, no copy).
+        kv_length: the number of keys transformers sized the mask for; the layer's keys must
+            have this length.
+        window: transformers' ``sliding_window`` (keys per query, its own included) when the
+            mask is a sliding window, else ``None``.
+        notes: why part or all of the mask is materialised (warned about once per note).
+    """
+
+    bias: AttnBias | None
+    keys: int
+    kv_length: int
+    window: int | None = None
+    notes: tuple[str, ...] = field(default=())
+    batch_size: int = 1
+    q_length: int = 1
+
+    # transformers handles a prepared mask as a tensor in a few places (generate() prepares the
+    # masks of a static cache ahead and calls .contiguous() on them; the model's mask creation
+    # then reads .ndim and passes it back to make_mask, which returns it as is).
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, 1, L, S)``: the shape of the mask tensor this stands for."""
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    def contiguous(self) -> ModelMask:
+        return self
+
+    def __repr__(self) -> str:
+        parts = [f"bias={self.bias!r}", f"keys={self.keys}", f"kv_length={self.kv_length}"]
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.notes:
+            parts.append(f"notes={list(self.notes)}")
+        return f"ModelMask({', '.join(parts)})"
+
+
+# --------------------------------------------------------------------------------------------
+# Recognising transformers' mask functions
+
+
+@dataclass
+class _Pattern:
+    """A mask function as ``lo <= kv_position - q_position <= hi`` (``None``: unbounded),
+    within the documents ``doc_ids`` (``(B, L)``) when set."""
+
+    lo: int | None = None
+    hi: int | None = None
+    window: int | None = None
+    doc_ids: Tensor | None = None
+    remapped: bool = False
+
+
+class _Unexpressible(Exception):
+    """The mask is exact only as a tensor; the message says why."""
+
+
+def _codes() -> dict[str, Any]:
+    global _CODES
+    with _LOCK:
+        if _CODES is None:
+            from transformers import masking_utils as mu
+
+            ids = torch.zeros(1, 1, dtype=torch.long)
+            codes = {
+                "and": mu.and_masks(mu.causal_mask_function).__code__,
+                "causal": mu.causal_mask_function.__code__,
+                "bidirectional": mu.bidirectional_mask_function.__code__,
+                "sliding": mu.sliding_window_overlay(1).__code__,
+                "sliding_bidirectional": mu.sliding_window_bidirectional_overlay(1).__code__,
+                "packed": mu.packed_sequence_mask_function(ids).__code__,
+            }
+            # transformers >= 5.18 also maps the packed positions back to each sequence's own
+            remap = getattr(mu, "remap_positions_for_packed_sequence", None)
+            if remap is not None:
+                codes["remap"] = remap(mu.causal_mask_function, ids).__code__
+            _CODES = codes
+        return _CODES
+
+
+def _closure(function: Callable[..., Any]) -> dict[str, Any]:
+    cells = function.__closure__ or ()
+    return dict(zip(function.__code__.co_freevars, (c.cell_contents for c in cells), strict=True))
+
+
+def _intersect(pattern: _Pattern, lo: int | None, hi: int | None) -> None:
+    if lo is not None:
+        pattern.lo = lo if pattern.lo is None else max(pattern.lo, lo)
+    if hi is not None:
+        pattern.hi = hi if pattern.hi is None else min(pattern.hi, hi)
+
+
+def _read(function: Any, pattern: _Pattern, inside_remap: bool) -> None:
+    """Intersect ``pattern`` with what ``function`` keeps; raise :class:`_Unexpressible` for a
+    function that is not one of transformers' band, window or packed-sequence functions."""
+    codes = _codes()
+    code = getattr(function, "__code__", None)
+    if code is None:
+        raise _Unexpressible(f"its mask function {function!r} is not a Python function")
+    if code is codes["and"]:
+        for part in _closure(function)["mask_functions"]:
+            _read(part, pattern, inside_remap)
+    elif code is codes["causal"]:
+        _intersect(pattern, None, 0)
+    elif code is codes["bidirectional"]:
+        pass
+    elif code is codes["sliding"]:
+        window = int(_closure(function)["sliding_window"])
+        # kv_idx > q_idx - window: `window` keys, the query's own included
+        _intersect(pattern, 1 - window, None)
+        pattern.window = window if pattern.window is None else min(pattern.window, window)
+    elif code is codes["sliding_bidirectional"]:
+        window = int(_closure(function)["sliding_window"])
+        _intersect(pattern, -window, window)
+    elif code is codes["packed"] and not inside_remap:
+        pattern.doc_ids = _closure(function)["packed_sequence_mask"]
+    elif code is codes.get("remap") and not inside_remap:
+        # Positions restart in each packed sequence; within one they step by 1 (that is how
+        # transformers finds the sequences), so a band on positions is the same band on
+        # indices there. Exact only beside the packed-sequence function, checked after.
+        pattern.remapped = True
+        _read(_closure(function)["mask_function"], pattern, True)
+    else:
+        name = getattr(function, "__qualname__", repr(function))
+        raise _Unexpressible(f"its mask function {name} is none of the patterns attnbias knows")
+
+
+def _recognise(mask_function: Any) -> _Pattern:
+    pattern = _Pattern()
+    _read(mask_function, pattern, False)
+    if pattern.remapped and pattern.doc_ids is None:
+        raise _Unexpressible("positions are remapped without packed sequences")
+    return pattern
+
+
+# --------------------------------------------------------------------------------------------
+# The mask function
+
+
+def _band(pattern: _Pattern, shift: int, lo_ij: int | None, hi_ij: int | None) -> AttnBias | None:
+    """The band ``lo_ij <= j - i <= hi_ij`` for calls with ``S - L = shift``, as a bias."""
+    left = None if lo_ij is None else shift - lo_ij
+    right = None if hi_ij is None else hi_ij - shift
+    if left is not None and left < 0:
+        raise _Unexpressible(
+            f"its band starts {-left} keys after the diagonal of the last query and key"
+        )
+    assert right is None or right >= 0  # the keys after the band were cut off by the caller
+    if right == 0:
+        causal = causal_lower_right()
+        return causal if left is None else causal + SlidingWindowBias(left)
+    if left is None and right is None:
+        return None
+    return SlidingWindowBias(left, right)
+
+
+def _padding(
+    attention_mask: Tensor, kv_offset: int, keys: int
+) -> tuple[AttnBias | None, tuple[str, ...]]:
+    """The ``(B, >= kv_offset + keys)`` padding mask (``True`` = a real token) for the call's
+    keys, as a key range; a mask with holes as a ``(B, 1, 1, keys)`` tensor."""
+    padding = attention_mask[:, kv_offset : kv_offset + keys].bool()
+    if padding.shape[1] < keys:
+        # transformers pads a short mask with "padding" too (a static cache's unused slots)
+        padding = F.pad(padding, (0, keys - padding.shape[1]), value=False)
+    if bool(padding.all()):
+        return None, ()
+    try:
+        return KeyRangeBias.from_padding_mask(padding), ()
+    except ValueError:
+        note = (
+            "its 2-D attention_mask has padding between real tokens (no single key range "
+            "per row), so the padding runs as a (B, 1, 1, S) TensorBias"
+        )
+        return TensorBias(padding[:, None, None, :]), (note,)
+
+
+def _structured(
+    pattern: _Pattern,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    attention_mask: Tensor | None,
+) -> ModelMask:
+    # Query index i has position i + q_offset, key index j position j + kv_offset, so a band
+    # lo <= kv_position - q_position <= hi is lo + d <= j - i <= hi + d:
+    d = q_offset - kv_offset
+    lo_ij = None if pattern.lo is None else pattern.lo + d
+    hi_ij = None if pattern.hi is None else pattern.hi + d
+    keys = kv_length
+    if hi_ij is not None and hi_ij + q_length < kv_length:
+        # The keys after the band of the last query (a static cache's unfilled end) are kept
+        # by no query: the call leaves them out.
+        keys = hi_ij + q_length
+    if keys <= 0:
+        raise _Unexpressible(f"no query keeps any of its {kv_length} keys")
+    parts: list[AttnBias] = []
+    band = _band(pattern, keys - q_length, lo_ij, hi_ij)
+    if band is not None:
+        parts.append(band)
+    if pattern.doc_ids is not None:
+        ids = pattern.doc_ids
+        if d != 0 or not (q_length == keys == ids.shape[-1]):
+            raise _Unexpressible(
+                f"packed sequences with L={q_length}, S={keys} and ids of shape "
+                f"{tuple(ids.shape)} (offsets {q_offset}, {kv_offset})"
+            )
+        parts.append(DocumentBias(ids.expand(batch_size, -1)))
+    notes: tuple[str, ...] = ()
+    if attention_mask is not None:
+        padding, notes = _padding(attention_mask, kv_offset, keys)
+        if padding is not None:
+            parts.append(padding)
+    bias = functools.reduce(operator.add, parts) if parts else None
+    return ModelMask(bias, keys, kv_length, pattern.window, notes, batch_size, q_length)
+
+
+def make_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: Tensor | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    config: Any = None,
+    **kwargs: Any,
+) -> ModelMask:
+    """transformers' mask function for ``attn_implementation="attnbias"``.
+
+    Called by ``create_causal_mask`` and its siblings once per forward and kind of layer, with
+    the arguments of transformers' ``sdpa_mask``: the sizes (``L = q_length``,
+    ``S = kv_length``), the positions of the first query and key (``q_offset``, ``kv_offset``:
+    the cache), the mask function (causal, sliding window, packed sequences, a model's own) and
+    the ``(B, >= kv_offset + S)`` padding mask. Returns the same pattern as a
+    :class:`ModelMask`, materialised by transformers' ``sdpa_mask`` only where no bias
+    expresses it exactly (``ModelMask.notes`` says why).
+    """
+    from transformers import masking_utils
+
+    if isinstance(attention_mask, ModelMask):
+        # prepared ahead by generate() with these same arguments (static caches)
+        return attention_mask
+    if mask_function is None:
+        mask_function = masking_utils.causal_mask_function
+    try:
+        if isinstance(q_offset, Tensor):
+            if torch.compiler.is_compiling():
+                raise _Unexpressible(
+                    "a static cache's query offset is a tensor that torch.compile traces"
+                )
+            q_offset = int(q_offset)
+        pattern = _recognise(mask_function)
+        return _structured(
+            pattern, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask
+        )
+    except _Unexpressible as reason:
+        # a static cache's q_offset is a tensor, which sdpa_mask takes too
+        offset: Any = q_offset
+        keep = masking_utils.sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
+        note = f"{reason}, so it runs as a materialised (B, 1, L, S) TensorBias"
+        # None: sdpa_mask found that every pair is kept
+        bias = None if keep is None else TensorBias(keep)
+        return ModelMask(bias, kv_length, kv_length, None, (note,), batch_size, q_length)
+
+
+# --------------------------------------------------------------------------------------------
+# The attention function
+
+
+def _warn_once(module: Any, note: str) -> None:
+    if note in _WARNED:
+        return
+    _WARNED.add(note)
+    config = getattr(module, "config", None)
+    model = getattr(config, "model_type", None) or "model"
+    layer = getattr(module, "layer_idx", None)
+    where = f"{model} {type(module).__name__}" + ("" if layer is None else f" (layer {layer})")
+    warnings.warn(f"attnbias: {where}: {note}; said once per reason", UserWarning, stacklevel=3)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: ModelMask | Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention function for ``attn_implementation="attnbias"``.
+
+    Args:
+        module: the attention layer (its ``config``, ``layer_idx`` and ``is_causal`` are read).
+        query: ``(B, Hq, L, E)``.
+        key: ``(B, Hkv, S, E)``.
+        value: ``(B, Hkv, S, Ev)``.
+        attention_mask: the layer's :class:`ModelMask` (from :func:`make_mask`); a tensor (a
+            mask the model or the user built) runs as a :class:`attnbias.TensorBias`, with a
+            warning; ``None`` means causal (upper-left, as transformers' SDPA function) for a
+            causal layer with ``L > 1``, else no mask.
+        dropout: dropout probability on the attention weights (transformers passes 0 outside
+            training).
+        scaling: the score scale (Gemma's ``query_pre_attn_scalar ** -0.5``); ``None`` is
+            ``1 / sqrt(E)``.
+        softcap: Gemma 2's ``attn_logit_softcapping``: ``s = softcap * tanh(s / softcap)``.
+        kwargs: the rest of the layer's arguments. ``sliding_window`` is what the layer's mask
+            was built with and is not read again; ``is_causal`` matters only without a mask;
+            ``position_bias`` (an additive ``(B, Hq, L, S)`` tensor) is added as a
+            :class:`attnbias.TensorBias`.
+
+    Returns:
+        ``(attn_output, None)``: the output ``(B, L, Hq, Ev)``, contiguous, and no attention
+        weights (as transformers' SDPA function).
+
+    Raises:
+        TypeError: an ``attention_mask`` of another type (e.g. flex attention's ``BlockMask``).
+        ValueError: keys of another length than the mask was made for, or attention sinks
+            (``s_aux``), which attnbias does not compute.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            f"attnbias: {type(module).__name__} passes attention sinks (s_aux), which "
+            f"attnbias.sdpa does not compute; load the model with attn_implementation='eager'"
+        )
+    bias: AttnBias | None
+    if isinstance(attention_mask, ModelMask):
+        if key.shape[2] != attention_mask.kv_length:
+            raise ValueError(
+                f"attnbias: {type(module).__name__} got keys of length S={key.shape[2]} but its "
+                f"mask was made for kv_length={attention_mask.kv_length}; the cache and the "
+                f"mask disagree"
+            )
+        for note in attention_mask.notes:
+            _warn_once(module, note)
+        if attention_mask.keys < key.shape[2]:
+            key = key[:, :, : attention_mask.keys]
+            value = value[:, :, : attention_mask.keys]
+        bias = attention_mask.bias
+    elif isinstance(attention_mask, Tensor):
+        _warn_once(
+            module,
+            f"it got a {attention_mask.dim()}-D tensor mask (built by the model or passed by "
+            f"the user, not by attnbias's mask function), which runs as a TensorBias",
+        )
+        bias = TensorBias(attention_mask)
+    elif attention_mask is None:
+        is_causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        bias = causal_upper_left() if causal and query.shape[2] > 1 else None
+    else:
+        raise TypeError(
+            f"attnbias: {type(module).__name__} got an attention_mask of type "
+            f"{type(attention_mask).__name__}; attn_implementation='attnbias' takes the mask "
+            f"its own mask function makes, a tensor or None (load the model with "
+            f"attn_implementation='attnbias' after attnbias.integrations.transformers.register())"
+        )
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        extra = TensorBias(position_bias[..., : key.shape[2]])
+        bias = extra if bias is None else bias + extra
+    if softcap is not None:
+        bias = SoftcapBias(softcap) if bias is None else bias + SoftcapBias(softcap)
+    output = sdpa(
+        query,
+        key,
+        value,
+        attn_mask=bias,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
