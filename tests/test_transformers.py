@@ -464,6 +464,21 @@ def test_attention_function_returns_what_transformers_expects() -> None:
         hf.attention_forward(Layer(), query, key, value, mask, s_aux=torch.zeros(4))
 
 
+def test_explain_model_names_each_layers_bias_and_route() -> None:
+    models = build("gemma2")
+    ids, kwargs, _ = inputs("packed")
+    text = hf.explain_model(models.ours, ids, **kwargs)
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("layer 0 Gemma2Attention: CausalBias(LOWER_RIGHT)")
+    assert "SlidingWindowBias(window_left=3" in lines[0] and "SoftcapBias(cap=0.5)" in lines[0]
+    assert "SlidingWindowBias" not in lines[2] and "DocumentBias" in lines[2]
+    routes = ("triton", "reference", "sdpa+mask", "fa4")
+    assert all(line.strip().split(":")[0] in routes for line in lines[1::2])
+    with pytest.raises(ValueError, match="made no attention call through attnbias"):
+        hf.explain_model(models.stock, ids, **kwargs)
+
+
 def test_register_is_idempotent() -> None:
     hf.register()
     hf.register()

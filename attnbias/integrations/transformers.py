@@ -38,6 +38,7 @@ E head dimension.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import operator
 import threading
@@ -60,9 +61,16 @@ from attnbias.bias import (
     causal_lower_right,
     causal_upper_left,
 )
-from attnbias.functional import sdpa
+from attnbias.functional import explain, sdpa
 
-__all__ = ["ATTN_IMPLEMENTATION", "ModelMask", "attention_forward", "make_mask", "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ModelMask",
+    "attention_forward",
+    "explain_model",
+    "make_mask",
+    "register",
+]
 
 # The name models are loaded with: attn_implementation="attnbias".
 ATTN_IMPLEMENTATION = "attnbias"
@@ -482,13 +490,63 @@ def attention_forward(
         bias = extra if bias is None else bias + extra
     if softcap is not None:
         bias = SoftcapBias(softcap) if bias is None else bias + SoftcapBias(softcap)
+    enable_gqa = query.shape[1] != key.shape[1]
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        route = explain(
+            query, key, value, bias, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+        )
+        recorder.append(_LayerRoute(module, bias, route))
     output = sdpa(
-        query,
-        key,
-        value,
-        attn_mask=bias,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------
+# Explaining a model's routes
+
+
+@dataclass(frozen=True)
+class _LayerRoute:
+    module: Any
+    bias: AttnBias | None
+    route: str
+
+
+# The routes of the calls made inside explain_model(), per thread and task.
+_RECORDER: contextvars.ContextVar[list[_LayerRoute] | None] = contextvars.ContextVar(
+    "attnbias_transformers_recorder", default=None
+)
+
+
+def explain_model(model: torch.nn.Module, *args: Any, **kwargs: Any) -> str:
+    """Run ``model(*args, **kwargs)`` once without gradients and say, for each attention call,
+    the bias it ran with and the route :func:`attnbias.sdpa` took (the first line of
+    :func:`attnbias.explain`), one line a call::
+
+        >>> print(explain_model(model, input_ids, attention_mask=padding))  # doctest: +SKIP
+        layer 0 Gemma2Attention: CausalBias(LOWER_RIGHT) + SlidingWindowBias(...) + ...
+          triton: band -4095 <= j - i <= 0, soft-cap 50 runs in the block-sparse Triton kernel...
+
+    The model must have been loaded with ``attn_implementation="attnbias"``.
+    """
+    routes: list[_LayerRoute] = []
+    token = _RECORDER.set(routes)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        _RECORDER.reset(token)
+    if not routes:
+        raise ValueError(
+            f"explain_model: {type(model).__name__} made no attention call through attnbias; "
+            f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} after register()"
+        )
+    lines = []
+    for call in routes:
+        layer = getattr(call.module, "layer_idx", None)
+        where = f"layer {layer} " if layer is not None else ""
+        lines.append(f"{where}{type(call.module).__name__}: {call.bias!r}")
+        lines.append(f"  {call.route.splitlines()[0]}")
+    return "\n".join(lines)
