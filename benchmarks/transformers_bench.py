@@ -86,6 +86,11 @@ def measure(step: Callable[[], object], iterations: int) -> Cell:
         gc.collect()
         torch.cuda.empty_cache()
         return Cell(note="out of memory")
+    except Exception as error:  # one implementation failing must not lose the others' rows
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"  failed: {type(error).__name__}: {error}", flush=True)
+        return Cell(note=f"failed ({type(error).__name__})")
     return Cell(statistics.median(times), torch.cuda.max_memory_allocated() / GIB)
 
 

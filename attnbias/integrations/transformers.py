@@ -318,7 +318,7 @@ def _structured(
                 f"packed sequences with L={q_length}, S={keys} and ids of shape "
                 f"{tuple(ids.shape)} (offsets {q_offset}, {kv_offset})"
             )
-        parts.append(DocumentBias(ids.expand(batch_size, -1)))
+        parts.append(DocumentBias(ids.expand(batch_size, -1).contiguous()))
     notes: tuple[str, ...] = ()
     if attention_mask is not None:
         padding, notes = _padding(attention_mask, kv_offset, keys)
