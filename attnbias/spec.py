@@ -50,7 +50,8 @@ class Lowered:
     softcap: float | None
     others: tuple[AttnBias, ...]  # parts with no kernel form (materialized additively)
     # Each batch row's valid keys [kv_start[b], kv_end[b]) (padding, a cache's filled part):
-    # (B,) int32 on the inputs' device, both or neither; a start past its end keeps no key.
+    # (B,) int32 on the inputs' device ((1 or B,) when lowered without the batch size), both
+    # or neither; a start past its end keeps no key.
     kv_start: Tensor | None = None
     kv_end: Tensor | None = None
 
@@ -164,10 +165,15 @@ def _merge_docs(
 
 
 def lower(
-    bias: AttnBias | None, length_q: int, length_kv: int, device: torch.device, *, batch: int
+    bias: AttnBias | None,
+    length_q: int,
+    length_kv: int,
+    device: torch.device,
+    *,
+    batch: int | None = None,
 ) -> Lowered:
     """Lower ``bias`` to a band, documents, a key range and score modifiers for a call with
-    ``(B, L, S)``."""
+    ``(B, L, S)``; without ``batch``, key ranges keep their own rows (1 or B)."""
     band_lo: int | None = None
     band_hi: int | None = None
     docs: tuple[Tensor, Tensor] | None = None
@@ -208,7 +214,10 @@ def lower(
                 continue  # every key of every row
             # (B,) int32 on the device, kept with the bias; ranges intersect on the device
             # (no host sync): the largest start and the smallest end.
-            start, end = part.bounds_on(device, batch, length_kv)
+            key_rows = batch
+            if key_rows is None:
+                key_rows = max(b.shape[0] for b in (part.start, part.end) if b is not None)
+            start, end = part.bounds_on(device, key_rows, length_kv)
             if key_range is not None:
                 start = torch.maximum(key_range[0], start)
                 end = torch.minimum(key_range[1], end)

@@ -32,7 +32,7 @@ from attnbias import (
 )
 from attnbias.backends import triton as triton_backend
 from attnbias.bias import parts_of
-from attnbias.spec import make_spec
+from attnbias.spec import lower, make_spec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dq", "dk", "dv")
@@ -227,6 +227,9 @@ def test_lowering_intersects_ranges_on_the_device() -> None:
     assert upper_left.band_hi == 0 and not upper_left.is_plain_causal
     alone = make_spec(q, k, v, KeyRangeBias(end=[3, 5]), False, None, 0.0, True).lowered
     assert alone.kind == "none" and not alone.is_empty
+    # lowered without the batch size, a range keeps its own rows (the kernels broadcast one)
+    shared = lower(KeyRangeBias(end=[3]), LENGTH_Q, LENGTH_KV, q.device)
+    assert shared.kv_end is not None and shared.kv_end.tolist() == [3]
     # a range with no bound is no range
     open_range = make_spec(q, k, v, KeyRangeBias(), False, None, 0.0, True).lowered
     assert open_range.kv_start is None and open_range.is_empty
