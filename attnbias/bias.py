@@ -1120,7 +1120,7 @@ def materialize_masked(
     for part in parts_of(bias):
         part_keep: Tensor | None = None
         part_additive: Tensor | None = None
-        if isinstance(part, (CausalBias, SlidingWindowBias, DocumentBias)):
+        if isinstance(part, (CausalBias, SlidingWindowBias, DocumentBias, KeyRangeBias)):
             part_keep = part._keep(device, shape)
         elif isinstance(part, AlibiBias):
             part_additive = part.materialize(device, shape=shape, dtype=compute)

@@ -5,8 +5,9 @@ deciding the same thing again: a model calls attention with the same bias, shape
 every layer and every step. A call is identified here by everything the decision reads:
 
 - the bias: the built-ins that hold no tensor (causal, sliding window, soft-cap, ALiBi with the
-  paper's slopes) by value, so a bias rebuilt each step still hits; a :class:`DocumentBias` by
-  identity, and the entry keeps it alive so that its identity cannot be reused;
+  paper's slopes) by value, so a bias rebuilt each step still hits; a :class:`DocumentBias` and
+  a :class:`KeyRangeBias` by identity, and the entry keeps them alive so that their identity
+  cannot be reused (the lowered form it stores holds their tensors on the device);
 - the shapes, dtypes, devices and ``requires_grad`` of query, key and value, and grad mode;
 - every flag with its type (``1`` and ``True`` are different calls: validation may treat them
   differently);
@@ -16,8 +17,9 @@ Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway)
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
 biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each call, so that their
 gradient is recorded each time). Biases are immutable; writing into the id
-tensors of a :class:`DocumentBias` after using it is not seen (as it is not by its own
-per-device copies).
+tensors of a :class:`DocumentBias` or the positions of a :class:`KeyRangeBias` after using it
+may not be seen (nor by their own per-device copies): build a new bias instead (a cache
+that grows by one key per step is a new ``KeyRangeBias(end=...)`` per step).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from attnbias.bias import (
     CausalBias,
     CompositeBias,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
 )
@@ -91,7 +94,7 @@ def _part_key(part: AttnBias) -> Hashable | None:
     cls = type(part)
     if cls in _BY_VALUE:
         return part
-    if cls is DocumentBias:
+    if cls is DocumentBias or cls is KeyRangeBias:
         return (cls, id(part))
     if cls is AlibiBias and part.slopes is None:  # type: ignore[attr-defined]
         return (cls, part.num_heads)  # type: ignore[attr-defined]

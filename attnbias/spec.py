@@ -1,8 +1,10 @@
 """One call, lowered once: the bias in the kernels' terms plus everything a backend looks at.
 
-Every built-in mask and every sum of them is a diagonal band intersected with documents::
+Every built-in mask and every sum of them is a diagonal band intersected with documents and
+with each batch row's valid key range::
 
-    keep(i, j) = band_lo <= j - i <= band_hi  and  doc_q[i] == doc_kv[j]
+    keep(b, i, j) = band_lo <= j - i <= band_hi  and  doc_q[b, i] == doc_kv[b, j]
+                    and  kv_start[b] <= j < kv_end[b]
 
 plus two score modifiers (soft-cap, ALiBi). :func:`lower` computes that form and
 :func:`make_spec` wraps it with the call's tensors, shapes and flags into a :class:`Spec`, which
@@ -26,6 +28,7 @@ from attnbias.bias import (
     CausalBias,
     CausalVariant,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -46,20 +49,40 @@ class Lowered:
     slopes: Tensor | None  # (1 or B, Hq) float32
     softcap: float | None
     others: tuple[AttnBias, ...]  # parts with no kernel form (materialized additively)
+    # Each batch row's valid keys [kv_start[b], kv_end[b]) (padding, a cache's filled part):
+    # (B,) int32 on the inputs' device ((1 or B,) when lowered without the batch size), both
+    # or neither; a start past its end keeps no key.
+    kv_start: Tensor | None = None
+    kv_end: Tensor | None = None
+
+    @property
+    def has_key_range(self) -> bool:
+        return self.kv_start is not None
 
     @property
     def _band_only(self) -> bool:
+        """Nothing but a band, a key range aside."""
         return (
             self.q_doc is None and self.slopes is None and self.softcap is None and not self.others
         )
 
     @property
     def is_plain_causal(self) -> bool:
-        return self._band_only and self.band_lo is None and self.band_hi == 0
+        return (
+            self._band_only
+            and not self.has_key_range
+            and self.band_lo is None
+            and self.band_hi == 0
+        )
 
     @property
     def is_empty(self) -> bool:
-        return self._band_only and self.band_lo is None and self.band_hi is None
+        return (
+            self._band_only
+            and not self.has_key_range
+            and self.band_lo is None
+            and self.band_hi is None
+        )
 
     @property
     def band_is_empty(self) -> bool:
@@ -68,7 +91,14 @@ class Lowered:
 
     @property
     def kind(self) -> str:
-        """The one word the priority tables are keyed by: the costliest feature present."""
+        """The one word the priority tables are keyed by: the costliest feature present.
+
+        A key range adds no kind of its own: it only narrows the key loop of the kernel that
+        runs the other features (fewer blocks, bounded loads in the blocks at its ends), so
+        the order measured for those features stands; the backends that cannot take a key
+        range (FlashAttention 4, stock SDPA's fused routes) give their reason and the planner
+        moves on. A kind needs measurements of its own to earn a row in the tables.
+        """
         if self.others:
             return "materialized"
         if self.slopes is not None:
@@ -77,9 +107,9 @@ class Lowered:
             return "softcap"
         if self.q_doc is not None:
             return "documents"
-        if self.is_empty:
+        if self.band_lo is None and self.band_hi is None:
             return "none"
-        if self.is_plain_causal:
+        if self.band_lo is None and self.band_hi == 0:
             return "causal"
         return "band"
 
@@ -91,6 +121,8 @@ class Lowered:
             terms.append(f"band {lo} <= j - i <= {hi}")
         if self.q_doc is not None:
             terms.append("documents")
+        if self.has_key_range:
+            terms.append("key range kv_start[b] <= j < kv_end[b]")
         if self.slopes is not None:
             terms.append("ALiBi")
         if self.softcap is not None:
@@ -132,13 +164,22 @@ def _merge_docs(
     return _dense_ranks(q1 * count + q2, kv1 * count + kv2)
 
 
-def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.device) -> Lowered:
-    """Lower ``bias`` to a band, documents and score modifiers for a call with ``(L, S)``."""
+def lower(
+    bias: AttnBias | None,
+    length_q: int,
+    length_kv: int,
+    device: torch.device,
+    *,
+    batch: int | None = None,
+) -> Lowered:
+    """Lower ``bias`` to a band, documents, a key range and score modifiers for a call with
+    ``(B, L, S)``; without ``batch``, key ranges keep their own rows (1 or B)."""
     band_lo: int | None = None
     band_hi: int | None = None
     docs: tuple[Tensor, Tensor] | None = None
     slopes: Tensor | None = None
     softcap: float | None = None
+    key_range: tuple[Tensor, Tensor] | None = None
     others: list[AttnBias] = []
 
     def tighten(lo: int | None, hi: int | None) -> None:
@@ -168,6 +209,19 @@ def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.de
         elif isinstance(part, AlibiBias):
             term = part.slope_tensor(device)
             slopes = term if slopes is None else slopes + term
+        elif isinstance(part, KeyRangeBias):
+            if part.start is None and part.end is None:
+                continue  # every key of every row
+            # (B,) int32 on the device, kept with the bias; ranges intersect on the device
+            # (no host sync): the largest start and the smallest end.
+            key_rows = batch
+            if key_rows is None:
+                key_rows = max(b.shape[0] for b in (part.start, part.end) if b is not None)
+            start, end = part.bounds_on(device, key_rows, length_kv)
+            if key_range is not None:
+                start = torch.maximum(key_range[0], start)
+                end = torch.minimum(key_range[1], end)
+            key_range = (start, end)
         elif isinstance(part, SoftcapBias):
             softcap = part.cap
         else:
@@ -186,6 +240,8 @@ def lower(bias: AttnBias | None, length_q: int, length_kv: int, device: torch.de
         slopes=None if slopes is None else slopes.contiguous(),
         softcap=softcap,
         others=tuple(others),
+        kv_start=None if key_range is None else key_range[0],
+        kv_end=None if key_range is None else key_range[1],
     )
 
 
@@ -251,7 +307,7 @@ def make_spec(
 ) -> Spec:
     """Lower a validated call once; everything the planner and the backends need."""
     bias = with_causal(bias, causal)
-    lowered = lower(bias, query.shape[-2], key.shape[-2], query.device)
+    lowered = lower(bias, query.shape[-2], key.shape[-2], query.device, batch=query.shape[0])
     tensors = [query, key, value]
     if lowered.slopes is not None:
         tensors.append(lowered.slopes)

@@ -19,6 +19,8 @@ from .common import (
     _col_bounds,
     _dot,
     _key_block_range,
+    _key_range,
+    _load_key_tile,
     _load_tile,
     _log2_scores,
     _query_block_range,
@@ -131,6 +133,8 @@ def _attn_bwd_dkdv(
     ColLo,
     ColHi,
     Slopes,
+    KvStart,
+    KvEnd,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -156,6 +160,7 @@ def _attn_bwd_dkdv(
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -164,7 +169,9 @@ def _attn_bwd_dkdv(
     DOT_PRECISION: tl.constexpr,
     EVEN_M: tl.constexpr,
 ):  # fmt: skip
-    """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads."""
+    """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads.
+
+    Keys outside the batch row's key range are not read and get zero gradients."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
@@ -189,17 +196,26 @@ def _attn_bwd_dkdv(
         V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh, start_n, stride_vn, stride_vk,
         BLOCK_N, BLOCK_E,
     )  # fmt: skip
-    k = _load_tile(k_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-    v = _load_tile(v_ptrs, offs_n, seq_k, True, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+        k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+        BOUNDS=True, IN_RANGE=HAS_KV_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+    )  # fmt: skip
+    v = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+        v_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+        BOUNDS=True, IN_RANGE=HAS_KV_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+    )  # fmt: skip
 
     doc_off = off_b * stride_db
     block_first, full_first, full_end, block_end = _query_block_range(
-        start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off,
-        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+        start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     col_lo, col_hi = _col_bounds(
-        offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
-    )
+        offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+    )  # fmt: skip
     shift = seq_k - seq_q
 
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
@@ -217,27 +233,37 @@ def _attn_bwd_dkdv(
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            False, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
             qk_scale, softcap_in, softcap_out, alibi_coef,
-            True, EVEN_M, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            HEAD_DIM, BLOCK_E, BLOCK_M, DOT_PRECISION,
+            MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
 
     dk *= sm_scale
+    if HAS_KV_RANGE:
+        # A key outside the range is kept by no row: its gradients are 0 by definition, and
+        # the zero weights of its column must not carry a non-finite query or output
+        # gradient of the tile's other rows into them.
+        inside = (offs_n >= kv_lo) & (offs_n < kv_hi)
+        dk = tl.where(inside[:, None], dk, 0.0)
+        dv = tl.where(inside[:, None], dv, 0.0)
     store_mask = (offs_n[:, None] < seq_k) & (offs_e[None, :] < HEAD_DIM)
     dk_ptrs = _tile_ptrs(
         DK + off_b * stride_dkb + off_hk.to(tl.int64) * stride_dkh, start_n, stride_dkn, stride_dkk,
@@ -271,6 +297,8 @@ def _attn_bwd_dq_inner(
     block_first,
     block_end,
     seq_k,
+    kv_lo,
+    kv_hi,
     shift,
     qk_scale,
     softcap_in,
@@ -278,6 +306,7 @@ def _attn_bwd_dq_inner(
     alibi_coef,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
@@ -292,13 +321,20 @@ def _attn_bwd_dq_inner(
     ``dslope`` ``[BLOCK_M]``: each row's sum of ``dS * |i + (S - L) - j|``, where ``dS`` is
     the gradient of the score that ALiBi's term ``-slope * |i + (S - L) - j|`` is added to."""
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
+    IN_RANGE: tl.constexpr = MASKED and HAS_KV_RANGE  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     for _ in range(block_first, block_end):
-        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
-        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+            k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+            BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        )  # fmt: skip
+        v = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+            v_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+            BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP or HAS_ALIBI:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
@@ -344,6 +380,8 @@ def _attn_bwd_dq(
     RowHi,
     Slopes,
     DSlope,
+    KvStart,
+    KvEnd,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -369,6 +407,7 @@ def _attn_bwd_dq(
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -430,13 +469,16 @@ def _attn_bwd_dq(
     v_head = V + off_b * stride_vb + off_hk * stride_vh
 
     doc_off = off_b * stride_db
+    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
     block_first, full_first, full_end, block_end = _key_block_range(
-        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
-        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     row_lo, row_hi = _row_bounds(
-        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
-    )
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+    )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
 
@@ -444,24 +486,27 @@ def _attn_bwd_dq(
     dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
     dq, dslope = _attn_bwd_dq_inner(
         dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
     dq, dslope = _attn_bwd_dq_inner(
         dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
     dq, dslope = _attn_bwd_dq_inner(
         dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
 
     if HAS_DSLOPE:
@@ -493,6 +538,8 @@ def attention_backward(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
     grad_lse: Tensor | None = None,
     slopes_grad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -503,7 +550,8 @@ def attention_backward(
     ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
     ``dslopes``, the gradient of ``alibi_slopes`` (same shape), is computed only when
     ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise.
-    Rows that kept no key contribute nothing; keys that no row keeps get zero gradients.
+    Rows that kept no key contribute nothing; keys that no row keeps get zero gradients, and
+    keys and values outside a row's key range ``[kv_start[b], kv_end[b])`` are never read.
     """
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -518,7 +566,8 @@ def attention_backward(
         return dq.zero_(), dk.zero_(), dv.zero_(), dslopes
     mask = mask_args(
         q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=True,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        rows=True, cols=True,
     )  # fmt: skip
     lse = lse.to(torch.float32).contiguous()
     block_e = padded_head_dim(head_dim)
@@ -529,6 +578,7 @@ def attention_backward(
         HAS_LO=mask.has_lo,
         HAS_HI=mask.has_hi,
         HAS_DOCS=mask.row_lo is not None,
+        HAS_KV_RANGE=mask.kv_start is not None,
         HAS_ALIBI=mask.slopes is not None,
         ALIBI_SIGN=mask.alibi_sign,
         HAS_SOFTCAP=softcap is not None,
@@ -550,7 +600,7 @@ def attention_backward(
     )
     launcher(_attn_bwd_dq)[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
-        mask.row_lo, mask.row_hi, mask.slopes, dslope_parts,
+        mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -577,6 +627,7 @@ def attention_backward(
     grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
     launcher(_attn_bwd_dkdv)[grid](
         q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
+        mask.kv_start, mask.kv_end,
         *q.stride(),
         *k.stride(),
         *v.stride(),

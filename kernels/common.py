@@ -4,6 +4,7 @@ Mask model (``i`` a query row in ``[0, L)``, ``j`` a key column in ``[0, S)``)::
 
     keep(i, j) = band_lo <= j - i <= band_hi          (either side may be unbounded)
                  and q_doc[b, i] == kv_doc[b, j]      (when document ids are given)
+                 and kv_start[b] <= j < kv_end[b]     (when a key range is given)
 
 Document ids are non-decreasing along the sequence, so the keys a query row keeps form one
 contiguous range ``[row_lo[i], row_hi[i])`` and the queries a key column is kept by form one
@@ -16,6 +17,14 @@ The launchers fold the document part of these ranges out of the ids with
 * a key block inside ``[row_lo[last], row_hi[first])`` is *full* (every pair of the tile is
   kept, no element mask is built); the blocks between the touched run and the full run are
   *partial* and take the masked variant of the inner loop (a ``tl.constexpr`` flag).
+
+The key range of batch row ``b`` (padding, the filled part of a cache) is the same for every
+row of the tile: it narrows the touched and the full runs alike, and it also bounds the loads.
+In the blocks at its ends (partial by construction) keys and values outside it are loaded as
+zeros, never read, and the dK/dV kernel stores zero gradients for them: a NaN or Inf in a
+padded key or value or an unused cache slot reaches nothing at all, unlike the masked
+positions of the band and documents described next. ``HAS_KV_RANGE`` is a ``tl.constexpr``
+flag, so calls without a key range compile to the same code as before.
 
 Scores are kept in base 2: ``s2 = log2(e) * s`` so the softmax uses ``exp2``; the
 log-sum-exp written out is in natural log. A row that keeps no key gets output 0 and
@@ -187,6 +196,53 @@ def _load_tile(
 
 
 @triton.jit
+def _load_key_tile(
+    ptrs,
+    offs_n,
+    seq_k,
+    kv_lo,
+    kv_hi,
+    BOUNDS: tl.constexpr,
+    IN_RANGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Load a ``[ROWS, BLOCK_E]`` tile of keys (or values) ``offs_n``.
+
+    ``IN_RANGE``: rows outside the key range ``[kv_lo, kv_hi)`` (within ``[0, S]``, see
+    ``_key_range``) are not read and come out 0. Otherwise, with ``BOUNDS``, rows past ``S``.
+    """
+    offs_e = tl.arange(0, BLOCK_E)
+    if IN_RANGE:
+        rows = (offs_n[:, None] >= kv_lo) & (offs_n[:, None] < kv_hi)
+        if BLOCK_E == HEAD_DIM:
+            x = tl.load(ptrs, mask=rows, other=0.0)  # [ROWS, BLOCK_E]
+        else:
+            x = tl.load(
+                ptrs, mask=rows & (offs_e[None, :] < HEAD_DIM), other=0.0
+            )  # [ROWS, BLOCK_E]
+    else:
+        x = _load_tile(ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [ROWS, BLOCK_E]
+    return x
+
+
+@triton.jit
+def _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE: tl.constexpr):
+    """Batch row ``off_b``'s valid keys ``[kv_lo, kv_hi)`` with ``0 <= kv_lo <= kv_hi <= S``
+    (empty when equal; the front-end checks the bounds, which are clamped here anyway so that
+    no load can leave the tensor); ``[0, S)`` without a key range."""
+    if HAS_KV_RANGE:
+        kv_lo = tl.load(KvStart + off_b)
+        kv_hi = tl.load(KvEnd + off_b)
+        kv_lo = tl.minimum(tl.maximum(kv_lo, 0), seq_k)
+        kv_hi = tl.minimum(tl.maximum(kv_hi, kv_lo), seq_k)
+    else:
+        kv_lo = seq_k * 0
+        kv_hi = seq_k
+    return kv_lo, kv_hi
+
+
+@triton.jit
 def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
     matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""
@@ -231,9 +287,12 @@ def _key_block_range(
     RowLo,
     RowHi,
     doc_off,
+    kv_lo,
+    kv_hi,
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -255,6 +314,11 @@ def _key_block_range(
         full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last))
         hi = tl.minimum(hi, tl.load(RowHi + doc_off + last))
         full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first))
+    if HAS_KV_RANGE:  # the same keys for every row: it narrows the full run as well
+        lo = tl.maximum(lo, kv_lo)
+        full_lo = tl.maximum(full_lo, kv_lo)
+        hi = tl.minimum(hi, kv_hi)
+        full_hi = tl.minimum(full_hi, kv_hi)
     return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
@@ -268,9 +332,12 @@ def _row_bounds(
     RowLo,
     RowHi,
     doc_off,
+    kv_lo,
+    kv_hi,
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
 ):
     """Per query row, the kept keys ``[row_lo, row_hi)`` (``row_hi <= S``), both ``[BLOCK_M]``."""
     row_lo = offs_m * 0
@@ -285,6 +352,9 @@ def _row_bounds(
         doc_hi = tl.load(RowHi + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
         row_lo = tl.maximum(row_lo, doc_lo)
         row_hi = tl.minimum(row_hi, doc_hi)
+    if HAS_KV_RANGE:
+        row_lo = tl.maximum(row_lo, kv_lo)
+        row_hi = tl.minimum(row_hi, kv_hi)
     return row_lo, row_hi
 
 
@@ -298,15 +368,26 @@ def _query_block_range(
     ColLo,
     ColHi,
     doc_off,
+    kv_lo,
+    kv_hi,
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Query blocks that see key columns ``[start_n, start_n + BLOCK_N)``."""
     first = start_n
     last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+    if HAS_KV_RANGE:
+        # Only the tile's columns inside the key range are kept by any row: the rows are
+        # bounded by the first and last of those (indices kept inside the tile, so that the
+        # loads below stay in bounds), and no block is full unless every column is inside.
+        any_inside = (kv_lo < kv_hi) & (first < kv_hi) & (last >= kv_lo)
+        all_inside = (first >= kv_lo) & (last < kv_hi)
+        first = tl.minimum(tl.maximum(first, kv_lo), last)
+        last = tl.maximum(tl.minimum(last, kv_hi - 1), first)
     lo = first * 0
     hi = lo + seq_q
     full_lo = lo
@@ -322,6 +403,9 @@ def _query_block_range(
         full_lo = tl.maximum(full_lo, tl.load(ColLo + doc_off + last))
         hi = tl.minimum(hi, tl.load(ColHi + doc_off + last))
         full_hi = tl.minimum(full_hi, tl.load(ColHi + doc_off + first))
+    if HAS_KV_RANGE:
+        hi = tl.where(any_inside, hi, lo)
+        full_hi = tl.where(all_inside, full_hi, full_lo)
     return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
 
 
@@ -335,11 +419,15 @@ def _col_bounds(
     ColLo,
     ColHi,
     doc_off,
+    kv_lo,
+    kv_hi,
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
 ):
-    """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S``."""
+    """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S`` and
+    outside the key range."""
     in_cols = offs_n < seq_k
     col_lo = offs_n * 0
     col_hi = tl.where(in_cols, col_lo + seq_q, 0)
@@ -352,4 +440,6 @@ def _col_bounds(
         doc_hi = tl.load(ColHi + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
         col_lo = tl.maximum(col_lo, doc_lo)
         col_hi = tl.minimum(col_hi, doc_hi)
+    if HAS_KV_RANGE:
+        col_hi = tl.where((offs_n >= kv_lo) & (offs_n < kv_hi), col_hi, 0)
     return col_lo, col_hi

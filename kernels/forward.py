@@ -16,6 +16,8 @@ from .common import (
     _alibi_coef,
     _dot,
     _key_block_range,
+    _key_range,
+    _load_key_tile,
     _load_tile,
     _log2_scores,
     _row_bounds,
@@ -46,6 +48,8 @@ def _attn_fwd_inner(
     block_first,
     block_end,
     seq_k,
+    kv_lo,
+    kv_hi,
     shift,
     qk_scale,
     softcap_in,
@@ -53,6 +57,7 @@ def _attn_fwd_inner(
     alibi_coef,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
@@ -68,12 +73,18 @@ def _attn_fwd_inner(
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI) and POSITIVE_SCALE
     # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
     BOUNDS: tl.constexpr = MASKED and not EVEN
+    # Full tiles lie inside the key range; partial ones may cross its ends: keys and values
+    # outside it are not read there (zeros), so that nothing in them reaches the results.
+    IN_RANGE: tl.constexpr = MASKED and HAS_KV_RANGE
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     for _ in range(block_first, block_end):
-        k = _load_tile(k_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+            k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+            BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if not PLAIN:
             if HAS_ALIBI:
@@ -106,7 +117,10 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_tile(v_ptrs, offs_n, seq_k, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_N, BLOCK_E]
+        v = _load_key_tile(  # [BLOCK_N, BLOCK_E]
+            v_ptrs, offs_n, seq_k, kv_lo, kv_hi,
+            BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        )  # fmt: skip
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         m_i = m_new
         offs_n += BLOCK_N
@@ -125,6 +139,8 @@ def _attn_fwd(
     RowLo,
     RowHi,
     Slopes,
+    KvStart,
+    KvEnd,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -147,6 +163,7 @@ def _attn_fwd(
     HAS_LO: tl.constexpr,
     HAS_HI: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     ALIBI_SIGN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -181,13 +198,16 @@ def _attn_fwd(
     v_head = V + off_b * stride_vb + off_hk * stride_vh
 
     doc_off = off_b * stride_db
+    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
     block_first, full_first, full_end, block_end = _key_block_range(
-        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off,
-        HAS_LO, HAS_HI, HAS_DOCS, BLOCK_M, BLOCK_N,
+        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     row_lo, row_hi = _row_bounds(
-        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, HAS_LO, HAS_HI, HAS_DOCS
-    )
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+    )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
 
@@ -197,24 +217,30 @@ def _attn_fwd(
     # partial prefix, full middle, partial suffix
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, block_first, full_first, seq_k, shift,
+        offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_first, full_end, seq_k, shift,
+        offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        False, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_end, block_end, seq_k, shift,
+        offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
-        True, EVEN_N, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-        HEAD_DIM, BLOCK_E, BLOCK_N, DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -246,6 +272,8 @@ def attention_forward(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward.
 
@@ -258,6 +286,8 @@ def attention_forward(
             (both or neither); a pair is kept only within one document.
         alibi_slopes: fp32 ``(1 | B, Hq)``; adds ``-slope * |i + (S - L) - j|``.
         softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
+        kv_start, kv_end: integer ``(B,)`` or ``(1,)`` (both or neither): batch row ``b`` keeps
+            only keys ``kv_start[b] <= j < kv_end[b]`` and reads no key or value outside them.
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
@@ -273,13 +303,14 @@ def attention_forward(
         return out, lse
     mask = mask_args(
         q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, rows=True, cols=False,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        rows=True, cols=False,
     )  # fmt: skip
     block_e = padded_head_dim(head_dim)
     cfg = pick_config(FORWARD_CONFIGS, q, block_e)
     grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
     launcher(_attn_fwd)[grid](
-        q, k, v, out, lse, mask.row_lo, mask.row_hi, mask.slopes,
+        q, k, v, out, lse, mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -295,6 +326,7 @@ def attention_forward(
         HAS_LO=mask.has_lo,
         HAS_HI=mask.has_hi,
         HAS_DOCS=mask.row_lo is not None,
+        HAS_KV_RANGE=mask.kv_start is not None,
         HAS_ALIBI=mask.slopes is not None,
         ALIBI_SIGN=mask.alibi_sign,
         HAS_SOFTCAP=softcap is not None,

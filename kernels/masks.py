@@ -1,5 +1,5 @@
-"""The launchers' view of a call's mask: band bounds, document ranges, ALiBi and soft-cap
-arguments, and the launch order of programs."""
+"""The launchers' view of a call's mask: band bounds, document ranges, key ranges, ALiBi and
+soft-cap arguments, and the launch order of programs."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class MaskArgs:
     col_lo: Tensor | None  # (Bd, S) int32: first query of each key column's document
     col_hi: Tensor | None  # (Bd, S) int32: one past its last query
     docs_per_batch: bool  # False when one row of ids is shared by the whole batch
+    kv_start: Tensor | None  # (B,) int32: first valid key of each batch row
+    kv_end: Tensor | None  # (B,) int32: one past its last
     slopes: Tensor | None
     alibi_sign: int  # +1 (-1): every kept pair has i + (S - L) - j >= 0 (<= 0); 0 unknown
     stride_sb: int
@@ -109,6 +111,8 @@ def mask_args(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
     rows: bool,
     cols: bool,
 ) -> MaskArgs:
@@ -126,6 +130,13 @@ def mask_args(
         docs = _document_ranges(q_doc, kv_doc, rows=rows, cols=cols)
         row_lo, row_hi, col_lo, col_hi = docs.row_lo, docs.row_hi, docs.col_lo, docs.col_hi
         docs_per_batch = docs.per_batch
+
+    if (kv_start is None) != (kv_end is None):
+        raise ValueError("kv_start and kv_end go together: pass both or neither")
+    if kv_start is not None and kv_end is not None:
+        batch = q.shape[0]
+        kv_start = kv_start.to(device=q.device, dtype=torch.int32).expand(batch).contiguous()
+        kv_end = kv_end.to(device=q.device, dtype=torch.int32).expand(batch).contiguous()
 
     slopes = None
     stride_sb = stride_sh = 0
@@ -161,6 +172,8 @@ def mask_args(
         col_lo=col_lo,
         col_hi=col_hi,
         docs_per_batch=docs_per_batch,
+        kv_start=kv_start,
+        kv_end=kv_end,
         slopes=slopes,
         alibi_sign=alibi_sign,
         stride_sb=stride_sb,

@@ -36,11 +36,13 @@ def _attention_fwd(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     with traceable_launches():
         return attention_forward(
             q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-            alibi_slopes=alibi_slopes, softcap=softcap,
+            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
         )  # fmt: skip
 
 
@@ -60,6 +62,8 @@ def _attention_bwd(
     kv_doc: Tensor | None,
     alibi_slopes: Tensor | None,
     softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``. The ALiBi slopes' gradient is computed on the eager path only (an
     empty placeholder output broke inductor's compilation of the backward)."""
@@ -67,7 +71,7 @@ def _attention_bwd(
         dq, dk, dv, _ = attention_backward(
             grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
             q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
-            grad_lse=grad_lse, slopes_grad=False,
+            kv_start=kv_start, kv_end=kv_end, grad_lse=grad_lse, slopes_grad=False,
         )  # fmt: skip
     return dq, dk, dv
 
@@ -105,9 +109,11 @@ def _setup_context(
     *,
     traceable: bool = True,
 ) -> None:
-    q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap = inputs
+    q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start, kv_end = (
+        inputs
+    )
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_doc, kv_doc, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, q_doc, kv_doc, alibi_slopes, kv_start, kv_end)
     ctx.scale = scale
     ctx.band_lo = band_lo
     ctx.band_hi = band_hi
@@ -122,7 +128,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
     they were computed from, through :class:`_FirstOrderGradients`, so that a second backward
     through them raises.
     """
-    q, k, v, out, lse, q_doc, kv_doc, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, q_doc, kv_doc, alibi_slopes, kv_start, kv_end = ctx.saved_tensors
     slopes_grad = alibi_slopes is not None and bool(ctx.needs_input_grad[_SLOPES])
 
     def compute() -> tuple[Tensor | None, ...]:
@@ -135,14 +141,15 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
                 )
             dq, dk, dv = torch.ops.attnbias.attention_bwd(
                 grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
-                q_doc, kv_doc, alibi_slopes, ctx.softcap,
+                q_doc, kv_doc, alibi_slopes, ctx.softcap, kv_start, kv_end,
             )  # fmt: skip
             dslopes = None
         else:
             dq, dk, dv, dslopes = attention_backward(
                 grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,
                 band_hi=ctx.band_hi, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes,
-                softcap=ctx.softcap, grad_lse=grad_lse, slopes_grad=slopes_grad,
+                softcap=ctx.softcap, kv_start=kv_start, kv_end=kv_end, grad_lse=grad_lse,
+                slopes_grad=slopes_grad,
             )  # fmt: skip
         return dq, dk, dv, dslopes if slopes_grad else None
 
@@ -153,8 +160,8 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
         dq, dk, dv, dslopes = _FirstOrderGradients.apply(compute, *sources)
     else:
         dq, dk, dv, dslopes = compute()
-    # No gradient for the scale, the band, the document ids or the cap.
-    return dq, dk, dv, None, None, None, None, None, dslopes, None
+    # No gradient for the scale, the band, the document ids, the cap or the key range.
+    return dq, dk, dv, None, None, None, None, None, dslopes, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -176,17 +183,20 @@ class _EagerAttention(torch.autograd.Function):
         kv_doc: Tensor | None,
         alibi_slopes: Tensor | None,
         softcap: float | None,
+        kv_start: Tensor | None,
+        kv_end: Tensor | None,
     ) -> Tensor:
         out, lse = attention_forward(
             q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-            alibi_slopes=alibi_slopes, softcap=softcap,
+            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
         )  # fmt: skip
         _setup_context(
             ctx,
-            (q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap),
+            (q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start,
+             kv_end),
             (out, lse),
             traceable=False,
-        )
+        )  # fmt: skip
         return out
 
     @staticmethod
@@ -206,16 +216,22 @@ def block_sparse_attention(
     kv_doc: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
 ) -> Tensor:
-    """Attention over the pairs kept by a band and packed documents.
+    """Attention over the pairs kept by a band, packed documents and per-row key ranges.
 
     Shapes: ``q`` ``(B, Hq, L, E)``, ``k``/``v`` ``(B, Hkv, S, E)`` with ``Hq % Hkv == 0``;
     returns ``(B, Hq, L, E)`` in ``q.dtype``. A pair ``(i, j)`` is kept when
     ``band_lo <= j - i <= band_hi`` (``None`` leaves a side open) and, given document ids
     ``q_doc`` ``(1 | B, L)`` / ``kv_doc`` ``(1 | B, S)`` (non-decreasing), when
-    ``q_doc[i] == kv_doc[j]``. Scores are ``scale * q.k``, then ``softcap * tanh(s / softcap)``
-    if ``softcap`` is set, then ``- slope[b, h] * |i + S - L - j|`` if ``alibi_slopes``
-    ``(1 | B, Hq)`` is set. Rows that keep nothing give 0 and zero gradients.
+    ``q_doc[i] == kv_doc[j]``; given integer ``kv_start`` and ``kv_end`` ``(B,)`` (or ``(1,)``,
+    both or neither), batch row ``b`` keeps only keys ``kv_start[b] <= j < kv_end[b]`` and
+    reads no key or value outside them, so nothing there (NaN included) reaches any output or
+    gradient, and their gradients are 0. Scores are ``scale * q.k``, then
+    ``softcap * tanh(s / softcap)`` if ``softcap`` is set, then
+    ``- slope[b, h] * |i + S - L - j|`` if ``alibi_slopes`` ``(1 | B, Hq)`` is set. Rows
+    that keep nothing give 0 and zero gradients.
 
     Differentiable in ``q``, ``k``, ``v`` and ``alibi_slopes``, once: differentiating the
     gradients again (``create_graph=True``, then a backward through them) raises
@@ -226,9 +242,10 @@ def block_sparse_attention(
     """
     if not torch.compiler.is_compiling():
         return _EagerAttention.apply(
-            q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap
-        )
+            q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start,
+            kv_end,
+        )  # fmt: skip
     out, _ = torch.ops.attnbias.attention_fwd(
-        q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap
+        q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start, kv_end
     )
     return out

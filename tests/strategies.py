@@ -14,6 +14,7 @@ from attnbias import (
     CausalBias,
     CausalVariant,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -73,6 +74,30 @@ def document_bias(draw: st.DrawFn, batch: int, length_q: int, length_kv: int) ->
 
 
 @st.composite
+def key_range_bias(draw: st.DrawFn, batch: int, length_kv: int) -> KeyRangeBias:
+    """Valid keys per batch row, one range each or one shared by the batch: left padding
+    (``start`` only), right padding or a cache's filled prefix (``end`` only), both ends, or
+    a ``(B, S)`` padding mask; empty ranges and ranges of every key included."""
+    rows = draw(st.sampled_from([1, batch]))
+    bounds = [
+        sorted(draw(st.lists(st.integers(0, length_kv), min_size=2, max_size=2)))
+        for _ in range(rows)
+    ]
+    start = [lo for lo, _ in bounds]
+    end = [hi for _, hi in bounds]
+    form = draw(st.sampled_from(["start", "end", "both", "padding_mask"]))
+    if form == "start":
+        return KeyRangeBias(start=start)
+    if form == "end":
+        return KeyRangeBias(end=end)
+    if form == "both":
+        return KeyRangeBias(start=start, end=end)
+    positions = torch.arange(length_kv)[None, :]
+    mask = (positions >= torch.tensor(start)[:, None]) & (positions < torch.tensor(end)[:, None])
+    return KeyRangeBias.from_padding_mask(mask.expand(batch, -1))
+
+
+@st.composite
 def problems(
     draw: st.DrawFn,
     *,
@@ -90,7 +115,7 @@ def problems(
     parts: list[AttnBias] = []
     kinds = draw(
         st.lists(
-            st.sampled_from(["causal", "window", "docs", "alibi", "softcap", "tensor"]),
+            st.sampled_from(["causal", "window", "docs", "keys", "alibi", "softcap", "tensor"]),
             max_size=3,
             unique=True,
         )
@@ -104,6 +129,8 @@ def problems(
             parts.append(SlidingWindowBias(left, right))
         elif kind == "docs":
             parts.append(draw(document_bias(batch, length_q, length_kv)))
+        elif kind == "keys":
+            parts.append(draw(key_range_bias(batch, length_kv)))
         elif kind == "alibi":
             if draw(st.booleans()):
                 parts.append(AlibiBias(num_heads=heads_q))
@@ -179,7 +206,7 @@ def unattended_keys(draw: st.DrawFn) -> tuple[AttnBias, int, int, list[int]]:
     length_q = draw(st.integers(1, 8))
     extra = draw(st.integers(1, 6))
     length_kv = length_q + extra
-    kind = draw(st.sampled_from(["causal", "window", "docs", "tensor"]))
+    kind = draw(st.sampled_from(["causal", "window", "docs", "keys", "tensor"]))
     if kind == "causal":  # upper-left: keys j >= L are never attended
         bias: AttnBias = CausalBias(CausalVariant.UPPER_LEFT)
         keys = list(range(length_q, length_kv))
@@ -189,6 +216,11 @@ def unattended_keys(draw: st.DrawFn) -> tuple[AttnBias, int, int, list[int]]:
     elif kind == "docs":  # a last key document with no query tokens
         bias = DocumentBias.from_seqlens([length_q, 0], [length_q, extra])
         keys = list(range(length_q, length_kv))
+    elif kind == "keys":  # padding before a range shared by the batch, unused slots after it
+        start = draw(st.integers(0, extra))
+        end = draw(st.integers(start, length_kv - 1))
+        bias = KeyRangeBias(start=[start], end=[end])
+        keys = [*range(0, start), *range(end, length_kv)]
     else:
         keep = torch.ones(length_q, length_kv, dtype=torch.bool)
         keys = sorted(draw(st.sets(st.integers(0, length_kv - 1), min_size=1, max_size=extra)))
@@ -208,12 +240,13 @@ def kernel_bias(
     draw: st.DrawFn, batch: int, heads_q: int, length_q: int, length_kv: int
 ) -> AttnBias:
     """A sum of one to four built-in biases that lowers to the kernel's form (a band,
-    documents, ALiBi, soft-cap): causal in either corner, sliding windows (open sides, widths
-    from 0 past the lengths), one or two document layouts, the paper's or given ALiBi slopes
+    documents, key ranges, ALiBi, soft-cap): causal in either corner, sliding windows (open
+    sides, widths from 0 past the lengths), one or two document layouts, one or two key ranges
+    (per batch row or shared, empty ones included), the paper's or given ALiBi slopes
     (``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)``, zero included), one or two of them, soft-cap."""
     kinds = draw(
         st.lists(
-            st.sampled_from(["causal", "window", "docs", "alibi", "softcap"]),
+            st.sampled_from(["causal", "window", "docs", "keys", "alibi", "softcap"]),
             min_size=1,
             max_size=4,
         )
@@ -228,6 +261,8 @@ def kernel_bias(
             parts.append(SlidingWindowBias(draw(side), draw(side)))
         elif kind == "docs":
             parts.append(draw(document_bias(batch, length_q, length_kv)))
+        elif kind == "keys":
+            parts.append(draw(key_range_bias(batch, length_kv)))
         elif kind == "alibi":
             shape = draw(st.sampled_from([None, (heads_q,), (1, heads_q), (batch, heads_q)]))
             if shape is None:

@@ -14,6 +14,7 @@ import attnbias
 from attnbias import (
     AlibiBias,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     causal_lower_right,
@@ -22,6 +23,7 @@ from attnbias import (
     use_backends,
 )
 from attnbias.backends.fa4 import _installed as fa4_installed
+from attnbias.bias import parts_of
 
 pytestmark = pytest.mark.gpu
 KERNEL_ROUTES = ("triton", "sdpa(is_causal=True)", "fa4")
@@ -127,6 +129,90 @@ def test_torch_compile_fullgraph(name: str) -> None:
     compiled = torch.compile(sdpa, fullgraph=True)
     # FlashAttention 4 cannot be traced: a compiled call takes the Triton kernel
     check(biases(8, 512, 512)[name], torch.bfloat16, 2, 8, 4, 512, 512, 64, fn=compiled)
+
+
+def key_range_biases(heads: int, length_q: int, length_kv: int) -> dict[str, attnbias.AttnBias]:
+    """Key ranges of two batch rows, ends off every tile edge, alone and in sums."""
+    start = torch.tensor([37, 0], device="cuda")
+    end = torch.tensor([length_kv, length_kv - 301], device="cuda")
+    docs = DocumentBias.from_seqlens(
+        [length_q // 2, length_q - length_q // 2],
+        [length_kv // 3, length_kv - length_kv // 3],
+        device="cuda",
+    )
+    return {
+        "left_padding": KeyRangeBias(start=start),
+        "cache_causal": KeyRangeBias(end=end) + causal_lower_right(),
+        "padding_gemma2": (
+            KeyRangeBias(start, end) + SlidingWindowBias(255) + SoftcapBias(30.0)
+            + causal_lower_right()
+        ),
+        "padding_documents": KeyRangeBias(start, end) + docs + causal_lower_right(),
+        "padding_alibi": (
+            KeyRangeBias(start, end) + AlibiBias(num_heads=heads) + causal_upper_left()
+        ),
+        "one_row_empty": (
+            KeyRangeBias(start=[100, 0], end=[100, length_kv]) + causal_lower_right()
+        ),
+    }  # fmt: skip
+
+
+KEY_RANGE_NAMES = [
+    "left_padding",
+    "cache_causal",
+    "padding_gemma2",
+    "padding_documents",
+    "padding_alibi",
+    "one_row_empty",
+]
+
+
+@pytest.mark.parametrize("name", KEY_RANGE_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_key_ranges_at_real_size(name: str, dtype: torch.dtype) -> None:
+    bias = key_range_biases(8, 1000, 1100)[name]
+    check(bias, dtype, 2, 8, 2, 1000, 1100, 128, routes=("triton",))
+
+
+@pytest.mark.parametrize("name", KEY_RANGE_NAMES)
+def test_key_ranges_read_nothing_outside(name: str) -> None:
+    """NaN in every key and Inf in every value outside the ranges: each output and gradient
+    equals bit for bit that of the same call with zeros there."""
+    length_q, length_kv = 1000, 1100
+    bias = key_range_biases(8, length_q, length_kv)[name]
+    keep = torch.ones(2, length_kv, dtype=torch.bool, device="cuda")
+    for part in parts_of(bias):
+        if isinstance(part, KeyRangeBias):
+            mask = part.materialize("cuda", shape=(2, 1, length_q, length_kv))
+            keep &= torch.isfinite(mask[:, 0, 0, :])
+    outside = ~keep[:, None, :, None]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, grad_out = (
+        torch.randn(2, 8, length_q, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)
+    )
+    k, v = (
+        torch.randn(2, 2, length_kv, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)
+    )
+
+    def run(k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        return run_with_grads(
+            lambda *t: sdpa(*t, attn_mask=bias, enable_gqa=True), (q, k, v), grad_out
+        )
+
+    dirty = run(k.masked_fill(outside, float("nan")), v.masked_fill(outside, float("inf")))
+    clean = run(k.masked_fill(outside, 0.0), v.masked_fill(outside, 0.0))
+    for label, got, want in zip(("out", "dq", "dk", "dv"), dirty, clean, strict=True):
+        assert torch.equal(got, want), label
+    assert (dirty[2].masked_select(outside) == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KEY_RANGE_NAMES)
+def test_key_ranges_under_torch_compile_fullgraph(name: str) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(sdpa, fullgraph=True)
+    bias = key_range_biases(8, 512, 512)[name]
+    check(bias, torch.bfloat16, 2, 8, 4, 512, 512, 64, fn=compiled, routes=("triton",))
 
 
 FA4_BIASES = {

@@ -51,6 +51,8 @@ class Mask:
     kv_doc: Tensor | None = None
     alibi_slopes: Tensor | None = None
     softcap: float | None = None
+    kv_start: Tensor | None = None  # (B,) or (1,) int
+    kv_end: Tensor | None = None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -61,6 +63,8 @@ class Mask:
             "kv_doc": self.kv_doc,
             "alibi_slopes": self.alibi_slopes,
             "softcap": self.softcap,
+            "kv_start": self.kv_start,
+            "kv_end": self.kv_end,
         }
 
 
@@ -77,6 +81,12 @@ def keep_mask(mask: Mask, batch: int, seq_q: int, seq_k: int, device: Any) -> Te
     if mask.q_doc is not None and mask.kv_doc is not None:
         same_doc = mask.q_doc[:, :, None] == mask.kv_doc[:, None, :]
         keep = keep & same_doc[:, None].expand(batch, 1, seq_q, seq_k)
+    if mask.kv_start is not None and mask.kv_end is not None:
+        cols = torch.arange(seq_k, device=device)
+        inside = (cols >= mask.kv_start.to(device)[:, None]) & (
+            cols < mask.kv_end.to(device)[:, None]
+        )
+        keep = keep & inside[:, None, None, :].expand(batch, 1, seq_q, seq_k)
     return keep
 
 
@@ -451,6 +461,166 @@ def test_everything_masked() -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Key ranges (padding, the filled part of a cache)
+# --------------------------------------------------------------------------------------
+
+
+def key_range(*rows: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """``(kv_start, kv_end)`` int32 ``(B,)`` from one ``(start, end)`` per batch row."""
+    start = torch.tensor([row[0] for row in rows], dtype=torch.int32, device=DEVICE)
+    end = torch.tensor([row[1] for row in rows], dtype=torch.int32, device=DEVICE)
+    return start, end
+
+
+def outside_range(start: Tensor, end: Tensor, seq_k: int) -> Tensor:
+    """``(B, S)`` bool: the keys outside each batch row's range."""
+    cols = torch.arange(seq_k, device=start.device)
+    return (cols < start[:, None]) | (cols >= end[:, None])
+
+
+# (start, end) per batch row for S = 56: 16-key tiles under the interpreter, so the ends fall
+# on and between tile edges, inside one tile, at 0 and at S, and ranges may be empty
+KEY_RANGES = {
+    "left_padding": [(13, 56), (0, 56)],
+    "right_padding": [(0, 37), (0, 16)],
+    "both_ends": [(5, 50), (17, 31)],
+    "inside_one_tile": [(33, 35), (48, 49)],
+    "one_row_empty": [(20, 20), (3, 44)],
+    "all_empty": [(0, 0), (56, 56)],
+}
+
+
+@pytest.mark.parametrize("ranges", list(KEY_RANGES))
+@pytest.mark.parametrize("band", ["none", "causal_lower_right", "window_both_sides"])
+def test_key_ranges(ranges: str, band: str) -> None:
+    seq_q, seq_k = 40, 56
+    band_lo, band_hi = BANDS[band](seq_q, seq_k)
+    start, end = key_range(*KEY_RANGES[ranges])
+    q, k, v = make_qkv(2, 2, 1, seq_q, seq_k, 16, BF16)
+    mask = Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi, kv_start=start, kv_end=end)
+    out, lse = check(q, k, v, mask)
+    empty = start >= end
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
+def test_key_ranges_with_every_feature(dtype: torch.dtype) -> None:
+    q_doc = torch.stack([docs_from_seqlens([30, 20]), docs_from_seqlens([5, 45])])
+    kv_doc = torch.stack([docs_from_seqlens([25, 19]), docs_from_seqlens([10, 34])])
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
+    start, end = key_range((3, 41), (0, 19))
+    q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
+    mask = Mask(
+        scale_of(24),
+        band_lo=44 - 50 - 20,
+        band_hi=44 - 50 + 2,
+        q_doc=q_doc,
+        kv_doc=kv_doc,
+        alibi_slopes=slopes,
+        softcap=5.0,
+        kv_start=start,
+        kv_end=end,
+    )
+    check(q, k, v, mask)
+
+
+def test_key_range_shared_by_the_batch() -> None:
+    """A ``(1,)`` range applies to every batch row."""
+    start, end = key_range((7, 45))
+    q, k, v = make_qkv(3, 2, 2, 33, 50, 16, FP32)
+    check(q, k, v, Mask(scale_of(16), band_hi=50 - 33, kv_start=start, kv_end=end))
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32)])
+def test_key_ranges_with_unequal_tiles(
+    monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int
+) -> None:
+    if DEVICE == "cuda":
+        pytest.skip("tile sizes come from the GPU tables on a GPU")
+    from attnbias.kernels import configs
+
+    monkeypatch.setattr(configs, "INTERPRETER_CONFIG", configs.KernelConfig(block_m, block_n, 1, 1))
+    start, end = key_range((9, 70), (0, 33))
+    q, k, v = make_qkv(2, 2, 1, 71, 71, 16, BF16)
+    check(q, k, v, Mask(scale_of(16), band_lo=-40, band_hi=0, kv_start=start, kv_end=end))
+
+
+NON_FINITE = {"nan": float("nan"), "inf": float("inf")}  # values get its negation
+
+
+@pytest.mark.parametrize("poison", list(NON_FINITE))
+@pytest.mark.parametrize("features", ["band", "documents_alibi_softcap"])
+def test_nothing_outside_the_key_range_is_read(poison: str, features: str) -> None:
+    """Non-finite values in every key and value outside the ranges (and in the queries and
+    output gradients of a batch row whose range is empty) change no output, log-sum-exp or
+    gradient by a single bit against the same call with zeros there; the keys outside get
+    zero gradients and the row with no key zero output and gradients."""
+    seq_q, seq_k = 40, 56
+    start, end = key_range((5, 50), (17, 31), (20, 20))
+    extra: dict[str, Any] = {}
+    if features == "documents_alibi_softcap":
+        extra = {
+            "q_doc": docs_from_seqlens([25, 15])[None],
+            "kv_doc": docs_from_seqlens([30, 26])[None],
+            "alibi_slopes": torch.tensor([[0.2, 0.1]], device=DEVICE),
+            "softcap": 4.0,
+        }
+    mask = Mask(
+        scale_of(16), band_lo=-20, band_hi=seq_k - seq_q, kv_start=start, kv_end=end, **extra
+    )
+    q, k, v = make_qkv(3, 2, 1, seq_q, seq_k, 16, FP16)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, FP16)
+    outside = outside_range(start, end, seq_k)[:, None, :, None]  # (B, 1, S, 1)
+    value = NON_FINITE[poison]
+    dirty_k, dirty_v = k.masked_fill(outside, value), v.masked_fill(outside, -value)
+    clean_k, clean_v = k.masked_fill(outside, 0.0), v.masked_fill(outside, 0.0)
+    dirty_q, dirty_grad = q.clone(), grad_out.clone()
+    dirty_q[2], dirty_grad[2] = value, value  # batch row 2 keeps no key
+    clean_q, clean_grad = q.clone(), grad_out.clone()
+    clean_q[2], clean_grad[2] = 0.0, 0.0
+
+    dirty = attention_forward(dirty_q, dirty_k, dirty_v, **mask.kwargs())
+    clean = attention_forward(clean_q, clean_k, clean_v, **mask.kwargs())
+    for got, want in zip(dirty, clean, strict=True):
+        assert torch.equal(got, want)
+    dirty_grads = attention_backward(
+        dirty_grad, dirty_q, dirty_k, dirty_v, *dirty, **mask.kwargs()
+    )[:3]
+    clean_grads = attention_backward(
+        clean_grad, clean_q, clean_k, clean_v, *clean, **mask.kwargs()
+    )[:3]
+    for got, want in zip(dirty_grads, clean_grads, strict=True):
+        assert torch.equal(got, want)
+    dq, dk, dv = dirty_grads
+    assert (dk.masked_select(outside) == 0).all() and (dv.masked_select(outside) == 0).all()
+    assert (dirty[0][2] == 0).all() and (dq[2] == 0).all()
+    check(clean_q, clean_k, clean_v, mask, grad_out=clean_grad)  # and the clean call is right
+
+
+def test_the_registered_ops_pass_key_ranges_on() -> None:
+    """The ops that ``torch.compile`` traces take the key range, forward and backward, and
+    give what the eager path gives, bit for bit (a key outside the range is NaN here)."""
+    import attnbias.kernels.ops  # noqa: F401  (registers the ops)
+
+    start, end = key_range((3, 33), (17, 17))
+    q, k, v = make_qkv(2, 2, 1, 20, 40, 16, FP32)
+    k[0, :, 35] = float("nan")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = torch.ops.attnbias.attention_fwd(
+        *leaves, 0.25, None, 20, None, None, None, None, start, end
+    )
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    eager = block_sparse_attention(
+        *eager_leaves, scale=0.25, band_hi=20, kv_start=start, kv_end=end
+    )
+    eager_grads = torch.autograd.grad(eager.square().sum(), eager_leaves)
+    assert torch.equal(out, eager) and torch.isfinite(out).all()
+    for got, want in zip(grads, eager_grads, strict=True):
+        assert torch.equal(got, want) and torch.isfinite(got).all()
+
+
+# --------------------------------------------------------------------------------------
 # Autograd wrapper, gradient of lse, lazy import
 # --------------------------------------------------------------------------------------
 
@@ -661,6 +831,14 @@ def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Ma
         values = draw(st.lists(st.floats(0.0, 1.0), min_size=count, max_size=count))
         slopes = torch.tensor(values, device=DEVICE).reshape(slope_batch, heads)
     softcap = draw(st.none() | st.floats(0.5, 30.0))
+    kv_start = kv_end = None
+    if draw(st.booleans()):
+        bounds = [
+            sorted(draw(st.lists(st.integers(0, seq_k), min_size=2, max_size=2)))
+            for _ in range(draw(st.sampled_from([1, batch])))
+        ]
+        kv_start = torch.tensor([b[0] for b in bounds], dtype=torch.int32, device=DEVICE)
+        kv_end = torch.tensor([b[1] for b in bounds], dtype=torch.int32, device=DEVICE)
     mask = Mask(
         scale_of(head_dim),
         band_lo=band_lo,
@@ -669,6 +847,8 @@ def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Ma
         kv_doc=kv_doc,
         alibi_slopes=slopes,
         softcap=softcap,
+        kv_start=kv_start,
+        kv_end=kv_end,
     )
     shape = (batch, heads, kv_heads, seq_q, seq_k, head_dim)
     return shape, dtype, mask, draw(st.integers(0, 2**16))

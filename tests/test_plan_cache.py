@@ -19,6 +19,7 @@ from attnbias import (
     AlibiBias,
     AttnBias,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     causal_lower_right,
@@ -114,6 +115,37 @@ def test_documents_are_told_apart_by_identity(plans: list[Any]) -> None:
         bias = DocumentBias.from_seqlens(seqlens) + causal_lower_right()
         check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
     assert len(plans) == 4
+
+
+def test_key_ranges_are_told_apart_by_identity(plans: list[Any]) -> None:
+    """Two ranges that differ only in their contents are two calls; one bias used again is one."""
+    q, k, v = inputs(length_q=6, length_kv=9)
+    q, k, v = (x.expand(2, -1, -1, -1) for x in (q, k, v))
+    cache = KeyRangeBias(end=torch.tensor([9, 4]))
+    for end in ([5, 9], [9, 5], [5, 9]):
+        bias = KeyRangeBias(start=[1, 0], end=end) + causal_lower_right()
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    for _ in range(2):
+        check(q, k, v, cache, attnbias.sdpa(q, k, v, attn_mask=cache))
+    assert len(plans) == 4
+
+
+def test_an_entry_keeps_its_key_range_alive() -> None:
+    """The entry holds the range's device tensors: the bias must outlive it, or a new bias
+    could take its identity and run on the old range."""
+    import gc
+    import weakref
+
+    q, k, v = inputs(length_kv=9)
+    bias = KeyRangeBias(start=[2])
+    ref = weakref.ref(bias)
+    attnbias.sdpa(q, k, v, attn_mask=bias)
+    del bias
+    gc.collect()
+    assert ref() is not None
+    plan_cache.clear()
+    gc.collect()
+    assert ref() is None
 
 
 def test_use_backends_is_part_of_a_call(plans: list[Any]) -> None:

@@ -32,6 +32,7 @@ from attnbias import (
     CausalBias,
     CausalVariant,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -519,6 +520,30 @@ CASES = {
         ("reference", "reference"),
         ("reference", "reference"),
     ),
+    # a key range adds no kind: it goes where the other features go, and only the Triton
+    # kernel among the fused backends takes it
+    "key_range": Case(
+        lambda: KeyRangeBias(end=[9]), "none", ("triton", "triton"), ("triton", "triton")
+    ),
+    "key_range_causal": Case(
+        lambda: KeyRangeBias(start=[2], end=[15]) + causal_upper_left(),
+        "causal",
+        ("triton", "triton"),
+        ("triton", "triton"),
+    ),
+    "key_range_window_softcap": Case(
+        lambda: KeyRangeBias(start=[5]) + SlidingWindowBias(4) + SoftcapBias(20.0),
+        "softcap",
+        ("triton", "triton"),
+        ("triton", "triton"),
+    ),
+    "key_range_dropout": Case(
+        lambda: KeyRangeBias(end=[9]) + causal_lower_right(),
+        "causal",
+        ("sdpa+mask", "sdpa+mask"),
+        ("sdpa+mask", "sdpa+mask"),
+        dropout_p=0.1,
+    ),
     "causal_dropout": Case(
         causal_upper_left, "causal", ("sdpa", "sdpa"), ("sdpa", "sdpa"), dropout_p=0.1
     ),
@@ -757,6 +782,11 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         {},
         lambda: spec_of(TensorBias(torch.zeros(16, 16)) + SoftcapBias(2.0)),
         "TensorBias has no FlashAttention 4 form",
+    ),
+    "key_range": (
+        {},
+        lambda: spec_of(KeyRangeBias(end=[9]) + causal_lower_right()),
+        "a key range (KeyRangeBias): its seqused_k form, for ranges from 0, is not checked",
     ),
     "empty_dim": (
         {},

@@ -280,6 +280,16 @@ class FlashAttention4(Backend):
                 reasons.append("ALiBi with grouped-query attention (Hq != Hkv)")
             if lowered.slopes.requires_grad:
                 reasons.append("ALiBi slopes that require grad (no gradient for them here)")
+        if lowered.has_key_range:
+            # FlashAttention 4's seqused_k (keys [0, seqused_k[b]) of each batch row) could
+            # carry ranges that start at 0 (right padding, a cache's filled prefix) without a
+            # band; with one it would also move the bottom-right alignment (and ALiBi's
+            # distances) to each row's used length, where the semantics align to S. Unchecked
+            # against the oracle, so refused; ranges with a start have no form at all.
+            reasons.append(
+                "a key range (KeyRangeBias): its seqused_k form, for ranges from 0, is not "
+                "checked against the oracle"
+            )
         if lowered.others:
             names = ", ".join(type(p).__name__ for p in lowered.others)
             reasons.append(f"{names} has no FlashAttention 4 form")

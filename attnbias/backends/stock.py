@@ -132,10 +132,18 @@ class StockSDPA(Backend):
     dtypes = _ALL_FLOATS
 
     def reasons(self, spec: Spec) -> list[str]:
-        if spec.lowered.is_empty or spec.lowered.is_plain_causal:
+        lowered = spec.lowered
+        if lowered.is_empty or lowered.is_plain_causal:
             return []
+        if lowered.has_key_range:
+            # Its fused kernels would read the padded keys (no mask to select them away), and
+            # a NaN there would reach every row.
+            return [
+                "a key range (KeyRangeBias) needs a mask: stock SDPA fuses only no mask and "
+                "plain upper-left causal"
+            ]
         return [
-            f"{spec.lowered.describe()} is neither no mask nor plain upper-left causal, the two "
+            f"{lowered.describe()} is neither no mask nor plain upper-left causal, the two "
             f"forms stock SDPA fuses"
         ]
 

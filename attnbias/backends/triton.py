@@ -21,10 +21,12 @@ def _triton_installed() -> bool:
 
 
 class TritonKernel(Backend):
-    """Every band, documents, ALiBi and soft-cap, forward and backward, skipping masked blocks.
+    """Every band, documents, key ranges, ALiBi and soft-cap, forward and backward, skipping
+    masked blocks.
 
     Any finite scale; a NaN or Inf in a position a row does not keep reaches neither that row
-    nor any gradient; gradients for q, k, v and ALiBi slopes that require grad; double
+    nor any gradient, and one outside a batch row's key range (padding, unused cache slots) is
+    never read at all; gradients for q, k, v and ALiBi slopes that require grad; double
     backward (differentiating the gradients again) raises ``NotImplementedError`` pointing to
     the reference path. On CPU tensors it runs only under Triton's interpreter
     (``TRITON_INTERPRET=1``).
@@ -67,6 +69,11 @@ class TritonKernel(Backend):
         return reasons
 
     def how(self, spec: Spec) -> str:
+        if spec.lowered.has_key_range:
+            return (
+                "the block-sparse Triton kernel, skipping masked blocks and reading no key "
+                "outside each batch row's key range"
+            )
         return "the block-sparse Triton kernel, skipping masked blocks"
 
     def run(self, spec: Spec) -> Tensor:
@@ -84,4 +91,6 @@ class TritonKernel(Backend):
             kv_doc=lowered.kv_doc,
             alibi_slopes=lowered.slopes,
             softcap=lowered.softcap,
+            kv_start=lowered.kv_start,
+            kv_end=lowered.kv_end,
         )
