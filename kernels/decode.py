@@ -80,8 +80,9 @@ MAX_SPLITS = 128  # beyond this the merge costs more than the parallelism gains
 SPLIT_EFFICIENCY = 0.85
 # Below this fraction of the SMs busy, splitting the keys pays.
 FULL_ENOUGH = 0.8
-# The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic and split.
-INTERPRETER_SM_COUNT = 16
+# The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic, splitting
+# the keys of one or two programs, and fast (each program costs the interpreter time).
+INTERPRETER_SM_COUNT = 4
 
 
 # --------------------------------------------------------------------------------------
@@ -414,6 +415,8 @@ def visited_key_blocks(
     keeps under the band (``band_lo <= j - i <= band_hi``, ``None`` open), all ``S`` keys
     with documents (their extent is on the device, not known here)."""
     lo, hi = 0, seq_k
+    if band_lo is not None and band_hi is not None and band_lo > band_hi:
+        return 0  # an empty band
     if not has_docs:
         if band_lo is not None:
             lo = max(lo, band_lo)  # the first row, i = 0, reaches furthest back
@@ -431,12 +434,13 @@ def num_splits(*, batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sm
     multiprocessors busy; otherwise FlashAttention 2's rule: the fewest splits whose waves of
     programs fill the GPU nearly as well as the best count does, counting only split counts
     that change the blocks per split, never more splits than ``key_blocks`` nor
-    :data:`MAX_SPLITS`.
+    :data:`MAX_SPLITS`, nor more than two waves' worth (beyond that a split adds merge work
+    and fills the GPU no better).
     """
     programs = batch * kv_heads * row_tiles
     if programs == 0 or key_blocks <= 1 or programs >= FULL_ENOUGH * sms:
         return 1
-    limit = min(MAX_SPLITS, key_blocks, sms)
+    limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
 
     def changes_share(splits: int) -> bool:
         # a split count that leaves the largest share as it was only adds merge work
