@@ -371,13 +371,14 @@ class DecodeConfig:
     num_stages: int
 
 
-# Guesses to be tuned on a GPU; keyed by the head dim padded to a power of two.
+# Guesses to be tuned on a GPU (the warps at head dim 256 follow the training kernel's forward);
+# keyed by the head dim padded to a power of two.
 _GPU_CONFIGS = {
     16: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
     32: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
     64: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
     128: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
-    256: DecodeConfig(block_n=32, max_rows=64, num_warps=4, num_stages=2),
+    256: DecodeConfig(block_n=32, max_rows=64, num_warps=8, num_stages=2),
 }
 # The interpreter runs each program in numpy: small tiles keep CPU tests fast and still span
 # several key blocks and row tiles.
