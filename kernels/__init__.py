@@ -9,16 +9,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["attention_backward", "attention_forward", "block_sparse_attention"]
+__all__ = ["attention_backward", "attention_forward", "block_sparse_attention", "decode_forward"]
 
 _MODULE_OF = {
     "attention_backward": ".backward",
     "attention_forward": ".forward",
     "block_sparse_attention": ".ops",
+    "decode_forward": ".decode",
 }
 
 if TYPE_CHECKING:
     from .backward import attention_backward
+    from .decode import decode_forward
     from .forward import attention_forward
     from .ops import block_sparse_attention
 

@@ -45,10 +45,10 @@ from attnbias.backends import BACKENDS, Backend
 from attnbias.planner import PRIORITY, plan
 from attnbias.spec import Spec, make_spec
 
-NAMES = ("fa4", "triton", "sdpa", "sdpa+mask", "reference")
+NAMES = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 # The backends a priority list leaves out are tried after it, in this order; FlashAttention 4
 # is tried only where a list names it.
-FALLBACK = ("triton", "sdpa", "sdpa+mask", "reference")
+FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 
 
 # ------------------------------------------------------------------------------------------
@@ -220,17 +220,62 @@ def test_walk_follows_the_priority_list_then_the_fallback(
 @pytest.mark.parametrize(
     ("gen", "kind", "needs_grad", "order"),
     [
-        ("hopper", "band", False, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "causal", True, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
-        ("hopper", "none", False, ("fa4", "sdpa", "triton", "sdpa+mask", "reference")),
-        ("hopper", "softcap", False, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "alibi", False, ("triton", "fa4", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "alibi", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("hopper", "documents", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("blackwell", "band", True, ("fa4", "triton", "sdpa", "sdpa+mask", "reference")),
-        ("cuda", "band", False, ("triton", "sdpa", "sdpa+mask", "reference")),
-        ("cpu", "causal", False, ("sdpa", "triton", "sdpa+mask", "reference")),
-        ("cpu", "materialized", False, ("triton", "sdpa", "sdpa+mask", "reference")),
+        (
+            "hopper",
+            "band",
+            False,
+            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "causal",
+            True,
+            ("fa4", "sdpa", "triton-decode", "triton", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "none",
+            False,
+            ("fa4", "sdpa", "triton-decode", "triton", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "softcap",
+            False,
+            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "alibi",
+            False,
+            ("triton-decode", "triton", "fa4", "sdpa", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "alibi",
+            True,
+            ("fa4", "triton", "triton-decode", "sdpa", "sdpa+mask", "reference"),
+        ),
+        (
+            "hopper",
+            "documents",
+            True,
+            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+        ),
+        (
+            "blackwell",
+            "band",
+            True,
+            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+        ),
+        ("cuda", "band", False, ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")),
+        ("cpu", "causal", False, ("sdpa", "triton-decode", "triton", "sdpa+mask", "reference")),
+        (
+            "cpu",
+            "materialized",
+            False,
+            ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+        ),
     ],
 )
 def test_orders(
@@ -248,7 +293,7 @@ def test_orders(
     assert fakes.log == [order[0]]
 
 
-HOPPER_BAND = ("fa4", "triton", "sdpa", "sdpa+mask", "reference")
+HOPPER_BAND = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 
 
 @pytest.mark.parametrize("refusing", range(len(HOPPER_BAND)))
@@ -310,8 +355,8 @@ def test_exclude_removes_backends(fakes: Fakes, monkeypatch: pytest.MonkeyPatch)
     spec = spec_of(SlidingWindowBias(3))
     with use_backends(exclude=["fa4"]):
         chosen = plan(spec)
-    assert chosen.backend is fakes.backends["triton"]
-    assert chosen.order == ("triton", "sdpa", "sdpa+mask", "reference")
+    assert chosen.backend is fakes.backends["triton-decode"]
+    assert chosen.order == ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
     assert chosen.excluded == {"fa4"}
     assert chosen.heading == "hopper, band, inference; excluded fa4"
     assert "fa4" not in fakes.log
@@ -331,10 +376,10 @@ def test_nesting(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
     with use_backends(exclude=["fa4"]):
         with use_backends(exclude=["triton"]):  # exclusions add up
             chosen = plan(spec)
-            assert chosen.order == ("sdpa", "sdpa+mask", "reference")
+            assert chosen.order == ("triton-decode", "sdpa", "sdpa+mask", "reference")
             assert chosen.excluded == {"fa4", "triton"}
             assert chosen.heading.endswith("; excluded fa4, triton")
-        assert plan(spec).order == ("triton", "sdpa", "sdpa+mask", "reference")
+        assert plan(spec).order == ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
     assert plan(spec).order == HOPPER_BAND
 
 
@@ -347,7 +392,7 @@ def test_regions_are_restored_after_an_exception(
         with pytest.raises(RuntimeError, match="inside"), use_backends("reference"):
             assert plan(spec).order == ("reference",)
             raise RuntimeError("inside")
-        assert plan(spec).order == ("fa4", "triton", "sdpa+mask", "reference")
+        assert plan(spec).order == ("fa4", "triton-decode", "triton", "sdpa+mask", "reference")
     assert plan(spec).order == HOPPER_BAND
 
 
@@ -364,7 +409,7 @@ def test_regions_are_per_thread(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_bad_names(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
-    known = r"the backends are fa4, triton, sdpa, sdpa\+mask, reference"
+    known = r"the backends are fa4, triton-decode, triton, sdpa, sdpa\+mask, reference"
     pinned = rf"unknown backend 'flash' in the pinned names; {known}"
     with pytest.raises(ValueError, match=pinned), use_backends("flash"):
         pass
@@ -383,14 +428,17 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
 ) -> None:
     set_generation(monkeypatch, "hopper")
     fakes.refuse("fa4", "no A", "no B")
+    fakes.refuse("triton-decode", "no D")
     fakes.refuse("reference", "no C")
     q, k, v = qkv()
     with use_backends(exclude=["sdpa+mask"]):
         text = attnbias.explain(q, k, v, attn_mask=SlidingWindowBias(3))
     assert text.splitlines() == [
         "triton-route: band -3 <= j - i <= 0 runs in the fake triton",
-        "  order (hopper, band, inference; excluded sdpa+mask): fa4 > triton > sdpa > reference",
+        "  order (hopper, band, inference; excluded sdpa+mask): "
+        "fa4 > triton-decode > triton > sdpa > reference",
         "  fa4: no A; no B",
+        "  triton-decode: no D",
         "  sdpa: could run it, after triton in the order",
         "  sdpa+mask: could run it, but use_backends excludes it",
         "  reference: no C",
@@ -401,6 +449,7 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
         "sdpa-route: band -3 <= j - i <= 0 runs in the fake sdpa",
         "  order (pinned by use_backends): sdpa",
         "  fa4: no A; no B",
+        "  triton-decode: no D",
         "  triton: could run it, but use_backends leaves it out",
         "  sdpa+mask: could run it, but use_backends leaves it out",
         "  reference: no C",
@@ -415,7 +464,9 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
 class Case:
     bias: Callable[[], AttnBias | None]
     kind: str
-    # the backend chosen (inference, training) with FlashAttention 4 installed, then without
+    # the backend chosen (inference, training) with FlashAttention 4 installed, then without;
+    # every call here has L <= 16, so the decode kernel takes what the Triton kernels take
+    # without gradients
     with_fa4: tuple[str, str]
     without_fa4: tuple[str, str]
     shape: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -448,65 +499,69 @@ CASES = {
         causal_lower_right,
         "band",
         ("fa4", "fa4"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
         {"length_q": 8, "length_kv": 16},
     ),
-    "window": Case(KIND_BIASES["band"], "band", ("fa4", "fa4"), ("triton", "triton")),
+    "window": Case(KIND_BIASES["band"], "band", ("fa4", "fa4"), ("triton-decode", "triton")),
     "window_lower_right_l_gt_s": Case(
         lambda: SlidingWindowBias(3) + causal_lower_right(),
         "band",
         ("fa4", "fa4"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
         {"length_q": 16, "length_kv": 8},
     ),
     "window_gqa_fp16": Case(
         lambda: SlidingWindowBias(4, 2),
         "band",
         ("fa4", "fa4"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
         {"heads_q": 4, "heads_kv": 1, "dtype": torch.float16},
     ),
     "empty_band": Case(  # band 4 <= j - i <= 0
         lambda: causal_upper_left() + SlidingWindowBias(0, None),
         "band",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
         {"length_q": 4, "length_kv": 8},
     ),
-    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("fa4", "fa4"), ("triton", "triton")),
+    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("fa4", "fa4"), ("triton-decode", "triton")),
     "gemma2": Case(
         lambda: causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(30.0),
         "softcap",
         ("fa4", "fa4"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
     ),
-    "documents": Case(KIND_BIASES["documents"], "documents", ("fa4", "fa4"), ("triton", "triton")),
+    "documents": Case(
+        KIND_BIASES["documents"], "documents", ("fa4", "fa4"), ("triton-decode", "triton")
+    ),
     "documents_causal": Case(
         lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right(),
         "documents",
         ("fa4", "fa4"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
     ),
     # queries that end before their document's keys do, by a different amount per document
     "documents_uneven_causal": Case(
         lambda: DocumentBias.from_seqlens([6, 10], [10, 6]) + causal_lower_right(),
         "documents",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
     ),
-    "alibi": Case(KIND_BIASES["alibi"], "alibi", ("triton", "fa4"), ("triton", "triton")),
+    "alibi": Case(
+        KIND_BIASES["alibi"], "alibi", ("triton-decode", "fa4"), ("triton-decode", "triton")
+    ),
     "alibi_gqa": Case(
         KIND_BIASES["alibi"],
         "alibi",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
         {"heads_q": 2, "heads_kv": 1},
     ),
     "alibi_softcap": Case(
         lambda: AlibiBias(num_heads=2) + SoftcapBias(5.0),
         "alibi",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
     ),
     "materialized": Case(
         KIND_BIASES["materialized"],
@@ -523,19 +578,22 @@ CASES = {
     # a key range adds no kind: it goes where the other features go, and only the Triton
     # kernel among the fused backends takes it
     "key_range": Case(
-        lambda: KeyRangeBias(end=[9]), "none", ("triton", "triton"), ("triton", "triton")
+        lambda: KeyRangeBias(end=[9]),
+        "none",
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
     ),
     "key_range_causal": Case(
         lambda: KeyRangeBias(start=[2], end=[15]) + causal_upper_left(),
         "causal",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
     ),
     "key_range_window_softcap": Case(
         lambda: KeyRangeBias(start=[5]) + SlidingWindowBias(4) + SoftcapBias(20.0),
         "softcap",
-        ("triton", "triton"),
-        ("triton", "triton"),
+        ("triton-decode", "triton"),
+        ("triton-decode", "triton"),
     ),
     "key_range_dropout": Case(
         lambda: KeyRangeBias(end=[9]) + causal_lower_right(),

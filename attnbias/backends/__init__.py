@@ -1,6 +1,7 @@
 """The backends a lowered call can run on, each one module stating what it supports."""
 
 from attnbias.backends.base import Backend
+from attnbias.backends.decode import TritonDecode
 from attnbias.backends.fa4 import FlashAttention4
 from attnbias.backends.reference import Reference
 from attnbias.backends.registry import BACKENDS
@@ -14,6 +15,7 @@ __all__ = [
     "MaterializedSDPA",
     "Reference",
     "StockSDPA",
+    "TritonDecode",
     "TritonKernel",
     "stock_sdpa",
 ]

@@ -4,6 +4,7 @@ Which of them a call tries, and in what order, is the planner's (``attnbias.plan
 """
 
 from attnbias.backends.base import Backend
+from attnbias.backends.decode import TritonDecode
 from attnbias.backends.fa4 import FlashAttention4
 from attnbias.backends.reference import Reference
 from attnbias.backends.stock import MaterializedSDPA, StockSDPA
@@ -15,6 +16,7 @@ BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         FlashAttention4(),
+        TritonDecode(),
         TritonKernel(),
         StockSDPA(),
         MaterializedSDPA(),

@@ -12,12 +12,42 @@ from attnbias.kernels.limits import DTYPES, MAX_ALIBI_LENGTH, MAX_HEAD_DIM
 from attnbias.kernels.limits import interpreting as _interpreting  # tests replace it
 from attnbias.spec import Spec
 
-__all__ = ["TritonKernel"]
+__all__ = ["TritonKernel", "kernel_reasons"]
 
 
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def kernel_reasons(spec: Spec, kernel: str) -> list[str]:
+    """What every Triton kernel of the library refuses (``kernel`` names it in the reasons):
+    devices, dropout, parts with no kernel form, head dims, ALiBi distances, Triton missing."""
+    reasons = []
+    device = spec.device.type
+    if device != "cuda" and not (device == "cpu" and _interpreting()):
+        reasons.append(f"{kernel} needs CUDA tensors and these are on {device}")
+    if spec.dropout_p > 0.0:
+        reasons.append(f"dropout_p={spec.dropout_p} is not fused in {kernel}")
+    if spec.lowered.others:
+        names = ", ".join(type(p).__name__ for p in spec.lowered.others)
+        reasons.append(f"{names} has no kernel form")
+    if spec.head_dim_v != spec.head_dim:
+        reasons.append(
+            f"the value head dim ({spec.head_dim_v}) differs from the query head dim "
+            f"({spec.head_dim})"
+        )
+    if spec.head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head dim {spec.head_dim} is above the kernel's {MAX_HEAD_DIM}")
+    _, _, length_q, length_kv = spec.shape
+    if spec.lowered.slopes is not None and max(length_q, length_kv) > MAX_ALIBI_LENGTH:
+        reasons.append(
+            f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
+            f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
+        )
+    if not spec.compiling and not _triton_installed():
+        reasons.append("Triton is not installed")
+    return reasons
 
 
 class TritonKernel(Backend):
@@ -36,36 +66,13 @@ class TritonKernel(Backend):
     dtypes = DTYPES
 
     def reasons(self, spec: Spec) -> list[str]:
-        reasons = []
-        device = spec.device.type
-        if device != "cuda" and not (device == "cpu" and _interpreting()):
-            reasons.append(f"the Triton kernel needs CUDA tensors and these are on {device}")
-        if spec.dropout_p > 0.0:
-            reasons.append(f"dropout_p={spec.dropout_p} is not fused in the Triton kernel")
-        if spec.lowered.others:
-            names = ", ".join(type(p).__name__ for p in spec.lowered.others)
-            reasons.append(f"{names} has no kernel form")
-        if spec.head_dim_v != spec.head_dim:
-            reasons.append(
-                f"the value head dim ({spec.head_dim_v}) differs from the query head dim "
-                f"({spec.head_dim})"
-            )
-        if spec.head_dim > MAX_HEAD_DIM:
-            reasons.append(f"head dim {spec.head_dim} is above the kernel's {MAX_HEAD_DIM}")
-        _, _, length_q, length_kv = spec.shape
-        if spec.lowered.slopes is not None and max(length_q, length_kv) > MAX_ALIBI_LENGTH:
-            reasons.append(
-                f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
-                f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
-            )
+        reasons = kernel_reasons(spec, "the Triton kernel")
         slopes = spec.lowered.slopes
         if spec.compiling and spec.needs_grad and slopes is not None and slopes.requires_grad:
             reasons.append(
                 "ALiBi slopes that require grad while torch.compile traces (the kernel computes "
                 "their gradient in eager mode only)"
             )
-        if not spec.compiling and not _triton_installed():
-            reasons.append("Triton is not installed")
         return reasons
 
     def how(self, spec: Spec) -> str:

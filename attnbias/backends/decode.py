@@ -1,0 +1,87 @@
+"""The library's Triton decode kernel (``attnbias.kernels.decode``): short queries against long
+key/value caches, forward only."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnbias.backends.base import Backend
+from attnbias.backends.triton import kernel_reasons
+from attnbias.kernels.limits import DTYPES, MAX_DECODE_QUERIES
+from attnbias.spec import Spec
+
+__all__ = ["TritonDecode"]
+
+
+class TritonDecode(Backend):
+    """Every band, documents, key ranges, ALiBi and soft-cap for at most
+    ``MAX_DECODE_QUERIES`` queries, without gradients.
+
+    The query heads that share a key/value head are packed with the queries into tiles of
+    rows, so each key/value block is read once per group, and the visited key blocks are split
+    across programs whose partial results are merged by log-sum-exp. Calls that need
+    gradients, and calls traced by ``torch.compile``, take the training kernel (``triton``).
+    """
+
+    name = "triton-decode"
+    dtypes = DTYPES
+
+    def reasons(self, spec: Spec) -> list[str]:
+        reasons = kernel_reasons(spec, "the decode kernel")
+        length_q = spec.shape[2]
+        if length_q > MAX_DECODE_QUERIES:
+            reasons.append(
+                f"L={length_q} queries is above the decode kernel's {MAX_DECODE_QUERIES} (it "
+                f"serves short queries against long caches; the training kernel runs)"
+            )
+        if spec.needs_grad:
+            reasons.append("gradients are required: the training kernel runs")
+        if spec.compiling:
+            reasons.append(
+                "torch.compile traces this call and the decode kernel has no registered op: "
+                "the training kernel's op runs"
+            )
+        return reasons
+
+    def how(self, spec: Spec) -> str:
+        from attnbias.kernels.decode import decode_layout
+
+        lowered = spec.lowered
+        layout = decode_layout(
+            spec.query.shape,
+            spec.key.shape,
+            spec.device,
+            band_lo=lowered.band_lo,
+            band_hi=lowered.band_hi,
+            has_docs=lowered.q_doc is not None or lowered.kv_start is not None,
+        )
+        length_q = spec.shape[2]
+        tiles = "1 tile" if layout.row_tiles == 1 else f"{layout.row_tiles} tiles"
+        splits = (
+            "one program per tile"
+            if layout.splits == 1
+            else f"its visited key blocks split {layout.splits} ways, merged by log-sum-exp"
+        )
+        return (
+            f"the Triton decode kernel: {layout.group_size} query heads x {length_q} queries "
+            f"per key/value head packed into {tiles} of {layout.block_m} rows, {splits}"
+        )
+
+    def run(self, spec: Spec) -> Tensor:
+        from attnbias.kernels.decode import decode_forward
+
+        lowered = spec.lowered
+        return decode_forward(
+            spec.query,
+            spec.key,
+            spec.value,
+            scale=spec.resolved_scale,
+            band_lo=lowered.band_lo,
+            band_hi=lowered.band_hi,
+            q_doc=lowered.q_doc,
+            kv_doc=lowered.kv_doc,
+            alibi_slopes=lowered.slopes,
+            softcap=lowered.softcap,
+            kv_start=lowered.kv_start,
+            kv_end=lowered.kv_end,
+        )

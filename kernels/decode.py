@@ -1,0 +1,627 @@
+"""Attention forward for short queries against long key/value caches (decoding, speculative
+decoding, short chunks of new tokens): the same mask model and score modifiers as
+``kernels/forward.py``, laid out for ``L`` of at most :data:`MAX_DECODE_QUERIES`.
+
+Why the training kernel is slow here: it launches one program per (query block, query head,
+batch entry), so a query of a few rows fills a few of the tile's rows, every query head of a
+grouped-query group reads its key/value head again (``Hq / Hkv`` times the traffic), and
+``B * Hq`` programs, each streaming the whole cache, leave most of a large GPU idle.
+
+Packing. The ``G = Hq // Hkv`` query heads that share a key/value head and the ``L`` query rows
+form one column of ``G * L`` rows, ordered query-major (row ``r`` is query ``r // G`` of head
+``kv_head * G + r % G``), cut into tiles of ``BLOCK_M`` rows (at least 16, the tensor cores'
+minimum). Each key/value block is then read once per group and tile instead of once per query
+head, and consecutive queries share a tile, so a tile's key range is that of a few consecutive
+rows: ``[row_lo[first], row_hi[last])``, the bound arithmetic of the training kernel. Each row
+keeps its own ALiBi slope (heads differ within a tile).
+
+Splitting. The key blocks a tile visits (its band and documents decide them, so a window of
+``W`` keys visits about ``W / BLOCK_N`` blocks whatever ``S`` is) are cut into ``num_splits``
+even shares, one program each; :func:`num_splits` picks the count on the host from the shapes
+and the band alone (never from tensor contents, so the launch is CUDA-graph safe). With one
+split the program normalises and stores the output. With more, each program stores its
+normalised partial output ``o_s`` and its base-2 log-sum-exp ``lse_s`` in float32, and a second
+kernel merges them per row::
+
+    M = max_s lse_s,    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)
+
+A share with no kept key (empty, or all masked) has ``o_s = 0`` and ``lse_s = -inf``, so it
+weighs nothing; a row whose shares are all empty gets 0.
+
+Everything inside a tile (the inner loop over key blocks, masking by selection, any finite
+scale, non-finite values in partial tiles) is the training kernel's ``_attn_fwd_inner``.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``G = Hq // Hkv``),
+``L`` queries (1 to :data:`MAX_DECODE_QUERIES`), ``S`` keys, ``E`` head dim (16 to 256).
+"""
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import FP32_TINY, _key_range, _row_bounds, _split_blocks
+from .configs import padded_head_dim, tanh_mode
+from .forward import _attn_fwd_inner
+from .launch import launcher
+from .limits import MAX_DECODE_QUERIES, interpreting
+from .masks import doc_stride, mask_args
+
+__all__ = [
+    "MAX_DECODE_QUERIES",
+    "DecodeConfig",
+    "DecodeLayout",
+    "decode_config",
+    "decode_forward",
+    "decode_layout",
+    "num_splits",
+    "visited_key_blocks",
+]
+
+LOG2_TO_LN = 0.6931471805599453  # ln(2): base-2 log-sum-exps times this are natural logs
+MIN_ROWS = 16  # the smallest row count of a tensor-core product
+MAX_SPLITS = 128  # beyond this the merge costs more than the parallelism gains
+# FlashAttention 2's rule: take the fewest splits whose waves of programs fill the GPU to
+# within this fraction of the best split count's.
+SPLIT_EFFICIENCY = 0.85
+# Below this fraction of the SMs busy, splitting the keys pays.
+FULL_ENOUGH = 0.8
+# The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic, splitting
+# the keys of one or two programs, and fast (each program costs the interpreter time).
+INTERPRETER_SM_COUNT = 4
+
+
+# --------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_key_range(
+    first_q,
+    last_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    kv_lo,
+    kv_hi,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks seen by query rows ``[first_q, last_q]`` within the valid keys
+    ``[kv_lo, kv_hi)`` (see ``_split_blocks``)."""
+    lo = kv_lo
+    hi = kv_hi
+    full_lo = lo
+    full_hi = hi
+    if HAS_LO:
+        lo = tl.maximum(lo, first_q + band_lo)
+        full_lo = tl.maximum(full_lo, last_q + band_lo)
+    if HAS_HI:
+        hi = tl.minimum(hi, last_q + band_hi + 1)
+        full_hi = tl.minimum(full_hi, first_q + band_hi + 1)
+    if HAS_DOCS:
+        lo = tl.maximum(lo, tl.load(RowLo + doc_off + first_q))
+        full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last_q))
+        hi = tl.minimum(hi, tl.load(RowHi + doc_off + last_q))
+        full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first_q))
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _decode_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    PartOut,
+    PartLse,
+    RowLo,
+    RowHi,
+    KvStart,
+    KvEnd,
+    Slopes,
+    stride_qb, stride_qh, stride_qm, stride_qk,
+    stride_kb, stride_kh, stride_kn, stride_kk,
+    stride_vb, stride_vh, stride_vn, stride_vk,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    stride_ps, stride_pb, stride_ph, stride_pm, stride_pk,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_db,
+    stride_sb, stride_sh,
+    group_size,
+    row_tiles,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    qk_scale,
+    softcap_in,
+    softcap_out,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_SIGN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
+
+    With ``SPLIT`` it stores the share's normalised output and base-2 log-sum-exp in
+    ``PartOut`` ``(splits, B, Hq, L, E)`` and ``PartLse`` ``(splits, B, Hq, L)``; otherwise
+    (one share) the output itself.
+    """
+    tl.static_assert(BLOCK_E >= HEAD_DIM)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
+    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_in = tl.cast(softcap_in, tl.float32)
+    softcap_out = tl.cast(softcap_out, tl.float32)
+    pid_split = tl.program_id(0)
+    num_splits = tl.num_programs(0)
+    off_hk = tl.program_id(1) // row_tiles
+    tile = tl.program_id(1) % row_tiles
+    off_b = tl.program_id(2).to(tl.int64)
+
+    # Packed rows, query-major: row r is query r // G of query head off_hk * G + r % G.
+    start_r = tile * BLOCK_M
+    offs_r = start_r + tl.arange(0, BLOCK_M)
+    offs_m = offs_r // group_size  # [BLOCK_M] query positions
+    heads = (off_hk * group_size + offs_r % group_size).to(tl.int64)  # [BLOCK_M] query heads
+    in_rows = offs_r < group_size * seq_q
+    offs_e = tl.arange(0, BLOCK_E)
+    in_tile = in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+
+    q_ptrs = (
+        Q
+        + off_b * stride_qb
+        + heads[:, None] * stride_qh
+        + offs_m.to(tl.int64)[:, None] * stride_qm
+        + offs_e[None, :] * stride_qk
+    )
+    q = tl.load(q_ptrs, mask=in_tile, other=0.0)  # [BLOCK_M, BLOCK_E]
+    k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
+    v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
+
+    doc_off = off_b * stride_db
+    first_q = start_r // group_size
+    last_q = tl.minimum((start_r + BLOCK_M - 1) // group_size, seq_q - 1)
+    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    block_first, full_first, full_end, block_end = _decode_key_range(
+        first_q, last_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    # this program's even share [share_first, share_end) of the visited blocks
+    visited = block_end - block_first
+    share_first = block_first + (visited * pid_split) // num_splits
+    share_end = block_first + (visited * (pid_split + 1)) // num_splits
+    # the share's part of the partial prefix, the full middle and the partial suffix
+    prefix_end = tl.minimum(tl.maximum(full_first, share_first), share_end)
+    middle_first = tl.maximum(full_first, share_first)
+    middle_end = tl.maximum(tl.minimum(full_end, share_end), middle_first)
+    suffix_first = tl.minimum(tl.maximum(full_end, share_first), share_end)
+
+    row_lo, row_hi = _row_bounds(
+        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+    )  # fmt: skip
+    if HAS_ALIBI:
+        # heads differ between rows: one slope per row, broadcast over the keys
+        slopes = tl.load(Slopes + off_b * stride_sb + heads * stride_sh, mask=in_rows, other=0.0)
+        sign = 1.4426950408889634 if ALIBI_SIGN < 0 else -1.4426950408889634
+        alibi_coef = (slopes * sign)[:, None]  # [BLOCK_M, 1]
+    else:
+        alibi_coef = 0.0
+    shift = seq_k - seq_q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, share_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI,
+        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, middle_first, middle_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI,
+        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, suffix_first, share_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI,
+        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    rows = offs_m.to(tl.int64)[:, None]
+    if SPLIT:
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+        split_off = pid_split.to(tl.int64)
+        lse_ptrs = (
+            PartLse
+            + split_off * stride_ls
+            + off_b * stride_lb
+            + heads * stride_lh
+            + offs_m.to(tl.int64) * stride_lm
+        )
+        tl.store(lse_ptrs, lse2, mask=in_rows)  # [BLOCK_M]
+        part_ptrs = (
+            PartOut
+            + split_off * stride_ps
+            + off_b * stride_pb
+            + heads[:, None] * stride_ph
+            + rows * stride_pm
+            + offs_e[None, :] * stride_pk
+        )
+        tl.store(part_ptrs, acc, mask=in_tile)  # [BLOCK_M, BLOCK_E]
+    else:
+        o_ptrs = (
+            Out
+            + off_b * stride_ob
+            + heads[:, None] * stride_oh
+            + rows * stride_om
+            + offs_e[None, :] * stride_ok
+        )
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=in_tile)  # [BLOCK_M, BLOCK_E]
+
+
+@triton.jit
+def _decode_merge(
+    PartOut,
+    PartLse,
+    Out,
+    stride_ps, stride_pb, stride_ph, stride_pm, stride_pk,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    num_splits,
+    seq_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):  # fmt: skip
+    """The output of ``BLOCK_L`` query rows of one query head from the shares' partial
+    outputs, weighted by their log-sum-exps (grid: row blocks, Hq, B)."""
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_e = tl.arange(0, BLOCK_E)
+    in_rows = offs_m < seq_q
+    in_tile = in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    rows = offs_m.to(tl.int64)
+    lse_ptrs = PartLse + off_b * stride_lb + off_h * stride_lh + rows * stride_lm
+    part_ptrs = (
+        PartOut
+        + off_b * stride_pb
+        + off_h * stride_ph
+        + rows[:, None] * stride_pm
+        + offs_e[None, :] * stride_pk
+    )
+
+    # two passes over the shares: their largest log-sum-exp, then the weighted sum
+    lse_max = tl.full([BLOCK_L], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_ptrs + s * stride_ls, mask=in_rows, other=float("-inf"))  # [BLOCK_L]
+        lse_max = tl.maximum(lse_max, lse)
+    # rows with no kept key in any share: subtract 0 so every weight is exp2(-inf) = 0
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.zeros([BLOCK_L], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_L, BLOCK_E], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_ptrs + s * stride_ls, mask=in_rows, other=float("-inf"))  # [BLOCK_L]
+        part = tl.load(part_ptrs + s * stride_ps, mask=in_tile, other=0.0)  # [BLOCK_L, BLOCK_E]
+        weight = tl.math.exp2(lse - lse_max)
+        # a share that kept nothing adds exactly nothing; a NaN log-sum-exp (a kept NaN
+        # score) propagates
+        acc += tl.where((lse == float("-inf"))[:, None], 0.0, weight[:, None] * part)
+        weights += weight
+    out = acc / tl.where(weights == 0.0, 1.0, weights)[:, None]
+    o_ptrs = (
+        Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om
+        + offs_e[None, :] * stride_ok
+    )  # fmt: skip
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=in_tile)  # [BLOCK_L, BLOCK_E]
+
+
+# --------------------------------------------------------------------------------------
+# Host side: configuration, layout and the number of splits
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel: ``block_n`` keys per block, at most
+    ``max_rows`` packed rows per tile, and the kernel's warps and pipeline stages."""
+
+    block_n: int
+    max_rows: int
+    num_warps: int
+    num_stages: int
+
+
+# Guesses to be tuned on a GPU (the warps at head dim 256 follow the training kernel's forward);
+# keyed by the head dim padded to a power of two.
+_GPU_CONFIGS = {
+    16: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
+    32: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
+    64: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
+    128: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
+    256: DecodeConfig(block_n=32, max_rows=64, num_warps=8, num_stages=2),
+}
+# The interpreter runs each program in numpy: small tiles keep CPU tests fast and still span
+# several key blocks and row tiles.
+INTERPRETER_CONFIG = DecodeConfig(block_n=16, max_rows=16, num_warps=1, num_stages=1)
+
+
+def decode_config(block_e: int) -> DecodeConfig:
+    """The launch parameters for a head dim padded to ``block_e`` (the one place to tune)."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    return _GPU_CONFIGS[block_e]
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device`` (a fixed count under the interpreter)."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def visited_key_blocks(
+    seq_q: int,
+    seq_k: int,
+    band_lo: int | None,
+    band_hi: int | None,
+    has_docs: bool,
+    block_n: int,
+) -> int:
+    """How many key blocks the queries visit: those holding keys ``[lo, hi)`` that some row
+    keeps under the band (``band_lo <= j - i <= band_hi``, ``None`` open), all ``S`` keys
+    with documents (their extent is on the device, not known here)."""
+    lo, hi = 0, seq_k
+    if band_lo is not None and band_hi is not None and band_lo > band_hi:
+        return 0  # an empty band
+    if not has_docs:
+        if band_lo is not None:
+            lo = max(lo, band_lo)  # the first row, i = 0, reaches furthest back
+        if band_hi is not None:
+            hi = min(hi, seq_q - 1 + band_hi + 1)  # the last row reaches furthest ahead
+    if hi <= lo or seq_q == 0:
+        return 0
+    return (hi - 1) // block_n - lo // block_n + 1
+
+
+def num_splits(*, batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int) -> int:
+    """How many programs share the key blocks of one (batch entry, key/value head, row tile).
+
+    One while ``batch * kv_heads * row_tiles`` programs keep most of the ``sms``
+    multiprocessors busy; otherwise FlashAttention 2's rule: the fewest splits whose waves of
+    programs fill the GPU nearly as well as the best count does, counting only split counts
+    that change the blocks per split, never more splits than ``key_blocks`` nor
+    :data:`MAX_SPLITS`, nor more than two waves' worth (beyond that a split adds merge work
+    and fills the GPU no better).
+    """
+    programs = batch * kv_heads * row_tiles
+    if programs == 0 or key_blocks <= 1 or programs >= FULL_ENOUGH * sms:
+        return 1
+    limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
+
+    def changes_share(splits: int) -> bool:
+        # a split count that leaves the largest share as it was only adds merge work
+        return splits == 1 or -(-key_blocks // splits) != -(-key_blocks // (splits - 1))
+
+    def efficiency(splits: int) -> float:
+        waves = programs * splits / sms
+        return waves / -(-waves // 1)
+
+    candidates = [s for s in range(1, limit + 1) if changes_share(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= SPLIT_EFFICIENCY * best)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """How a call runs: ``block_m`` packed rows per tile, ``row_tiles`` tiles per key/value
+    head, ``splits`` programs per tile, and the launch ``config``."""
+
+    group_size: int
+    block_m: int
+    row_tiles: int
+    splits: int
+    config: DecodeConfig
+
+
+def decode_layout(
+    q_shape: tuple[int, ...] | torch.Size,
+    k_shape: tuple[int, ...] | torch.Size,
+    device: torch.device,
+    *,
+    band_lo: int | None,
+    band_hi: int | None,
+    has_docs: bool,
+    splits: int | None = None,
+) -> DecodeLayout:
+    """The layout of a call with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``, from
+    shapes and the band only (``splits`` forces the split count)."""
+    batch, num_heads, seq_q, head_dim = q_shape
+    num_kv_heads, seq_k = k_shape[1], k_shape[2]
+    group_size = num_heads // num_kv_heads if num_kv_heads else 1
+    config = decode_config(padded_head_dim(head_dim))
+    rows = group_size * seq_q
+    block_m = min(config.max_rows, max(MIN_ROWS, triton.next_power_of_2(max(rows, 1))))
+    row_tiles = triton.cdiv(rows, block_m)
+    if splits is None:
+        splits = num_splits(
+            batch=batch,
+            kv_heads=num_kv_heads,
+            row_tiles=row_tiles,
+            key_blocks=visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, config.block_n),
+            sms=sm_count(device),
+        )
+    return DecodeLayout(group_size, block_m, row_tiles, splits, config)
+
+
+# --------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------
+
+
+def decode_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Attention forward for short queries, the arguments of ``attention_forward``.
+
+    Args:
+        q: ``(B, Hq, L, E)`` with ``L <= MAX_DECODE_QUERIES``; k, v: ``(B, Hkv, S, E)``, same
+            dtype (fp16, bf16 or fp32) and device, any strides.
+        scale: multiplies ``q @ k^T`` (any finite value).
+        band_lo, band_hi: keep ``band_lo <= j - i <= band_hi``; ``None`` leaves a side open.
+        q_doc, kv_doc: non-decreasing integer document ids ``(1 | B, L)`` and ``(1 | B, S)``
+            (both or neither); a pair is kept only within one document.
+        alibi_slopes: fp32 ``(1 | B, Hq)`` or ``(Hq,)``; adds ``-slope * |i + (S - L) - j|``.
+        softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
+        kv_start, kv_end: ``(1 | B,)`` integers, both or neither: batch row ``b`` keeps only
+            keys ``kv_start[b] <= j < kv_end[b]``, and no other key is read.
+        num_splits: programs per tile of packed rows over its keys; ``None`` picks it from
+            the shapes, the band and the GPU (:func:`num_splits`).
+
+    Returns:
+        ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous); a row that keeps no key is 0.
+
+    No host synchronisation: everything on the host depends on shapes, dtypes and the band,
+    so a call can be captured in a CUDA graph. Inputs are assumed valid.
+    """
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    mask = mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        rows=True, cols=False,
+    )  # fmt: skip
+    layout = decode_layout(
+        q.shape,
+        k.shape,
+        q.device,
+        band_lo=mask.band_lo if mask.has_lo else None,
+        band_hi=mask.band_hi if mask.has_hi else None,
+        # the extent of documents and key ranges is on the device: count every key
+        has_docs=mask.row_lo is not None or mask.kv_start is not None,
+        splits=num_splits,
+    )
+    cfg = layout.config
+    block_e = padded_head_dim(head_dim)
+    split = layout.splits > 1
+    part_out = part_lse = None
+    part_strides: tuple[int, ...] = (0,) * 5
+    lse_strides: tuple[int, ...] = (0,) * 4
+    if split:
+        shape = (layout.splits, batch, num_heads, seq_q)
+        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part_out.stride(), part_lse.stride()
+    grid = (layout.splits, num_kv_heads * layout.row_tiles, batch)
+    launcher(_decode_fwd)[grid](
+        q, k, v, out, part_out, part_lse, mask.row_lo, mask.row_hi, mask.kv_start, mask.kv_end,
+        mask.slopes,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *part_strides,
+        *lse_strides,
+        doc_stride(mask, seq_q),
+        mask.stride_sb, mask.stride_sh,
+        layout.group_size, layout.row_tiles, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=layout.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_KV_RANGE=mask.kv_start is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=tanh_mode(q),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EVEN_N=seq_k % cfg.block_n == 0,
+        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
+        SPLIT=split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        block_l = min(MIN_ROWS, triton.next_power_of_2(seq_q))
+        grid = (triton.cdiv(seq_q, block_l), num_heads, batch)
+        launcher(_decode_merge)[grid](
+            part_out, part_lse, out,
+            *part_strides,
+            *lse_strides,
+            *out.stride(),
+            layout.splits, seq_q,
+            HEAD_DIM=head_dim,
+            BLOCK_E=block_e,
+            BLOCK_L=block_l,
+            num_warps=cfg.num_warps,
+            num_stages=1,
+        )  # fmt: skip
+    return out

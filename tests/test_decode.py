@@ -1,0 +1,690 @@
+"""The decode kernel (``kernels/decode.py``) and its backend, ``triton-decode``.
+
+The kernel is called with the arguments a bias lowers to (``attnbias.spec.lower``), or with raw
+bands whose oracle bias is the keep-mask written from the definition, and held to the one error
+budget of ``tests/oracle.py``. Every ``torch.empty`` is poisoned with NaN, so an output or
+partial buffer that the kernel leaves unwritten fails. Without CUDA the kernels run under
+Triton's interpreter with 16-key blocks and tiles of at most 16 packed rows, on a fixed
+4-multiprocessor machine: the shapes are small but span several key blocks, row tiles and
+splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from oracle import _split, assert_close_to_oracle, attention, flash_rounding
+from strategies import DTYPES, finite_scales, kernel_bias
+from torch import Tensor
+
+import attnbias
+import attnbias.backends.triton as triton_backend
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    KeyRangeBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+    planner,
+    use_backends,
+)
+from attnbias.backends import BACKENDS
+from attnbias.kernels import decode
+from attnbias.kernels.decode import decode_forward, num_splits, visited_key_blocks
+from attnbias.kernels.limits import MAX_DECODE_QUERIES
+from attnbias.planner import plan
+from attnbias.spec import lower, make_spec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+BLOCK_N = decode.INTERPRETER_CONFIG.block_n
+
+
+@pytest.fixture(autouse=True)
+def poison_empty(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
+    """Every ``torch.empty`` starts as NaN, so unwritten outputs and partials fail; returns
+    the float tensors made, for tests that check which buffers a call allocated."""
+    real_empty = torch.empty
+    made: list[Tensor] = []
+
+    def poisoned(*args: Any, **kwargs: Any) -> Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+            made.append(t)
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    return made
+
+
+# --------------------------------------------------------------------------------------
+# Running the kernel against the oracle
+# --------------------------------------------------------------------------------------
+
+
+def make_qkv(
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    length_q: int,
+    length_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Drawn in float32, then rounded to ``dtype`` (the oracle reads the rounded values)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = (
+        (batch, heads_q, length_q, head_dim),
+        (batch, heads_kv, length_kv, head_dim),
+        (batch, heads_kv, length_kv, head_dim),
+    )
+    q, k, v = (torch.randn(*s, generator=generator).to(DEVICE, dtype) for s in shapes)
+    return q, k, v
+
+
+def kernel_args(bias: AttnBias, length_q: int, length_kv: int) -> dict[str, Any]:
+    """The keyword arguments ``bias`` lowers to (it must have a kernel form)."""
+    lowered = lower(bias, length_q, length_kv, torch.device(DEVICE))
+    assert not lowered.others
+    return {
+        "kv_start": lowered.kv_start,
+        "kv_end": lowered.kv_end,
+        "band_lo": lowered.band_lo,
+        "band_hi": lowered.band_hi,
+        "q_doc": lowered.q_doc,
+        "kv_doc": lowered.kv_doc,
+        "alibi_slopes": lowered.slopes,
+        "softcap": lowered.softcap,
+    }
+
+
+def band_bias(length_q: int, length_kv: int, lo: int | None, hi: int | None) -> TensorBias:
+    """The keep-mask of ``lo <= j - i <= hi`` (``None`` open), from the definition."""
+    i = torch.arange(length_q)[:, None]
+    j = torch.arange(length_kv)[None, :]
+    keep = torch.ones(length_q, length_kv, dtype=torch.bool)
+    if lo is not None:
+        keep &= j - i >= lo
+    if hi is not None:
+        keep &= j - i <= hi
+    return TensorBias(keep.to(DEVICE))
+
+
+def kept_rows(bias: AttnBias, shape: tuple[int, int, int, int]) -> Tensor:
+    """``(B, Hq, L)`` bool: the rows that keep at least one key (soft-cap masks nothing)."""
+    _, rest = _split(bias)
+    if rest is None:
+        return torch.ones(shape[:3], dtype=torch.bool, device=DEVICE)
+    mask = rest.materialize(DEVICE, shape=shape, dtype=torch.float64)
+    return torch.isfinite(mask).expand(shape).any(-1)
+
+
+def check(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    oracle_bias: AttnBias,
+    args: dict[str, Any],
+    *,
+    splits: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Run the kernel and hold its output to the oracle's budget; rows that keep nothing
+    must be exactly 0."""
+    resolved = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = decode_forward(q, k, v, scale=resolved, **args, num_splits=splits)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.is_contiguous()
+    gqa = q.shape[1] != k.shape[1]
+    expected = attention(q, k, v, oracle_bias, scale=scale, enable_gqa=gqa)
+    low = attention(q, k, v, oracle_bias, scale=scale, enable_gqa=gqa, dtype=q.dtype)
+    rounding = flash_rounding(q, k, v, oracle_bias, torch.zeros_like(q), scale=scale)[:1]
+    assert_close_to_oracle([out], [expected], [low], q.dtype, ("out",), rounding)
+    empty = ~kept_rows(oracle_bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    assert (out[empty] == 0).all(), "a row that keeps no key must be 0"
+    return out
+
+
+def check_bias(
+    bias: AttnBias,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    length_q: int,
+    length_kv: int,
+    head_dim: int = 16,
+    dtype: torch.dtype = BF16,
+    *,
+    splits: int | None = None,
+    seed: int = 0,
+) -> Tensor:
+    q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, head_dim, dtype, seed)
+    return check(q, k, v, bias, kernel_args(bias, length_q, length_kv), splits=splits)
+
+
+# --------------------------------------------------------------------------------------
+# Every bias kind and sums
+# --------------------------------------------------------------------------------------
+
+# Raw bands (lo, hi) of j - i as functions of (L, S): open sides, windows, bands ahead of or
+# behind the diagonal j - i = S - L (negative sides in FlashAttention's terms), empty bands.
+BANDS = {
+    "none": lambda L, S: (None, None),
+    "causal_upper_left": lambda L, S: (None, 0),
+    "causal_lower_right": lambda L, S: (None, S - L),
+    "window": lambda L, S: (S - L - 20, S - L),
+    "window_both_sides": lambda L, S: (S - L - 5, S - L + 9),
+    "left_only": lambda L, S: (S - L - 30, None),
+    "ahead_of_the_diagonal": lambda L, S: (S - L + 3, S - L + 40),
+    "behind_the_diagonal": lambda L, S: (S - L - 37, S - L - 4),
+    "narrow_off_diagonal": lambda L, S: (2, 3),
+    "empty_band": lambda L, S: (5, 2),
+}
+
+
+@pytest.mark.parametrize(
+    ("band", "length_q"),
+    [(band, (1, 2, 3, 7, 16)[n % 5]) for n, band in enumerate(BANDS)],
+)
+def test_bands(band: str, length_q: int) -> None:
+    length_kv = 93  # not a multiple of the key block
+    lo, hi = BANDS[band](length_q, length_kv)
+    q, k, v = make_qkv(1, 4, 2, length_q, length_kv, 16, BF16)
+    args = dict(band_lo=lo, band_hi=hi, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None)
+    check(q, k, v, band_bias(length_q, length_kv, lo, hi), args)
+
+
+# A bias per kind and sums of them, each on its own shape: (bias, B, Hq, Hkv, L, S).
+BIASES: dict[str, Any] = {
+    "causal_lower_right": lambda: (causal_lower_right(), 1, 8, 2, 3, 100),
+    "causal_upper_left_l_lt_s": lambda: (causal_upper_left(), 1, 2, 1, 7, 40),
+    "window_lower_right": lambda: (SlidingWindowBias(24) + causal_lower_right(), 2, 4, 1, 2, 90),
+    # upper-left causal with a window and L < S: the band's right side is negative
+    "window_upper_left": lambda: (SlidingWindowBias(30) + causal_upper_left(), 1, 3, 1, 5, 70),
+    "bidirectional_window": lambda: (SlidingWindowBias(11, 6), 1, 2, 2, 16, 60),
+    "alibi_paper_gqa": lambda: (AlibiBias(num_heads=8) + causal_lower_right(), 1, 8, 2, 2, 70),
+    "alibi_window_both_sides": lambda: (
+        AlibiBias(slopes=torch.linspace(0.05, 0.8, 6)) + SlidingWindowBias(20, 7), 1, 6, 2, 3, 64,
+    ),
+    "softcap": lambda: (SoftcapBias(2.0), 1, 4, 4, 3, 50),
+    "gemma2": lambda: (
+        causal_lower_right() + SlidingWindowBias(40) + SoftcapBias(30.0), 2, 4, 2, 4, 100,
+    ),
+    "alibi_softcap": lambda: (AlibiBias(num_heads=3) + SoftcapBias(5.0), 1, 3, 1, 7, 45),
+    "documents_shared": lambda: (
+        DocumentBias.from_seqlens([1, 2], [40, 35]) + causal_lower_right(), 2, 4, 2, 3, 75,
+    ),
+    # left padding of a batch, and caches filled to different lengths
+    "key_range_left_padding": lambda: (
+        KeyRangeBias(start=[0, 37], end=[100, 100]) + causal_lower_right(), 2, 4, 2, 3, 100,
+    ),
+    "key_range_cache_window": lambda: (
+        KeyRangeBias(end=[61, 17]) + SlidingWindowBias(30, 5) + SoftcapBias(9.0), 2, 6, 2, 2, 90,
+    ),
+    "key_range_empty_row": lambda: (
+        KeyRangeBias(start=[5, 40], end=[5, 71]) + AlibiBias(num_heads=4), 2, 4, 4, 3, 80,
+    ),
+    "everything": lambda: (
+        DocumentBias.from_seqlens([2, 3], [30, 50])
+        + SlidingWindowBias(33, 2)
+        + AlibiBias(slopes=torch.rand(2, 4, generator=torch.Generator().manual_seed(1)))
+        + SoftcapBias(4.0),
+        2, 4, 2, 5, 80,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BIASES))
+def test_biases(name: str) -> None:
+    bias, *shape = BIASES[name]()
+    check_bias(bias, *shape)
+
+
+@pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
+def test_dtypes(dtype: torch.dtype) -> None:
+    bias = causal_lower_right() + SlidingWindowBias(50) + SoftcapBias(20.0)
+    check_bias(bias + AlibiBias(num_heads=4), 1, 4, 2, 4, 77, 32, dtype)
+
+
+@pytest.mark.parametrize(
+    ("length_q", "group"),
+    # every L and every group size; G * L past one 16-row tile (several row tiles) included
+    [(1, 8), (2, 3), (3, 4), (7, 2), (16, 1), (7, 3), (3, 8), (16, 4), (1, 1)],
+)
+def test_queries_and_groups(length_q: int, group: int) -> None:
+    # ALiBi slopes differ per packed head; the band differs per packed query
+    bias = AlibiBias(num_heads=group * 2) + causal_lower_right() + SlidingWindowBias(45)
+    check_bias(bias, 1, group * 2, 2, length_q, 61)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_documents(per_batch: bool, causal: bool) -> None:
+    # query document 1 has no keys (rows that keep nothing); key document 2 has no queries
+    q_ids = torch.tensor([[0, 0, 1, 3, 3], [0, 3, 3, 3, 3]])
+    kv_lengths = [[20, 0, 15, 50], [7, 0, 30, 48]]
+    kv_ids = torch.stack(
+        [torch.repeat_interleave(torch.arange(4), torch.tensor(n)) for n in kv_lengths]
+    )
+    if not per_batch:
+        q_ids, kv_ids = q_ids[:1], kv_ids[:1]
+    bias: AttnBias = DocumentBias(q_ids.to(DEVICE), kv_ids.to(DEVICE))
+    if causal:
+        bias = bias + causal_lower_right()
+    out = check_bias(bias, 2, 6, 2, 5, 85)
+    assert (out[0, :, 2] == 0).all()  # the query of document 1, which has no keys
+
+
+@pytest.mark.parametrize(
+    ("rows", "band"),
+    # the bands keep distances i + S - L - j of one sign (either), or of both
+    [(None, "causal_lower_right"), (1, "ahead_of_the_diagonal"), (2, "none"), (2, "window")],
+)
+def test_alibi_slope_shapes(rows: int | None, band: str) -> None:
+    lo, hi = BANDS[band](4, 70)
+    generator = torch.Generator().manual_seed(2)
+    slopes = torch.rand((6,) if rows is None else (rows, 6), generator=generator)
+    alibi = AlibiBias(slopes=slopes.to(DEVICE))
+    q, k, v = make_qkv(2, 6, 2, 4, 70, 16, FP32)
+    args = kernel_args(alibi, 4, 70) | {"band_lo": lo, "band_hi": hi}
+    check(q, k, v, alibi + band_bias(4, 70, lo, hi), args)
+
+
+@pytest.mark.parametrize("head_dim", [24, 80, 96, 256])
+def test_head_dims(head_dim: int) -> None:
+    check_bias(causal_lower_right() + SoftcapBias(10.0), 1, 4, 2, 3, 50, head_dim, FP16)
+
+
+def test_fully_masked_rows_are_zero() -> None:
+    # row i keeps keys i - 6 .. i - 4: rows 0..3 keep nothing, rows 4..6 one to three keys
+    lo, hi = -6, -4
+    q, k, v = make_qkv(1, 4, 2, 7, 5, 16, FP32)
+    args = dict(band_lo=lo, band_hi=hi, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None)
+    for splits in (1, 3):
+        out = check(q, k, v, band_bias(7, 5, lo, hi), args, splits=splits)
+        assert (out[:, :, :4] == 0).all()
+        assert (out[:, :, 4:] != 0).all()
+
+
+# --------------------------------------------------------------------------------------
+# Splits
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gemma2", "everything", "documents_shared"])
+def test_forced_splits_agree(name: str, poison_empty: list[Tensor]) -> None:
+    """One split writes the output directly; 3 and more splits than key blocks (shares with
+    no key at all) go through the merge; every one is held to the oracle, and their results
+    agree with each other."""
+    bias, batch, heads_q, heads_kv, length_q, length_kv = BIASES[name]()
+    q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, 16, FP32)
+    args = kernel_args(bias, length_q, length_kv)
+    blocks = -(-length_kv // BLOCK_N)
+    results = {}
+    for splits in (1, 3, blocks + 3):
+        poison_empty.clear()
+        results[splits] = check(q, k, v, bias, args, splits=splits)
+        partials = [t for t in poison_empty if t.shape[:4] == (splits, *q.shape[:3])]
+        # the partial outputs and log-sum-exps come from the poisoned torch.empty
+        assert len(partials) == (2 if splits > 1 else 0)
+    for out in results.values():
+        torch.testing.assert_close(out, results[1], rtol=0, atol=1e-5)
+
+
+def test_a_split_whose_rows_keep_nothing_merges_to_zero() -> None:
+    # the queries of document 0 look at keys 58.. (window) but its keys end at 50: they keep
+    # nothing; the tile visits one key block, so most shares see no key at all
+    bias = DocumentBias.from_seqlens([2, 2], [50, 13]) + SlidingWindowBias(1, 1)
+    for splits in (1, 4, 9):
+        out = check_bias(bias, 1, 2, 1, 4, 63, dtype=FP32, splits=splits)
+        assert (out[:, :, :2] == 0).all()  # their band does not reach back into document 0
+
+
+def test_a_window_reads_only_its_keys() -> None:
+    """Keys and values outside the blocks a window visits are never read, with any number of
+    splits: NaN there changes nothing (the split range is the visited blocks, not [0, S))."""
+    length_q, length_kv, window = 3, 200, 20
+    bias = causal_lower_right() + SlidingWindowBias(window - 1)
+    q, k, v = make_qkv(1, 4, 1, length_q, length_kv, 16, FP32)
+    first_key = length_kv - length_q - (window - 1)
+    unread = first_key // BLOCK_N * BLOCK_N  # keys before the first visited block
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[:, :, :unread] = math.nan
+    dirty_v[:, :, :unread] = math.nan
+    args = kernel_args(bias, length_q, length_kv)
+    for splits in (None, 1, 3, 8):
+        clean = decode_forward(q, k, v, scale=0.25, **args, num_splits=splits)
+        dirty = decode_forward(q, dirty_k, dirty_v, scale=0.25, **args, num_splits=splits)
+        assert torch.equal(clean, dirty)
+    check(q, dirty_k.nan_to_num(), dirty_v.nan_to_num(), bias, args)
+
+
+def test_keys_outside_the_key_range_are_never_read() -> None:
+    """NaN and Inf in every key and value outside each batch row's key range change nothing,
+    bit for bit, with any number of splits (they are neither loaded nor weighted)."""
+    bias = KeyRangeBias(start=[3, 21], end=[50, 44]) + causal_lower_right()
+    length_q, length_kv = 4, 70
+    q, k, v = make_qkv(2, 4, 2, length_q, length_kv, 16, FP32)
+    outside = torch.ones(2, length_kv, dtype=torch.bool, device=DEVICE)
+    for row, (start, end) in enumerate(((3, 50), (21, 44))):
+        outside[row, start:end] = False
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[outside[:, None, :, None].expand_as(k)] = math.nan
+    dirty_v[outside[:, None, :, None].expand_as(v)] = math.inf
+    zero_k = k.masked_fill(outside[:, None, :, None], 0.0)
+    zero_v = v.masked_fill(outside[:, None, :, None], 0.0)
+    args = kernel_args(bias, length_q, length_kv)
+    for splits in (None, 1, 3, 9):
+        clean = decode_forward(q, zero_k, zero_v, scale=0.25, **args, num_splits=splits)
+        dirty = decode_forward(q, dirty_k, dirty_v, scale=0.25, **args, num_splits=splits)
+        assert torch.equal(clean, dirty)
+    check(q, zero_k, zero_v, bias, args)
+
+
+def test_visited_key_blocks() -> None:
+    block = 64
+    # a window of W keys visits about W / block blocks whatever S is
+    for length_kv in (4096, 32768):
+        lo, hi = length_kv - 4 - 255, length_kv - 4  # 256-key window, L = 4
+        assert visited_key_blocks(4, length_kv, lo, hi, False, block) in (5, 6)
+    assert visited_key_blocks(4, 32768, None, 32768 - 4, False, block) == 512
+    assert visited_key_blocks(4, 32768, None, None, False, block) == 512
+    assert visited_key_blocks(4, 32768, 100, None, False, block) == 511  # keys 100..32767
+    # documents: their extent is on the device, so every key counts
+    assert visited_key_blocks(4, 32768, 32000, 32764, True, block) == 512
+    assert visited_key_blocks(4, 100, 5, 2, False, block) == 0  # an empty band
+    assert visited_key_blocks(4, 100, None, -10, False, block) == 0  # keys before the first
+
+
+@given(
+    batch=st.integers(1, 64),
+    kv_heads=st.integers(1, 64),
+    row_tiles=st.integers(1, 8),
+    key_blocks=st.integers(0, 4096),
+    sms=st.sampled_from([16, 108, 132, 148]),
+)
+def test_num_splits_properties(
+    batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int
+) -> None:
+    splits = num_splits(
+        batch=batch, kv_heads=kv_heads, row_tiles=row_tiles, key_blocks=key_blocks, sms=sms
+    )
+    assert 1 <= splits <= max(1, key_blocks)
+    assert splits <= decode.MAX_SPLITS
+    programs = batch * kv_heads * row_tiles
+    if programs >= sms:  # the programs fill the GPU already
+        assert splits == 1
+    # never more than two waves of programs (rounded up to whole splits)
+    assert programs * splits < 2 * sms + programs
+
+
+def test_num_splits_choices() -> None:
+    h100 = 132
+
+    def splits(batch: int, kv_heads: int, key_blocks: int, row_tiles: int = 1) -> int:
+        return num_splits(
+            batch=batch, kv_heads=kv_heads, row_tiles=row_tiles, key_blocks=key_blocks, sms=h100
+        )
+
+    # B = 8, Hkv = 8, L = 4, S = 32768 with 64-key blocks: 64 programs, half the GPU idle
+    assert splits(8, 8, 512) > 1
+    # a long cache at batch size 1 splits further
+    assert splits(1, 8, 512) > splits(8, 8, 512)
+    # enough programs: no split
+    assert splits(32, 8, 512) == 1
+    assert splits(4, 8, 512, row_tiles=4) == 1
+    # a 256-key window visits 5 blocks: fewer splits than the full cache, at most 5
+    assert splits(1, 8, 5) < splits(1, 8, 512)
+    assert splits(1, 8, 5) <= 5
+    assert splits(1, 8, 1) == 1
+
+
+# --------------------------------------------------------------------------------------
+# Layouts, empty dimensions
+# --------------------------------------------------------------------------------------
+
+
+def test_non_contiguous_inputs() -> None:
+    generator = torch.Generator().manual_seed(5)
+    # (B, L, H, E) storage seen as (B, H, L, E); keys and values interleaved with stride 2
+    q = torch.randn(2, 3, 4, 16, generator=generator).to(DEVICE, FP16).transpose(1, 2)
+    kv = torch.randn(2, 70, 2, 2, 32, generator=generator).to(DEVICE, FP16)
+    k = kv[:, :, 0, :, ::2].transpose(1, 2)
+    v = kv[:, :, 1, :, 1::2].transpose(1, 2)
+    bias = causal_lower_right() + AlibiBias(num_heads=4)
+    check(q, k, v, bias, kernel_args(bias, 3, 70), splits=3)
+
+
+def test_empty_dimensions() -> None:
+    args = dict(
+        band_lo=None, band_hi=None, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None
+    )
+    q, k, v = make_qkv(1, 4, 2, 3, 0, 16, FP32)  # no keys: every row is 0
+    assert torch.equal(decode_forward(q, k, v, scale=0.25, **args), torch.zeros_like(q))
+    q, k, v = make_qkv(1, 4, 2, 0, 20, 16, FP32)  # no queries
+    assert decode_forward(q, k, v, scale=0.25, **args).shape == (1, 4, 0, 16)
+
+
+@given(scale=finite_scales(), seed=st.integers(0, 2**16))
+def test_any_finite_scale(scale: float, seed: int) -> None:
+    q, k, v = make_qkv(1, 2, 1, 2, 30, 16, FP32, seed)
+    bias = causal_lower_right() + SlidingWindowBias(20)
+    check(q, k, v, bias, kernel_args(bias, 2, 30), splits=2, scale=scale)
+
+
+# --------------------------------------------------------------------------------------
+# Through attnbias.sdpa, and the planner
+# --------------------------------------------------------------------------------------
+
+
+@st.composite
+def decode_calls(draw: st.DrawFn) -> tuple[Tensor, Tensor, Tensor, AttnBias, float | None]:
+    """A short-query call the decode kernel takes: any kernel-form bias, GQA groups of 1 to
+    4, L from 1 to 16 against S from 1 to 40, any dtype."""
+    batch = draw(st.integers(1, 2))
+    heads_kv = draw(st.integers(1, 2))
+    heads_q = heads_kv * draw(st.sampled_from([1, 2, 3, 4]))
+    length_q = draw(st.integers(1, 16))
+    length_kv = draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from(DTYPES))
+    bias = draw(kernel_bias(batch, heads_q, length_q, length_kv))
+    q, k, v = make_qkv(
+        batch, heads_q, heads_kv, length_q, length_kv, 16, dtype, draw(st.integers(0, 2**16))
+    )
+    return q, k, v, bias, draw(st.sampled_from([None, 0.3]))
+
+
+@given(call=decode_calls())
+def test_sdpa_on_the_decode_kernel(
+    call: tuple[Tensor, Tensor, Tensor, AttnBias, float | None],
+) -> None:
+    q, k, v, bias, scale = call
+    gqa = q.shape[1] != k.shape[1]
+    with use_backends("triton-decode"):
+        out = attnbias.sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    expected = attention(q, k, v, bias, scale=scale, enable_gqa=gqa)
+    low = attention(q, k, v, bias, scale=scale, enable_gqa=gqa, dtype=q.dtype)
+    rounding = flash_rounding(q, k, v, bias, torch.zeros_like(q), scale=scale)[:1]
+    assert_close_to_oracle([out], [expected], [low], q.dtype, ("out",), rounding)
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, generation: str) -> None:
+    """CPU tensors that the planner takes for a GPU's (the kernels run interpreted)."""
+    monkeypatch.setattr(planner, "generation", lambda device: generation)
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: True)
+    monkeypatch.setattr(triton_backend, "_triton_installed", lambda: True)
+
+
+def short_call(
+    length_q: int = 4, *, needs_grad: bool = False, bias: AttnBias | None = None
+) -> dict[str, Any]:
+    q, k, v = make_qkv(2, 8, 2, length_q, 96, 16, BF16)
+    return dict(
+        query=q.requires_grad_(needs_grad),
+        key=k,
+        value=v,
+        attn_mask=causal_lower_right() + SlidingWindowBias(40) if bias is None else bias,
+        enable_gqa=True,
+    )
+
+
+@pytest.mark.parametrize("generation", ["hopper", "cuda", "cpu"])
+def test_planner_takes_the_decode_kernel_for_short_queries(
+    monkeypatch: pytest.MonkeyPatch, generation: str
+) -> None:
+    fake_gpu(monkeypatch, generation)
+    text = attnbias.explain(**short_call())
+    assert text.startswith("triton-decode: "), text
+    assert "4 query heads x 4 queries per key/value head packed into 1 tile of 16 rows" in text
+    assert "  triton: could run it, after triton-decode in the order" in text.splitlines()
+    out = attnbias.sdpa(**short_call())
+    call = short_call()
+    expected = attention(
+        call["query"], call["key"], call["value"], call["attn_mask"], enable_gqa=True
+    )
+    low = attention(
+        call["query"], call["key"], call["value"], call["attn_mask"], enable_gqa=True, dtype=BF16
+    )
+    assert_close_to_oracle([out], [expected], [low], BF16)
+
+
+def test_planner_takes_the_training_kernel_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, "cuda")
+    text = attnbias.explain(**short_call(needs_grad=True))
+    assert text.startswith("triton: "), text
+    assert "  triton-decode: gradients are required: the training kernel runs" in text
+    long = MAX_DECODE_QUERIES + 1
+    text = attnbias.explain(**short_call(long))
+    assert text.startswith("triton: "), text
+    assert f"L={long} queries is above the decode kernel's {MAX_DECODE_QUERIES}" in text
+    # ALiBi on Hopper: the decode kernel first, then the training kernel, then FlashAttention 4
+    call = short_call(bias=AlibiBias(num_heads=8) + causal_lower_right())
+    assert planner.PRIORITY["hopper"]["alibi"].inference[:2] == ("triton-decode", "triton")
+    fake_gpu(monkeypatch, "hopper")
+    assert attnbias.explain(**call).startswith("triton-decode: ")
+
+
+def test_a_traced_call_takes_the_training_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, "cuda")
+    call = short_call()
+    spec = make_spec(
+        call["query"], call["key"], call["value"], call["attn_mask"], False, None, 0.0, True
+    )
+    assert plan(spec).backend.name == "triton-decode"
+    traced = plan(dataclasses.replace(spec, compiling=True))
+    assert traced.backend.name == "triton"
+    assert "triton-decode: torch.compile traces this call" in traced.explain()
+
+
+def test_refusals_name_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, "cuda")
+    decode_backend = BACKENDS["triton-decode"]
+
+    def reasons(**changes: Any) -> str:
+        call = short_call()
+        q, k, v = (changes.pop(name, call[name]) for name in ("query", "key", "value"))
+        spec = make_spec(
+            q, k, v, call["attn_mask"], False, None, changes.pop("dropout_p", 0.0), True
+        )
+        return "; ".join(decode_backend.not_supported_reasons(spec))
+
+    call = short_call()
+    assert "dropout_p=0.5 is not fused in the decode kernel" in reasons(dropout_p=0.5)
+    assert "value head dim (8) differs from the query head dim (16)" in reasons(
+        value=call["value"][..., :8]
+    )
+    wide = torch.randn(2, 2, 96, 272, dtype=BF16)
+    assert "head dim 272 is above the kernel's 256" in reasons(
+        query=torch.randn(2, 8, 4, 272, dtype=BF16), key=wide, value=wide
+    )
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+    assert "the decode kernel needs CUDA tensors and these are on cpu" in reasons()
+
+
+# --------------------------------------------------------------------------------------
+# GPU: real sizes, CUDA graphs
+# --------------------------------------------------------------------------------------
+
+
+def gpu_bias(name: str, heads: int, length_q: int, length_kv: int) -> AttnBias:
+    """A bias of each kind at a real size; documents per batch row, the queries in the last."""
+    if name == "documents":
+        starts = torch.tensor([[3000], [5000]])
+        kv_ids = (torch.arange(length_kv)[None, :] >= starts).long()
+        q_ids = torch.ones(2, length_q, dtype=torch.long)
+        return DocumentBias(q_ids.cuda(), kv_ids.cuda()) + causal_lower_right()
+    return {
+        "causal_lower_right": lambda: causal_lower_right(),
+        "window": lambda: causal_lower_right() + SlidingWindowBias(1023),
+        "alibi": lambda: AlibiBias(num_heads=heads) + causal_lower_right(),
+        "gemma2": lambda: causal_lower_right() + SlidingWindowBias(4095) + SoftcapBias(50.0),
+        # left padding in one batch row, a cache filled to 6000 keys in the other
+        "key_range": lambda: (
+            KeyRangeBias(
+                start=torch.tensor([0, 1000]).cuda(), end=torch.tensor([6000, 8192]).cuda()
+            )
+            + causal_lower_right()
+        ),
+    }[name]()
+
+
+GPU_NAMES = ["causal_lower_right", "window", "documents", "alibi", "gemma2", "key_range"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length_q", [1, 4, 16])
+@pytest.mark.parametrize("name", GPU_NAMES)
+def test_real_size_on_the_gpu(name: str, length_q: int) -> None:
+    batch, heads_q, heads_kv, length_kv, head_dim = 2, 32, 8, 8192, 128
+    bias = gpu_bias(name, heads_q, length_q, length_kv)
+    q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, head_dim, BF16)
+    with use_backends("triton-decode"):
+        route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True)
+        out = attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert route.startswith("triton-decode:"), route
+    expected = attention(q, k, v, bias, enable_gqa=True)
+    low = attention(q, k, v, bias, enable_gqa=True, dtype=BF16)
+    rounding = flash_rounding(q, k, v, bias, torch.zeros_like(q))[:1]
+    assert_close_to_oracle([out], [expected], [low], BF16, ("out",), rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["window", "documents", "alibi", "gemma2", "key_range"])
+def test_cuda_graph_capture_and_replay(name: str) -> None:
+    """One decode call captured in a CUDA graph, replayed on new contents of the same
+    buffers, gives what an eager call gives (nothing on the host depends on the contents)."""
+    q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
+    bias = gpu_bias(name, 32, 4, 8192)
+
+    def call() -> Tensor:
+        with use_backends("triton-decode"):
+            return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    with use_backends("triton-decode"):
+        route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert route.startswith("triton-decode:"), route
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels and keep the plan before capturing
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for target, new in zip((q, k, v), make_qkv(2, 32, 8, 4, 8192, 128, BF16, seed=1), strict=True):
+        target.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, call())
