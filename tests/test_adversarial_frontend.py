@@ -381,14 +381,19 @@ def test_empty_dimensions_behave_like_stock(call: dict[str, Any], seed: int) -> 
         (q.double(), k.double(), v.double()),
         grad_out.double(),
     )
+    # Stock SDPA's CUDA backward fails an internal assert on some empty shapes (Hq = 0):
+    # its float32 error, which the budget reads, comes from its CPU path.
     low = run_with_grads(
         lambda q, k, v: attention(
             q, k, v, call["bias"], scale=oracle_scale, dtype=torch.float32, **kwargs
         ),
-        (q, k, v),
-        grad_out,
+        (q.cpu(), k.cpu(), v.cpu()),
+        grad_out.cpu(),
     )
+    low = [t.to(DEVICE) for t in low]
     for name in routes_for(call):
+        if name == "default" and call["bias"] is None and DEVICE == "cuda":
+            continue  # stock SDPA itself, untouched, on this device
         with route(name):
             taken = attnbias.explain(q, k, v, attn_mask=call["bias"], scale=call["scale"], **kwargs)
             if taken.startswith("reference") and call["length_kv"] == 0:
@@ -726,7 +731,7 @@ def test_direct_calls_keep_their_checks_and_warning() -> None:
         sdpa(q, k, v)
     q, k, v = qkv()
     with pytest.warns(UserWarning, match="plain Tensor attn_mask"):
-        sdpa(q, k, v, attn_mask=torch.zeros(5, 5))
+        sdpa(q, k, v, attn_mask=torch.zeros(5, 5, device=q.device))
 
 
 def test_every_restore_order_leaves_stock_in_place(unpatched: None) -> None:
