@@ -38,16 +38,20 @@ class Order:
 # kind it takes, except ALiBi without gradients, where the Triton kernel is as fast (its
 # forward within 3% either way) and FlashAttention 4's backward is what wins (1.2x). Documents
 # reach FlashAttention 4 only at batch size 1; larger batches stay on the Triton kernel.
-# The decode kernel comes right before the training kernel wherever that one is listed: it
-# takes only short queries without gradients, which the training kernel runs with most of
-# its tile empty (an H100, bf16, B=8, Hq=32, Hkv=8, L=4, S=32768: 1.14 ms there against a
-# 0.36 ms floor for reading K and V once). Blackwell's lists follow Hopper's, unmeasured.
+# The decode kernel comes first everywhere on Hopper: it takes only short queries (L <= 64)
+# without gradients, and refuses everything else, which then goes down the list. On those
+# (an H100, bf16, B=8, Hq=32, Hkv=8, L in 1/4/16, S 8192/32768, CUDA-graph replays) it matched
+# FlashAttention 4 on causal (0.352 against 0.357 ms at S=32768), was 1.33x faster on
+# soft-cap (0.353 against 0.47) and 3.5x on ALiBi, and 2-5% slower on a 4096-key window
+# (0.051-0.057 against 0.050-0.054 ms); called eagerly, each FlashAttention 4 call costs
+# ~250 us of host time against ~100 for the decode kernel, more than these kernels' GPU time.
+# Blackwell's lists follow Hopper's, unmeasured.
 _HOPPER: dict[str, Order] = {
-    "none": Order(("fa4", "sdpa")),
-    "causal": Order(("fa4", "sdpa", "triton-decode", "triton")),
-    "band": Order(("fa4", "triton-decode", "triton")),
-    "documents": Order(("fa4", "triton-decode", "triton")),
-    "softcap": Order(("fa4", "triton-decode", "triton")),
+    "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
+    "causal": Order(("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")),
+    "band": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    "documents": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
 _DEFAULT: dict[str, Order] = {

@@ -224,25 +224,25 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "band",
             False,
-            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
             "causal",
             True,
-            ("fa4", "sdpa", "triton-decode", "triton", "sdpa+mask", "reference"),
+            ("fa4", "sdpa", "triton", "triton-decode", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
             "none",
             False,
-            ("fa4", "sdpa", "triton-decode", "triton", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "sdpa", "triton", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
             "softcap",
             False,
-            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
@@ -260,13 +260,13 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "documents",
             True,
-            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("fa4", "triton", "triton-decode", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "blackwell",
             "band",
             True,
-            ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("fa4", "triton", "triton-decode", "sdpa", "sdpa+mask", "reference"),
         ),
         ("cuda", "band", False, ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")),
         ("cpu", "causal", False, ("sdpa", "triton-decode", "triton", "sdpa+mask", "reference")),
@@ -293,7 +293,7 @@ def test_orders(
     assert fakes.log == [order[0]]
 
 
-HOPPER_BAND = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
+HOPPER_BAND = ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference")
 
 
 @pytest.mark.parametrize("refusing", range(len(HOPPER_BAND)))
@@ -392,7 +392,7 @@ def test_regions_are_restored_after_an_exception(
         with pytest.raises(RuntimeError, match="inside"), use_backends("reference"):
             assert plan(spec).order == ("reference",)
             raise RuntimeError("inside")
-        assert plan(spec).order == ("fa4", "triton-decode", "triton", "sdpa+mask", "reference")
+        assert plan(spec).order == ("triton-decode", "fa4", "triton", "sdpa+mask", "reference")
     assert plan(spec).order == HOPPER_BAND
 
 
@@ -436,7 +436,7 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
     assert text.splitlines() == [
         "triton-route: band -3 <= j - i <= 0 runs in the fake triton",
         "  order (hopper, band, inference; excluded sdpa+mask): "
-        "fa4 > triton-decode > triton > sdpa > reference",
+        "triton-decode > fa4 > triton > sdpa > reference",
         "  fa4: no A; no B",
         "  triton-decode: no D",
         "  sdpa: could run it, after triton in the order",
@@ -465,8 +465,8 @@ class Case:
     bias: Callable[[], AttnBias | None]
     kind: str
     # the backend chosen (inference, training) with FlashAttention 4 installed, then without;
-    # every call here has L <= 16, so the decode kernel takes what the Triton kernels take
-    # without gradients
+    # every call here has L <= 16, so the decode kernel, first on Hopper and Blackwell, takes
+    # what the Triton kernels take without gradients
     with_fa4: tuple[str, str]
     without_fa4: tuple[str, str]
     shape: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -476,44 +476,55 @@ class Case:
 
 CASES = {
     # attn_mask=None: what the planner would choose, though sdpa sends it to stock SDPA
-    "none": Case(KIND_BIASES["none"], "none", ("fa4", "fa4"), ("sdpa", "sdpa")),
+    "none": Case(KIND_BIASES["none"], "none", ("triton-decode", "fa4"), ("triton-decode", "sdpa")),
     "no_op_window": Case(
-        lambda: SlidingWindowBias(None, None), "none", ("fa4", "fa4"), ("sdpa", "sdpa")
+        lambda: SlidingWindowBias(None, None),
+        "none",
+        ("triton-decode", "fa4"),
+        ("triton-decode", "sdpa"),
     ),
     # is_causal=True with a bias (attn_mask=None goes to stock SDPA without the planner)
     "is_causal": Case(
         lambda: SlidingWindowBias(None, None),
         "causal",
-        ("fa4", "fa4"),
-        ("sdpa", "sdpa"),
+        ("triton-decode", "fa4"),
+        ("triton-decode", "sdpa"),
         is_causal=True,
     ),
-    "causal_upper_left": Case(causal_upper_left, "causal", ("fa4", "fa4"), ("sdpa", "sdpa")),
+    "causal_upper_left": Case(
+        causal_upper_left, "causal", ("triton-decode", "fa4"), ("triton-decode", "sdpa")
+    ),
     "causal_lower_right_square": Case(
-        causal_lower_right, "causal", ("fa4", "fa4"), ("sdpa", "sdpa")
+        causal_lower_right, "causal", ("triton-decode", "fa4"), ("triton-decode", "sdpa")
     ),
     "causal_float32": Case(
-        causal_upper_left, "causal", ("sdpa", "sdpa"), ("sdpa", "sdpa"), {"dtype": torch.float32}
+        causal_upper_left,
+        "causal",
+        ("triton-decode", "sdpa"),
+        ("triton-decode", "sdpa"),
+        {"dtype": torch.float32},
     ),
     "causal_lower_right_l_lt_s": Case(
         causal_lower_right,
         "band",
-        ("fa4", "fa4"),
+        ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
         {"length_q": 8, "length_kv": 16},
     ),
-    "window": Case(KIND_BIASES["band"], "band", ("fa4", "fa4"), ("triton-decode", "triton")),
+    "window": Case(
+        KIND_BIASES["band"], "band", ("triton-decode", "fa4"), ("triton-decode", "triton")
+    ),
     "window_lower_right_l_gt_s": Case(
         lambda: SlidingWindowBias(3) + causal_lower_right(),
         "band",
-        ("fa4", "fa4"),
+        ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
         {"length_q": 16, "length_kv": 8},
     ),
     "window_gqa_fp16": Case(
         lambda: SlidingWindowBias(4, 2),
         "band",
-        ("fa4", "fa4"),
+        ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
         {"heads_q": 4, "heads_kv": 1, "dtype": torch.float16},
     ),
@@ -524,20 +535,22 @@ CASES = {
         ("triton-decode", "triton"),
         {"length_q": 4, "length_kv": 8},
     ),
-    "softcap": Case(KIND_BIASES["softcap"], "softcap", ("fa4", "fa4"), ("triton-decode", "triton")),
+    "softcap": Case(
+        KIND_BIASES["softcap"], "softcap", ("triton-decode", "fa4"), ("triton-decode", "triton")
+    ),
     "gemma2": Case(
         lambda: causal_lower_right() + SlidingWindowBias(7) + SoftcapBias(30.0),
         "softcap",
-        ("fa4", "fa4"),
+        ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
     ),
     "documents": Case(
-        KIND_BIASES["documents"], "documents", ("fa4", "fa4"), ("triton-decode", "triton")
+        KIND_BIASES["documents"], "documents", ("triton-decode", "fa4"), ("triton-decode", "triton")
     ),
     "documents_causal": Case(
         lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right(),
         "documents",
-        ("fa4", "fa4"),
+        ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
     ),
     # queries that end before their document's keys do, by a different amount per document
@@ -686,7 +699,7 @@ def test_choice_on_a_faked_gpu(
 
 def test_a_compiled_call_takes_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpu(monkeypatch)
-    for bias, needs_grad in ((SlidingWindowBias(3), False), (SoftcapBias(20.0), True)):
+    for bias, needs_grad in ((SlidingWindowBias(3), True), (SoftcapBias(20.0), True)):
         spec = spec_of(bias, needs_grad=needs_grad)
         assert plan(spec).backend.name == "fa4"
         compiled = plan(dataclasses.replace(spec, compiling=True))
@@ -1138,7 +1151,7 @@ def test_fa4_arguments_against_the_oracle(standin: Recorder, name: str, dtype: t
 
 
 def test_explain_shows_fa4_window_size(standin: Recorder) -> None:
-    q, k, v = qkv(length_q=6, length_kv=12)
+    q, k, v = qkv(length_q=6, length_kv=12, needs_grad=True)
     text = attnbias.explain(q, k, v, attn_mask=causal_upper_left() + SlidingWindowBias(10))
     assert text.startswith("fa4: band -4 <= j - i <= 0 runs in FlashAttention 4 (")
     assert "window_size=(10, -6)" in text.splitlines()[0]
