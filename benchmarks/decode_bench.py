@@ -1,0 +1,255 @@
+"""Short queries against long key/value caches: attnbias against FlexAttention (compiled; it
+picks its decoding kernel for short queries), FlashAttention 4 (its split heuristic,
+``num_splits=0``, on Blackwell; Hopper has none: one split) and the bytes floor, plus chunked
+prefill and the host time per call.
+
+bf16, B=8, Hq=32, Hkv=8, E=128, lower-right causal with a window, ALiBi or soft-cap added.
+GPU times are CUDA-graph replays of 20 calls (what a serving loop runs), taken in two rounds
+with the contenders in alternating order, best of both; the floor is reading K and V once,
+measured as half of a device-to-device copy of K and V (a copy reads and writes every byte).
+Host time per call is a tiny problem's calls issued without waiting, where the GPU is idle
+and each call costs its host time: ``sdpa`` against the launcher it ends in.
+
+Run on the GPU: ``python benchmarks/decode_bench.py [--quick]``; prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import attnbias
+from attnbias import AlibiBias, SlidingWindowBias, SoftcapBias, causal_lower_right
+from attnbias.bias import alibi_slopes
+
+BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 8, 32, 8, 128
+WINDOW = 4096
+CAP = 50.0
+CALLS_PER_GRAPH = 20
+
+Call = Callable[[], Tensor]
+
+
+def biases(heads: int = HEADS_Q) -> dict[str, Any]:
+    return {
+        "causal": causal_lower_right(),
+        "window": causal_lower_right() + SlidingWindowBias(WINDOW - 1),
+        "alibi": causal_lower_right() + AlibiBias(num_heads=heads),
+        "softcap": causal_lower_right() + SoftcapBias(CAP),
+    }
+
+
+def flex_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call:
+    length_q, length_kv = q.shape[2], k.shape[2]
+    offset = length_kv - length_q
+    slopes = torch.tensor(alibi_slopes(HEADS_Q), device=q.device)
+
+    def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx + offset >= kv_idx
+
+    def window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx + offset >= kv_idx) & (q_idx + offset - kv_idx < WINDOW)
+
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - slopes[h] * (q_idx + offset - kv_idx).abs()
+
+    def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return CAP * torch.tanh(score / CAP)
+
+    mask_mod = window if name == "window" else causal
+    score_mod = {"alibi": alibi, "softcap": softcap}.get(name)
+    block_mask = create_block_mask(mask_mod, None, None, length_q, length_kv, device=q.device)
+    # one compiled kernel per shape and mask: past dynamo's recompile limit it would fall back
+    # to the unfused path (an L x S score matrix), so each case starts from a clean slate
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
+    return lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+
+
+def fa4_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call | None:
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:
+        return None
+    from attnbias.backends import fa4
+
+    # its split heuristic (num_splits=0) exists on Blackwell only; Hopper runs one split
+    splits = 0 if torch.cuda.get_device_capability(q.device)[0] >= 10 else 1
+    options: dict[str, Any] = {"causal": True, "num_splits": splits}
+    if name == "window":
+        options["window_size"] = (WINDOW - 1, 0)
+    elif name == "softcap":
+        options["score_mod"], _ = fa4._softcap_score_mods(CAP)
+    elif name == "alibi":
+        options["score_mod"], _ = fa4._alibi_score_mods()
+        options["aux_tensors"] = [torch.tensor(alibi_slopes(HEADS_Q), device=q.device)]
+        options["pack_gqa"] = False
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return lambda: flash_attn_func(qt, kt, vt, **options)[0].transpose(1, 2)
+
+
+def graph_ms(call: Call) -> float:
+    """GPU time of one call: a CUDA graph of several calls replayed (eager if capture fails)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS_PER_GRAPH):
+                call()
+        run, per_run = graph.replay, CALLS_PER_GRAPH
+    except Exception:
+        run, per_run = call, 1
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = max(1, 200 // per_run)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (reps * per_run)
+
+
+def floor_ms(k: Tensor, v: Tensor) -> float:
+    """Reading K and V once: half a device-to-device copy of them."""
+    source = torch.cat([k.flatten(), v.flatten()])
+    target = torch.empty_like(source)
+    return graph_ms(lambda: target.copy_(source)) / 2
+
+
+def draw(length_q: int, length_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    def one(heads: int, length: int) -> Tensor:
+        shape = (BATCH, heads, length, HEAD_DIM)
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    return one(HEADS_Q, length_q), one(HEADS_KV, length_kv), one(HEADS_KV, length_kv)
+
+
+def timed(contenders: dict[str, Call]) -> dict[str, float]:
+    """Best of two rounds, the second in reverse order."""
+    times: dict[str, float] = {}
+    for order in (list(contenders), list(reversed(contenders))):
+        for name in order:
+            try:
+                ms = graph_ms(contenders[name])
+            except Exception as exc:  # one contender failing keeps the others' rows
+                print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                continue
+            times[name] = min(times.get(name, math.inf), ms)
+    return times
+
+
+def decode_table(lengths_q: list[int], lengths_kv: list[int], names: list[str]) -> None:
+    print("| bias | L | S | route | attnbias ms | floor ms | × floor | flex ms | fa4 ms | "
+          "flex / attnbias | fa4 / attnbias | max diff vs flex |")  # fmt: skip
+    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for length_kv in lengths_kv:
+        for length_q in lengths_q:
+            for row in decode_rows(length_q, length_kv, names):
+                print(row)
+            torch.cuda.empty_cache()
+
+
+def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
+    q, k, v = draw(length_q, length_kv)
+    floor = floor_ms(k, v)
+    rows = []
+    for name in names:
+        bias = biases()[name]
+
+        def ours(bias: Any = bias) -> Tensor:
+            return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+        route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True).split(":")[0]
+        contenders: dict[str, Call] = {"attnbias": ours}
+        try:
+            contenders["flex"] = flex_call(name, q, k, v)
+        except Exception as exc:
+            print(f"  flex: {type(exc).__name__}")
+        fa4 = fa4_call(name, q, k, v)
+        if fa4 is not None:
+            contenders["fa4"] = fa4
+        times = timed(contenders)
+        diff = math.nan
+        if "flex" in times:
+            diff = (ours().float() - contenders["flex"]().float()).abs().max().item()
+        mine = times.get("attnbias", math.nan)
+        flex, fa = times.get("flex", math.nan), times.get("fa4", math.nan)
+        rows.append(
+            f"| {name} | {length_q} | {length_kv} | {route} | {mine:.3f} | {floor:.3f} "
+            f"| {mine / floor:.2f} | {flex:.3f} | {fa:.3f} | {flex / mine:.2f} "
+            f"| {fa / mine:.2f} | {diff:.1e} |"
+        )
+    return rows
+
+
+def host_us(call: Call, calls: int = 200) -> float:
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_table() -> None:
+    from attnbias.kernels import attention_forward, decode_forward
+    from attnbias.spec import lower
+
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    short = q[:, :, :4]
+    print("| bias | call | launcher µs | sdpa µs | overhead µs |")
+    print("|---|---|--:|--:|--:|")
+    stock = host_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    print(f"| none | stock SDPA | — | {stock:.1f} | — |")
+    for name, bias in biases(heads=1).items():
+        for label, query, launch in (
+            ("decode (L=4)", short, decode_forward),
+            ("training kernel (L=128)", q, attention_forward),
+        ):
+            lowered = lower(bias, query.shape[2], q.shape[2], q.device)
+            kwargs = dict(
+                scale=0.125, band_lo=lowered.band_lo, band_hi=lowered.band_hi,
+                q_doc=lowered.q_doc, kv_doc=lowered.kv_doc, alibi_slopes=lowered.slopes,
+                softcap=lowered.softcap,
+            )  # fmt: skip
+            direct = host_us(lambda query=query, go=launch, kw=kwargs: go(query, q, q, **kw))
+            with torch.no_grad():
+                ours = host_us(
+                    lambda query=query, bias=bias: attnbias.sdpa(query, q, q, attn_mask=bias)
+                )
+            print(f"| {name} | {label} | {direct:.1f} | {ours:.1f} | {ours - direct:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="S = 32768 only")
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("\n## Decode (CUDA-graph replays)\n")
+    lengths_kv = [32768] if args.quick else [8192, 32768, 131072]
+    decode_table([1, 4, 16], lengths_kv, ["causal", "window", "alibi", "softcap"])
+    print("\n## Chunked prefill\n")
+    decode_table([1024], [16384], ["causal"])
+    print("\n## Host time per forward call (B=1, H=1, S=128, E=64, no grad)\n")
+    host_table()
+
+
+if __name__ == "__main__":
+    main()
