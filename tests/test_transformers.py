@@ -473,7 +473,7 @@ def test_explain_model_names_each_layers_bias_and_route() -> None:
     assert lines[0].startswith("layer 0 Gemma2Attention: CausalBias(LOWER_RIGHT)")
     assert "SlidingWindowBias(window_left=3" in lines[0] and "SoftcapBias(cap=0.5)" in lines[0]
     assert "SlidingWindowBias" not in lines[2] and "DocumentBias" in lines[2]
-    routes = ("triton", "reference", "sdpa+mask", "fa4")
+    routes = ("triton-decode", "triton", "reference", "sdpa+mask", "fa4")
     assert all(line.strip().split(":")[0] in routes for line in lines[1::2])
     with pytest.raises(ValueError, match="made no attention call through attnbias"):
         hf.explain_model(models.stock, ids, **kwargs)
