@@ -51,7 +51,7 @@ from torch import Tensor
 from .common import FP32_TINY, _key_range, _row_bounds, _split_blocks
 from .configs import padded_head_dim, tanh_mode
 from .forward import _attn_fwd_inner, check_identity, identity_of
-from .launch import PreparedLaunch, direct_launches
+from .launch import PreparedLaunch
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
 
@@ -546,7 +546,7 @@ class DecodePlan:
             part_strides, lse_strides = part_out.stride(), part_lse.stride()
         q_stride, k_stride, v_stride, out_stride = q.stride(), k.stride(), v.stride(), out.stride()
         call_key = merge_key = None
-        if direct_launches():
+        if self.kernel.direct():
             # The outputs and partial results are fresh and contiguous: their strides are
             # fixed by the shapes.
             out_aligned = out.data_ptr() % 16 == 0

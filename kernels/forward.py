@@ -26,7 +26,7 @@ from .common import (
     _tile_ptrs,
 )
 from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config, tanh_mode
-from .launch import PreparedLaunch, direct_launches
+from .launch import PreparedLaunch
 from .masks import doc_stride, late_rows_first, mask_args
 
 __all__ = ["ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward"]
@@ -305,7 +305,7 @@ class ForwardPlan:
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
         # Out and lse are fresh and contiguous: their strides are fixed by the shapes.
         call_key = None
-        if direct_launches():
+        if self.kernel.direct():
             call_key = (
                 q_stride,
                 k_stride,

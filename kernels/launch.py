@@ -17,7 +17,6 @@ __all__ = [
     "CachedLaunch",
     "PreparedLaunch",
     "current_device",
-    "direct_launches",
     "launcher",
     "launches_traceable",
     "traceable_launches",
@@ -136,13 +135,6 @@ class CachedLaunch:
 CACHED_LAUNCHES: dict[Any, CachedLaunch] = {}
 
 
-def direct_launches() -> bool:
-    """Whether launches go to compiled kernels directly: neither traced nor interpreted (a
-    :class:`PreparedLaunch` then needs its ``call_key``; tensors being traced have no data
-    pointer to key on)."""
-    return not (_TRACEABLE_LAUNCH.get() or interpreting())
-
-
 def current_device() -> int:
     """The current CUDA device: a compiled kernel is loaded into one device's context."""
     return torch.cuda.current_device()
@@ -159,7 +151,8 @@ class PreparedLaunch:
     an unseen key goes through :class:`CachedLaunch`, which keys on every argument, and its
     compiled kernel's launcher is kept here for that key. A kept launcher is called with the
     arguments only; it looks up the current stream itself on each call, so launches can be
-    captured in a CUDA graph.
+    captured in a CUDA graph. Whether Triton interprets is read once, when the launch is
+    made (``TRITON_INTERPRET`` is set before a process launches anything).
     """
 
     MAX_KEYS = 64  # forget them all beyond this many (strides that never repeat)
@@ -169,9 +162,16 @@ class PreparedLaunch:
         self.grid = grid
         self.options = options
         self.runners: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
+        self.interpreted = interpreting()
+
+    def direct(self) -> bool:
+        """Whether this launch goes to a compiled kernel directly, neither traced nor
+        interpreted: then it needs its ``call_key`` (tensors being traced have no data
+        pointer to key on)."""
+        return not (self.interpreted or _TRACEABLE_LAUNCH.get())
 
     def __call__(self, call_key: Hashable | None, *args: Any) -> None:
-        """Launch with ``args``; ``call_key`` is ``None`` unless :func:`direct_launches`."""
+        """Launch with ``args``; ``call_key`` is ``None`` unless :meth:`direct`."""
         if call_key is None:
             launcher(self.kernel)[self.grid](*args, **self.options)
             return
