@@ -110,11 +110,9 @@ def _bias_key(bias: object) -> Hashable | None:
     return None
 
 
-def _flag(value: object) -> Hashable | None:
-    """A flag with its type, or ``None`` for one that is not a plain bool, int, float or None."""
-    if value is None or type(value) in (bool, int, float):
-        return (type(value), value)
-    return None
+# Flags of other types (tensors, numpy numbers) are not cached; each flag goes in the key
+# with its type: ``1`` and ``True`` are different calls.
+_FLAG_TYPES = frozenset({type(None), bool, int, float})
 
 
 def call_key(
@@ -136,8 +134,11 @@ def call_key(
         return None
     if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
         return None
-    flags = (_flag(dropout_p), _flag(is_causal), _flag(scale), _flag(enable_gqa))
-    if None in flags:
+    flags = (
+        type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale,
+        type(enable_gqa), enable_gqa,
+    )  # fmt: skip
+    if not _FLAG_TYPES.issuperset(flags[::2]):
         return None
     if 0 in query.shape or 0 in key.shape or 0 in value.shape:
         return None  # rare, and validation adjusts some of them (the scale at E = 0)

@@ -50,8 +50,8 @@ from torch import Tensor
 
 from .common import FP32_TINY, _key_range, _row_bounds, _split_blocks
 from .configs import padded_head_dim, tanh_mode
-from .forward import _attn_fwd_inner
-from .launch import launcher
+from .forward import _attn_fwd_inner, check_identity, identity_of
+from .launch import PreparedLaunch
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
 
@@ -59,10 +59,12 @@ __all__ = [
     "MAX_DECODE_QUERIES",
     "DecodeConfig",
     "DecodeLayout",
+    "DecodePlan",
     "decode_config",
     "decode_forward",
     "decode_layout",
     "num_splits",
+    "plan_decode",
     "visited_key_blocks",
 ]
 
@@ -507,6 +509,168 @@ def decode_layout(
 # --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """The decode forward of one call identity, worked out once (the decode layout, its split
+    count, the mask arguments, the grids): :meth:`launch` only allocates the outputs and
+    launches the kernels with the call's tensors.
+
+    Made by :func:`plan_decode` for the shapes, dtypes and devices of ``q``, ``k``, ``v``
+    (checked on each launch) and the mask arguments, whose tensors (document ranges, slopes,
+    key ranges) it holds: the kernel reads their contents at each launch, so they must not be
+    written in place while the plan is used. Strides and the data pointers' alignment may
+    change from call to call (each combination gets its compiled kernel).
+    """
+
+    identity: tuple[object, ...]
+    layout: DecodeLayout | None  # None: an empty output, nothing to launch
+    mask_tensors: tuple[Tensor | None, ...]  # row_lo, row_hi, kv_start, kv_end, slopes
+    scalars: tuple[int | float, ...]  # the decode kernel's runtime scalars after the strides
+    kernel: PreparedLaunch | None
+    merge: PreparedLaunch | None  # merges the splits' partial results (one split: None)
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``out`` as :func:`decode_forward` returns it. No host synchronisation."""
+        check_identity("decode", self.identity, q, k, v)
+        batch, num_heads, seq_q, head_dim = q.shape
+        out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+        if self.kernel is None or self.layout is None:
+            return out
+        part_out = part_lse = None
+        part_strides: tuple[int, ...] = (0,) * 5
+        lse_strides: tuple[int, ...] = (0,) * 4
+        if self.merge is not None:
+            shape = (self.layout.splits, batch, num_heads, seq_q)
+            part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+            part_strides, lse_strides = part_out.stride(), part_lse.stride()
+        q_stride, k_stride, v_stride, out_stride = q.stride(), k.stride(), v.stride(), out.stride()
+        call_key = merge_key = None
+        if self.kernel.direct():
+            # The outputs and partial results are fresh and contiguous: their strides are
+            # fixed by the shapes.
+            out_aligned = out.data_ptr() % 16 == 0
+            parts_aligned = all(
+                t.data_ptr() % 16 == 0 for t in (part_out, part_lse) if t is not None
+            )
+            call_key = (
+                q_stride,
+                k_stride,
+                v_stride,
+                q.data_ptr() % 16 == 0,
+                k.data_ptr() % 16 == 0,
+                v.data_ptr() % 16 == 0,
+                out_aligned,
+                parts_aligned,
+            )
+            merge_key = (out_aligned, parts_aligned)
+        self.kernel(
+            call_key, q, k, v, out, part_out, part_lse, *self.mask_tensors,
+            *q_stride, *k_stride, *v_stride, *out_stride, *part_strides, *lse_strides,
+            *self.scalars,
+        )  # fmt: skip
+        if self.merge is not None:
+            self.merge(
+                merge_key, part_out, part_lse, out, *part_strides, *lse_strides, *out_stride,
+                self.layout.splits, seq_q,
+            )  # fmt: skip
+        return out
+
+
+def plan_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """The :class:`DecodePlan` of :func:`decode_forward` with these arguments; ``q``, ``k``,
+    ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    identity = identity_of(q, k, v)
+    if batch * num_heads * seq_q * head_dim == 0:
+        return DecodePlan(identity, None, (), (), None, None)
+    mask = mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        rows=True, cols=False,
+    )  # fmt: skip
+    layout = decode_layout(
+        q.shape,
+        k.shape,
+        q.device,
+        band_lo=mask.band_lo if mask.has_lo else None,
+        band_hi=mask.band_hi if mask.has_hi else None,
+        # the extent of documents and key ranges is on the device: count every key
+        has_docs=mask.row_lo is not None or mask.kv_start is not None,
+        splits=num_splits,
+    )
+    cfg = layout.config
+    block_e = padded_head_dim(head_dim)
+    split = layout.splits > 1
+    grid = (layout.splits, num_kv_heads * layout.row_tiles, batch)
+    options = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=layout.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_KV_RANGE=mask.kv_start is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=tanh_mode(q),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EVEN_N=seq_k % cfg.block_n == 0,
+        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
+        SPLIT=split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    merge = None
+    if split:
+        block_l = min(MIN_ROWS, triton.next_power_of_2(seq_q))
+        merge_grid = (triton.cdiv(seq_q, block_l), num_heads, batch)
+        merge_options = dict(
+            HEAD_DIM=head_dim, BLOCK_E=block_e, BLOCK_L=block_l, num_warps=cfg.num_warps,
+            num_stages=1,
+        )  # fmt: skip
+        merge = PreparedLaunch(_decode_merge, merge_grid, merge_options)
+    return DecodePlan(
+        identity,
+        layout,
+        (mask.row_lo, mask.row_hi, mask.kv_start, mask.kv_end, mask.slopes),
+        (
+            doc_stride(mask, seq_q),
+            mask.stride_sb,
+            mask.stride_sh,
+            layout.group_size,
+            layout.row_tiles,
+            seq_q,
+            seq_k,
+            mask.band_lo,
+            mask.band_hi,
+            mask.qk_scale,
+            mask.softcap_in,
+            mask.softcap_out,
+        ),
+        PreparedLaunch(_decode_fwd, grid, options),
+        merge,
+    )
+
+
 def decode_forward(
     q: Tensor,
     k: Tensor,
@@ -523,7 +687,8 @@ def decode_forward(
     kv_end: Tensor | None = None,
     num_splits: int | None = None,
 ) -> Tensor:
-    """Attention forward for short queries, the arguments of ``attention_forward``.
+    """Attention forward for short queries, the arguments of ``attention_forward``:
+    :func:`plan_decode`, then its launch.
 
     Args:
         q: ``(B, Hq, L, E)`` with ``L <= MAX_DECODE_QUERIES``; k, v: ``(B, Hkv, S, E)``, same
@@ -545,83 +710,9 @@ def decode_forward(
     No host synchronisation: everything on the host depends on shapes, dtypes and the band,
     so a call can be captured in a CUDA graph. Inputs are assumed valid.
     """
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    mask = mask_args(
-        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+    plan = plan_decode(
+        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
         alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        rows=True, cols=False,
+        num_splits=num_splits,
     )  # fmt: skip
-    layout = decode_layout(
-        q.shape,
-        k.shape,
-        q.device,
-        band_lo=mask.band_lo if mask.has_lo else None,
-        band_hi=mask.band_hi if mask.has_hi else None,
-        # the extent of documents and key ranges is on the device: count every key
-        has_docs=mask.row_lo is not None or mask.kv_start is not None,
-        splits=num_splits,
-    )
-    cfg = layout.config
-    block_e = padded_head_dim(head_dim)
-    split = layout.splits > 1
-    part_out = part_lse = None
-    part_strides: tuple[int, ...] = (0,) * 5
-    lse_strides: tuple[int, ...] = (0,) * 4
-    if split:
-        shape = (layout.splits, batch, num_heads, seq_q)
-        part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part_out.stride(), part_lse.stride()
-    grid = (layout.splits, num_kv_heads * layout.row_tiles, batch)
-    launcher(_decode_fwd)[grid](
-        q, k, v, out, part_out, part_lse, mask.row_lo, mask.row_hi, mask.kv_start, mask.kv_end,
-        mask.slopes,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        *part_strides,
-        *lse_strides,
-        doc_stride(mask, seq_q),
-        mask.stride_sb, mask.stride_sh,
-        layout.group_size, layout.row_tiles, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        mask.qk_scale, mask.softcap_in, mask.softcap_out,
-        HEAD_DIM=head_dim,
-        BLOCK_E=block_e,
-        BLOCK_M=layout.block_m,
-        BLOCK_N=cfg.block_n,
-        HAS_LO=mask.has_lo,
-        HAS_HI=mask.has_hi,
-        HAS_DOCS=mask.row_lo is not None,
-        HAS_KV_RANGE=mask.kv_start is not None,
-        HAS_ALIBI=mask.slopes is not None,
-        ALIBI_SIGN=mask.alibi_sign,
-        HAS_SOFTCAP=softcap is not None,
-        TANH_MODE=tanh_mode(q),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        EVEN_N=seq_k % cfg.block_n == 0,
-        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
-        SPLIT=split,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
-    if split:
-        block_l = min(MIN_ROWS, triton.next_power_of_2(seq_q))
-        grid = (triton.cdiv(seq_q, block_l), num_heads, batch)
-        launcher(_decode_merge)[grid](
-            part_out, part_lse, out,
-            *part_strides,
-            *lse_strides,
-            *out.stride(),
-            layout.splits, seq_q,
-            HEAD_DIM=head_dim,
-            BLOCK_E=block_e,
-            BLOCK_L=block_l,
-            num_warps=cfg.num_warps,
-            num_stages=1,
-        )  # fmt: skip
-    return out
+    return plan.launch(q, k, v)

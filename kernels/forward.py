@@ -6,6 +6,8 @@ its rows keep (see ``kernels/common.py`` for the mask model), with an online sof
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,10 +26,10 @@ from .common import (
     _tile_ptrs,
 )
 from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config, tanh_mode
-from .launch import launcher
+from .launch import PreparedLaunch
 from .masks import doc_stride, late_rows_first, mask_args
 
-__all__ = ["attention_forward"]
+__all__ = ["ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward"]
 
 
 @triton.jit
@@ -260,6 +262,138 @@ def _attn_fwd(
     )
 
 
+def identity_of(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
+    """What a plan is made for: shapes, dtypes and devices of the call's tensors."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+
+
+def check_identity(kind: str, planned: tuple[object, ...], q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Raise unless ``q``, ``k``, ``v`` have the shapes, dtypes and devices of the plan."""
+    got = identity_of(q, k, v)
+    if got != planned:
+        raise ValueError(
+            f"this {kind} plan was made for q, k, v of shapes, dtypes and devices {planned}, "
+            f"got {got}; make a new plan for these tensors"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardPlan:
+    """The forward of one call identity, worked out once: :meth:`launch` only allocates the
+    outputs and launches the kernel with the call's tensors.
+
+    Made by :func:`plan_forward` for the shapes, dtypes and devices of ``q``, ``k``, ``v``
+    (checked on each launch) and the mask arguments, whose tensors (document ranges, slopes,
+    key ranges) it holds: their contents are read by the kernel at each launch, so they must
+    not be written in place while the plan is used. Strides and the data pointers' alignment
+    may change from call to call (each combination gets its compiled kernel).
+    """
+
+    identity: tuple[object, ...]
+    mask_tensors: tuple[Tensor | None, ...]  # row_lo, row_hi, slopes, kv_start, kv_end
+    scalars: tuple[int | float, ...]  # the runtime scalars after the strides
+    kernel: PreparedLaunch | None  # None: an empty output, nothing to launch
+
+    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` as :func:`attention_forward` returns them. No host synchronisation."""
+        check_identity("forward", self.identity, q, k, v)
+        batch, num_heads, seq_q, head_dim = q.shape
+        out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+        if self.kernel is None:
+            return out, lse
+        q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+        # Out and lse are fresh and contiguous: their strides are fixed by the shapes.
+        call_key = None
+        if self.kernel.direct():
+            call_key = (
+                q_stride,
+                k_stride,
+                v_stride,
+                q.data_ptr() % 16 == 0,
+                k.data_ptr() % 16 == 0,
+                v.data_ptr() % 16 == 0,
+                out.data_ptr() % 16 == 0,
+                lse.data_ptr() % 16 == 0,
+            )
+        self.kernel(
+            call_key, q, k, v, out, lse, *self.mask_tensors, *q_stride, *k_stride, *v_stride,
+            *out.stride(), *self.scalars,
+        )  # fmt: skip
+        return out, lse
+
+
+def plan_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
+) -> ForwardPlan:
+    """The :class:`ForwardPlan` of :func:`attention_forward` with these arguments; ``q``,
+    ``k``, ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    identity = identity_of(q, k, v)
+    if batch * num_heads * seq_q == 0:
+        return ForwardPlan(identity, (), (), None)
+    mask = mask_args(
+        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        rows=True, cols=False,
+    )  # fmt: skip
+    block_e = padded_head_dim(head_dim)
+    cfg = pick_config(FORWARD_CONFIGS, q, block_e)
+    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    options = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HAS_LO=mask.has_lo,
+        HAS_HI=mask.has_hi,
+        HAS_DOCS=mask.row_lo is not None,
+        HAS_KV_RANGE=mask.kv_start is not None,
+        HAS_ALIBI=mask.slopes is not None,
+        ALIBI_SIGN=mask.alibi_sign,
+        HAS_SOFTCAP=softcap is not None,
+        TANH_MODE=tanh_mode(q),
+        REVERSE=late_rows_first(seq_q, seq_k, mask),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EVEN_N=seq_k % cfg.block_n == 0,
+        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return ForwardPlan(
+        identity,
+        (mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end),
+        (
+            doc_stride(mask, seq_q),
+            mask.stride_sb,
+            mask.stride_sh,
+            num_heads,
+            num_heads // num_kv_heads,
+            seq_q,
+            seq_k,
+            mask.band_lo,
+            mask.band_hi,
+            mask.qk_scale,
+            mask.softcap_in,
+            mask.softcap_out,
+        ),
+        PreparedLaunch(_attn_fwd, grid, options),
+    )
+
+
 def attention_forward(
     q: Tensor,
     k: Tensor,
@@ -275,7 +409,7 @@ def attention_forward(
     kv_start: Tensor | None = None,
     kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Block-sparse attention forward.
+    """Block-sparse attention forward: :func:`plan_forward`, then its launch.
 
     Args:
         q: ``(B, Hq, L, E)``; k, v: ``(B, Hkv, S, E)``, same dtype (fp16, bf16 or fp32) and
@@ -295,47 +429,8 @@ def attention_forward(
 
     Inputs are assumed valid (the caller validates them).
     """
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    if lse.numel() == 0:
-        return out, lse
-    mask = mask_args(
-        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+    plan = plan_forward(
+        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
         alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        rows=True, cols=False,
     )  # fmt: skip
-    block_e = padded_head_dim(head_dim)
-    cfg = pick_config(FORWARD_CONFIGS, q, block_e)
-    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
-    launcher(_attn_fwd)[grid](
-        q, k, v, out, lse, mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        doc_stride(mask, seq_q),
-        mask.stride_sb, mask.stride_sh,
-        num_heads, num_heads // num_kv_heads, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        mask.qk_scale, mask.softcap_in, mask.softcap_out,
-        HEAD_DIM=head_dim,
-        BLOCK_E=block_e,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        HAS_LO=mask.has_lo,
-        HAS_HI=mask.has_hi,
-        HAS_DOCS=mask.row_lo is not None,
-        HAS_KV_RANGE=mask.kv_start is not None,
-        HAS_ALIBI=mask.slopes is not None,
-        ALIBI_SIGN=mask.alibi_sign,
-        HAS_SOFTCAP=softcap is not None,
-        TANH_MODE=tanh_mode(q),
-        REVERSE=late_rows_first(seq_q, seq_k, mask),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        EVEN_N=seq_k % cfg.block_n == 0,
-        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out, lse
+    return plan.launch(q, k, v)

@@ -6,14 +6,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
 from .limits import interpreting
 
-__all__ = ["CachedLaunch", "launcher", "launches_traceable", "traceable_launches"]
+__all__ = [
+    "CachedLaunch",
+    "PreparedLaunch",
+    "current_device",
+    "launcher",
+    "launches_traceable",
+    "traceable_launches",
+]
 
 # Set while a launcher runs as the body of a registered op (kernels/ops.py). Only then are the
 # launches routed through ``wrap_triton``, so ``torch.compile`` can trace them; a direct call
@@ -93,7 +100,7 @@ class CachedLaunch:
     def key(self, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[object, ...]:
         """What the compiled kernel for ``args`` and ``options`` depends on."""
         parts: list[object] = [
-            torch.cuda.current_device(),
+            current_device(),
             options.get("num_warps"),
             options.get("num_stages"),
         ]
@@ -107,7 +114,9 @@ class CachedLaunch:
                 parts.append((type(arg), arg))
         return tuple(parts)
 
-    def run(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+    def run(self, grid: tuple[int, ...], *args: Any, **options: Any) -> Any:
+        """Launch; returns the compiled kernel that ran, or ``None`` when the launch handed
+        none back (then nothing is reused)."""
         if len(args) != self.num_args:
             raise TypeError(f"expected {self.num_args} runtime arguments, got {len(args)}")
         key = self.key(args, options)
@@ -117,9 +126,65 @@ class CachedLaunch:
                 self.compiled.clear()
             launched = self.kernel[grid](*args, **options)
             if hasattr(launched, "__getitem__"):  # a compiled kernel with its own launcher
-                self.compiled[key] = launched
+                self.compiled[key] = compiled = launched
         else:
             compiled[grid](*args, *[options[name] for name in self.constexpr_names])
+        return compiled
 
 
 CACHED_LAUNCHES: dict[Any, CachedLaunch] = {}
+
+
+def current_device() -> int:
+    """The current CUDA device: a compiled kernel is loaded into one device's context."""
+    return torch.cuda.current_device()
+
+
+class PreparedLaunch:
+    """One kernel launch of a prepared plan: the grid, the constexprs and launch options are
+    fixed, and so is every runtime argument but those of the call's own tensors.
+
+    A call passes every runtime argument again (cheap) together with ``call_key``: what
+    Triton specializes on among the arguments that may change from call to call. The plan
+    that owns this launch builds ``call_key`` from exactly the arguments it does not hold
+    itself (the call's tensors' 16-byte alignment, and their strides by value); a call with
+    an unseen key goes through :class:`CachedLaunch`, which keys on every argument, and its
+    compiled kernel's launcher is kept here for that key. A kept launcher is called with the
+    arguments only; it looks up the current stream itself on each call, so launches can be
+    captured in a CUDA graph. Whether Triton interprets is read once, when the launch is
+    made (``TRITON_INTERPRET`` is set before a process launches anything).
+    """
+
+    MAX_KEYS = 64  # forget them all beyond this many (strides that never repeat)
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], options: dict[str, Any]) -> None:
+        self.kernel = kernel
+        self.grid = grid
+        self.options = options
+        self.runners: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
+        self.interpreted = interpreting()
+
+    def direct(self) -> bool:
+        """Whether this launch goes to a compiled kernel directly, neither traced nor
+        interpreted: then it needs its ``call_key`` (tensors being traced have no data
+        pointer to key on)."""
+        return not (self.interpreted or _TRACEABLE_LAUNCH.get())
+
+    def __call__(self, call_key: Hashable | None, *args: Any) -> None:
+        """Launch with ``args``; ``call_key`` is ``None`` unless :meth:`direct`."""
+        if call_key is None:
+            launcher(self.kernel)[self.grid](*args, **self.options)
+            return
+        key = (current_device(), call_key)
+        found = self.runners.get(key)
+        if found is not None:
+            runner, constexprs = found
+            runner(*args, *constexprs)
+            return
+        cached = launcher(self.kernel)
+        compiled = cached.run(self.grid, *args, **self.options)
+        if compiled is not None:
+            if len(self.runners) >= self.MAX_KEYS:
+                self.runners.clear()
+            constexprs = tuple(self.options[name] for name in cached.constexpr_names)
+            self.runners[key] = (compiled[self.grid], constexprs)

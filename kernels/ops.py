@@ -204,6 +204,15 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, grad_out, None)
 
 
+def _any_requires_grad(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None) -> bool:
+    return (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or bool(slopes is not None and slopes.requires_grad)
+    )
+
+
 def block_sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -241,6 +250,14 @@ def block_sparse_attention(
     Inputs are not validated here; the ``attnbias`` front-end does that.
     """
     if not torch.compiler.is_compiling():
+        if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, alibi_slopes)):
+            # nothing to record: no autograd node, just the launch
+            out, _ = attention_forward(
+                q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc,
+                kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start,
+                kv_end=kv_end,
+            )  # fmt: skip
+            return out
         return _EagerAttention.apply(
             q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start,
             kv_end,

@@ -3,6 +3,8 @@ key/value caches, forward only."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from attnbias.backends.base import Backend
@@ -85,3 +87,31 @@ class TritonDecode(Backend):
             kv_start=lowered.kv_start,
             kv_end=lowered.kv_end,
         )
+
+    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+        """The decode forward planned once (:func:`plan_decode`: layout, split count, mask
+        arguments) and launched with each call's tensors."""
+        from attnbias.kernels.decode import plan_decode
+
+        lowered = spec.lowered
+        # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
+        # this function keeps the bias, and biases are not written in place.
+        launch = plan_decode(
+            spec.query,
+            spec.key,
+            spec.value,
+            scale=spec.resolved_scale,
+            band_lo=lowered.band_lo,
+            band_hi=lowered.band_hi,
+            q_doc=lowered.q_doc,
+            kv_doc=lowered.kv_doc,
+            alibi_slopes=lowered.slopes,
+            softcap=lowered.softcap,
+            kv_start=lowered.kv_start,
+            kv_end=lowered.kv_end,
+        ).launch
+
+        def run_prepared(call: Spec) -> Tensor:
+            return launch(call.query, call.key, call.value)
+
+        return run_prepared

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -101,3 +102,34 @@ class TritonKernel(Backend):
             kv_start=lowered.kv_start,
             kv_end=lowered.kv_end,
         )
+
+    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+        """Without gradients, the forward planned once (:func:`plan_forward`) and launched
+        with each call's tensors, recording no autograd node; with them, :meth:`run`."""
+        if spec.needs_grad or spec.compiling:
+            return self.run
+        from attnbias.kernels.forward import plan_forward
+
+        lowered = spec.lowered
+        # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
+        # this function keeps the bias, and biases are not written in place.
+        plan = plan_forward(
+            spec.query,
+            spec.key,
+            spec.value,
+            scale=spec.resolved_scale,
+            band_lo=lowered.band_lo,
+            band_hi=lowered.band_hi,
+            q_doc=lowered.q_doc,
+            kv_doc=lowered.kv_doc,
+            alibi_slopes=lowered.slopes,
+            softcap=lowered.softcap,
+            kv_start=lowered.kv_start,
+            kv_end=lowered.kv_end,
+        )
+        launch = plan.launch
+
+        def run_prepared(call: Spec) -> Tensor:
+            return launch(call.query, call.key, call.value)[0]
+
+        return run_prepared

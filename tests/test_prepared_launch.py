@@ -1,0 +1,232 @@
+"""Prepared launches: a repeated call runs the forward planned for its identity (the training
+and the decode kernel), gives what a fresh call gives, and never runs a plan made for other
+inputs (interpreter)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    causal_lower_right,
+    plan_cache,
+)
+from attnbias.kernels import decode, forward, launch
+from attnbias.kernels.ops import block_sparse_attention
+from tests.oracle import assert_close_to_oracle, attention
+
+KERNELS = {
+    # backend, the planning function it prepares with, query length
+    "training": ("triton", forward, "plan_forward", 24),
+    "decode": ("triton-decode", decode, "plan_decode", 3),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans() -> None:
+    plan_cache.clear()
+
+
+def counted_plans(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """Every plan ``module.name`` makes."""
+    made: list[Any] = []
+    original = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(module, name, counting)
+    return made
+
+
+def inputs(
+    length_q: int, length_kv: int = 40, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(  # type: ignore[return-value]
+        torch.randn(2, 2, length, 16, generator=generator).to(dtype)
+        for length in (length_q, length_kv, length_kv)
+    )
+
+
+def check(q: Tensor, k: Tensor, v: Tensor, bias: AttnBias, out: Tensor) -> None:
+    oracle = attention(q, k, v, bias)
+    stock = attention(q, k, v, bias, dtype=q.dtype)
+    assert_close_to_oracle([out], [oracle], [stock], q.dtype)
+
+
+def biases(length_q: int, length_kv: int) -> dict[str, AttnBias]:
+    return {
+        "causal": causal_lower_right(),
+        "window": causal_lower_right() + SlidingWindowBias(5),
+        "alibi": causal_lower_right() + AlibiBias(2),
+        "softcap": SoftcapBias(4.0) + SlidingWindowBias(7, 3),
+        "documents": DocumentBias.from_seqlens(
+            [length_q // 2, length_q - length_q // 2], [length_kv // 2, length_kv - length_kv // 2]
+        ),
+    }
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("bias_name", ["causal", "window", "alibi", "softcap", "documents"])
+def test_a_prepared_plan_gives_what_a_fresh_call_gives(
+    monkeypatch: pytest.MonkeyPatch, kernel: str, bias_name: str
+) -> None:
+    backend, module, name, length_q = KERNELS[kernel]
+    made = counted_plans(monkeypatch, module, name)
+    q, k, v = inputs(length_q)
+    bias = biases(length_q, k.shape[2])[bias_name]
+    with torch.no_grad(), attnbias.use_backends(backend):
+        outs = [attnbias.sdpa(q, k, v, attn_mask=bias) for _ in range(3)]
+        assert len(made) == 1  # planned once, then launched
+        lowered = attnbias.spec.lower(bias, length_q, k.shape[2], q.device, batch=q.shape[0])
+        fresh = getattr(module, name)(
+            q, k, v, scale=16**-0.5, band_lo=lowered.band_lo, band_hi=lowered.band_hi,
+            q_doc=lowered.q_doc, kv_doc=lowered.kv_doc, alibi_slopes=lowered.slopes,
+            softcap=lowered.softcap,
+        ).launch(q, k, v)  # fmt: skip
+    fresh_out = fresh[0] if kernel == "training" else fresh
+    for out in outs:
+        assert torch.equal(out, fresh_out)
+    check(q, k, v, bias, outs[-1])
+
+
+def _misaligned(t: Tensor) -> Tensor:
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+# Each variant of the first call: whether it needs a plan of its own.
+VARIANTS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], tuple[Tensor, ...]], bool]] = {
+    "same": (lambda q, k, v: (q, k, v), False),
+    "other contents": (lambda q, k, v: (q.flip(2).contiguous(), k, v * 2), False),
+    "another query length": (lambda q, k, v: (q[:, :, :-1], k, v), True),
+    "another key length": (lambda q, k, v: (q, k[:, :, :-3], v[:, :, :-3]), True),
+    "another dtype": (lambda q, k, v: (q.half(), k.half(), v.half()), True),
+    # strides and alignment are per launch: the plan stays, the kernel follows them
+    "non-contiguous": (
+        lambda q, k, v: tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)),
+        False,
+    ),
+    "misaligned": (lambda q, k, v: tuple(_misaligned(t) for t in (q, k, v)), False),
+}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_plan_serves_only_its_identity(
+    monkeypatch: pytest.MonkeyPatch, kernel: str, variant: str
+) -> None:
+    backend, module, name, length_q = KERNELS[kernel]
+    made = counted_plans(monkeypatch, module, name)
+    q, k, v = inputs(length_q)
+    bias = causal_lower_right() + SlidingWindowBias(6)
+    change, replans = VARIANTS[variant]
+    with torch.no_grad(), attnbias.use_backends(backend):
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+        q2, k2, v2 = change(q, k, v)
+        check(q2, k2, v2, bias, attnbias.sdpa(q2, k2, v2, attn_mask=bias))
+    assert len(made) == (2 if replans else 1)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_another_bias_gets_another_plan(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    backend, module, name, length_q = KERNELS[kernel]
+    made = counted_plans(monkeypatch, module, name)
+    q, k, v = inputs(length_q)
+    with torch.no_grad(), attnbias.use_backends(backend):
+        for bias in biases(length_q, k.shape[2]).values():
+            check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    assert len(made) == 5
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_plan_refuses_other_inputs(kernel: str) -> None:
+    _, module, name, length_q = KERNELS[kernel]
+    q, k, v = inputs(length_q)
+    plan = getattr(module, name)(
+        q, k, v, scale=0.25, band_lo=None, band_hi=0, q_doc=None, kv_doc=None,
+        alibi_slopes=None, softcap=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="plan was made for q, k, v of shapes"):
+        plan.launch(q[:, :, :-1], k, v)
+    with pytest.raises(ValueError, match="make a new plan"):
+        plan.launch(q.double(), k.double(), v.double())
+
+
+def test_no_autograd_node_without_gradients() -> None:
+    q, k, v = inputs(8)
+    with torch.no_grad():
+        q.requires_grad_()
+        assert block_sparse_attention(q, k, v, scale=0.25, band_hi=0).grad_fn is None
+    assert block_sparse_attention(q.detach(), k, v, scale=0.25, band_hi=0).grad_fn is None
+    out = block_sparse_attention(q, k, v, scale=0.25, band_hi=0)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+class _FakeParam:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.is_constexpr = name == "BLOCK"
+        self.do_not_specialize = False
+
+
+class _FakeKernel:
+    """Records launches through the jit function (compiling) and through compiled kernels."""
+
+    def __init__(self) -> None:
+        self.params = [_FakeParam(n) for n in ("X", "stride_x", "BLOCK")]
+        self.launches: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def jit_launch(*args: Any, **options: Any) -> Any:
+            self.launches.append(("jit", args))
+            kernel = self
+
+            class Compiled:
+                def __getitem__(self, grid: tuple[int, ...]) -> Any:
+                    return lambda *a: kernel.launches.append(("compiled", a))
+
+            return Compiled()
+
+        return jit_launch
+
+
+def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prepared launch calls the compiled kernel only for a call key it has seen, passing the
+    constexprs after the arguments; an unseen key (another alignment) compiles through the
+    launch cache, which keys on every argument."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake = _FakeKernel()
+    monkeypatch.setitem(launch.CACHED_LAUNCHES, fake, launch.CachedLaunch(fake))
+    prepared = launch.PreparedLaunch(fake, (1,), {"BLOCK": 16, "num_warps": 4})
+    assert prepared.direct()
+    base = torch.zeros(64)
+    x, y, odd = base[:16], base[16:32], base[1:17]
+    prepared((1, True), x, 1)
+    prepared((1, True), y, 1)
+    assert fake.launches == [("jit", (x, 1)), ("compiled", (y, 1, 16))]
+    prepared((1, False), odd, 1)
+    assert fake.launches[-1] == ("jit", (odd, 1))
+    prepared((1, False), odd, 1)
+    assert fake.launches[-1] == ("compiled", (odd, 1, 16))
+    with launch.traceable_launches():
+        assert not prepared.direct()
