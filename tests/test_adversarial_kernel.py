@@ -362,6 +362,12 @@ ALIBI_CALLS = {
         (1, 1),
         False,
     ),
+    # scale 0: the scores are the ALiBi terms alone; bfloat16, a band on both sides
+    "zero_scale": (
+        Problem(2, 2, 2, 33, 47, 16, torch.bfloat16, SlidingWindowBias(9, 3), False, 0.0),
+        (2, 2),
+        False,
+    ),
 }  # fmt: skip
 
 
