@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import (
+    LOG2E_K,
     _alibi_coef,
     _col_bounds,
     _dot,
@@ -89,7 +90,7 @@ def _attn_bwd_dkdv_inner(
             lse = tl.load(lse_head + offs_m)  # [BLOCK_M]
             delta = tl.load(delta_head + offs_m)  # [BLOCK_M]
         # A row that kept nothing has lse = -inf: read it as +inf so its probabilities are 0.
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
         qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if HAS_SOFTCAP or HAS_ALIBI:
             relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
@@ -464,7 +465,7 @@ def _attn_bwd_dq(
         delta -= tl.load(DLse + row_ptrs, mask=in_rows, other=0.0)  # [BLOCK_M]
     tl.store(Delta + row_ptrs, delta, mask=in_rows)
     lse = tl.load(Lse + row_ptrs, mask=in_rows, other=float("inf"))  # [BLOCK_M]
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
 

@@ -61,7 +61,18 @@ from triton.language.extra import libdevice
 
 from .limits import interpreting
 
-__all__ = ["FP32_TINY", "LOG2E", "TANH_APPROX", "TANH_EXACT", "TANH_LIBDEVICE"]
+__all__ = [
+    "FP32_TINY",
+    "LN2",
+    "LN2_K",
+    "LOG2E",
+    "LOG2E_K",
+    "TANH_APPROX",
+    "TANH_APPROX_K",
+    "TANH_EXACT",
+    "TANH_LIBDEVICE",
+    "TANH_LIBDEVICE_K",
+]
 
 LOG2E = 1.4426950408889634  # log2(e): scores are pre-scaled by it so the softmax can use exp2
 # The smallest positive normal float32: a smaller scale may flush to zero on the GPU.
@@ -74,6 +85,13 @@ FP32_TINY = torch.finfo(torch.float32).tiny
 TANH_EXACT = 0
 TANH_LIBDEVICE = 1
 TANH_APPROX = 2
+LN2 = 0.6931471805599453  # ln(2): a base-2 log-sum-exp times this is a natural one
+
+# The same numbers as the kernels read them (a jit function reads only constexpr globals).
+LOG2E_K = tl.constexpr(LOG2E)
+LN2_K = tl.constexpr(LN2)
+TANH_LIBDEVICE_K = tl.constexpr(TANH_LIBDEVICE)
+TANH_APPROX_K = tl.constexpr(TANH_APPROX)
 
 
 # Triton's interpreter multiplies bfloat16 tiles as their raw 16-bit patterns; widening them
@@ -91,7 +109,7 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _tanh(x, TANH_MODE: tl.constexpr):
-    if TANH_MODE == 2:
+    if TANH_MODE == TANH_APPROX_K:
         y = tl.inline_asm_elementwise(
             "tanh.approx.f32 $0, $1;",
             "=r,r",
@@ -100,7 +118,7 @@ def _tanh(x, TANH_MODE: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-    elif TANH_MODE == 1:
+    elif TANH_MODE == TANH_LIBDEVICE_K:
         y = libdevice.tanh(x)
     else:
         # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, so nothing overflows; near 0
@@ -164,7 +182,7 @@ def _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI: tl.conste
     """The factor of the ALiBi distance in base-2 scores (see ``_log2_scores``)."""
     if HAS_ALIBI:
         slope = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh)
-        coef = slope * (1.4426950408889634 if ALIBI_SIGN < 0 else -1.4426950408889634)
+        coef = slope * (LOG2E_K if ALIBI_SIGN < 0 else -LOG2E_K)
     else:
         coef = 0.0
     return coef

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import FP32_TINY, _key_range, _row_bounds, _split_blocks
+from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _split_blocks
 from .configs import padded_head_dim, tanh_mode
 from .forward import _attn_fwd_inner, check_identity, identity_of
 from .launch import PreparedLaunch
@@ -68,7 +68,6 @@ __all__ = [
     "visited_key_blocks",
 ]
 
-LOG2_TO_LN = 0.6931471805599453  # ln(2): base-2 log-sum-exps times this are natural logs
 MIN_ROWS = 16  # the smallest row count of a tensor-core product
 MAX_SPLITS = 128  # beyond this the merge costs more than the parallelism gains
 # FlashAttention 2's rule: take the fewest splits whose waves of programs fill the GPU to
@@ -233,7 +232,7 @@ def _decode_fwd(
     if HAS_ALIBI:
         # heads differ between rows: one slope per row, broadcast over the keys
         slopes = tl.load(Slopes + off_b * stride_sb + heads * stride_sh, mask=in_rows, other=0.0)
-        sign = 1.4426950408889634 if ALIBI_SIGN < 0 else -1.4426950408889634
+        sign = LOG2E_K if ALIBI_SIGN < 0 else -LOG2E_K
         alibi_coef = (slopes * sign)[:, None]  # [BLOCK_M, 1]
     else:
         alibi_coef = 0.0

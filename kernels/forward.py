@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .common import (
     FP32_TINY,
+    LN2_K,
     _alibi_coef,
     _dot,
     _key_block_range,
@@ -247,9 +248,7 @@ def _attn_fwd(
 
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(
-        empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
-    )
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     in_rows = offs_m < seq_q
     lse_ptrs = Lse + (off_b * num_heads + off_h) * seq_q + offs_m
     tl.store(lse_ptrs, lse, mask=in_rows)
