@@ -28,7 +28,7 @@ from .common import (
     _row_bounds,
     _tile_ptrs,
 )
-from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config, tanh_mode
+from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config
 from .launch import launcher
 from .masks import doc_stride, late_cols_first, late_rows_first, mask_args
 
@@ -576,15 +576,7 @@ def attention_backward(
     common: dict[str, Any] = dict(
         HEAD_DIM=head_dim,
         BLOCK_E=block_e,
-        HAS_LO=mask.has_lo,
-        HAS_HI=mask.has_hi,
-        HAS_DOCS=mask.row_lo is not None,
-        HAS_KV_RANGE=mask.kv_start is not None,
-        HAS_ALIBI=mask.slopes is not None,
-        ALIBI_SIGN=mask.alibi_sign,
-        HAS_SOFTCAP=softcap is not None,
-        TANH_MODE=tanh_mode(q),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **mask.flags(q),
     )
 
     delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)

@@ -315,8 +315,33 @@ def _key_block_range(
     BLOCK_N: tl.constexpr,
 ):
     """Key blocks seen by query rows ``[start_m, start_m + BLOCK_M)`` (see ``_split_blocks``)."""
-    first = start_m
-    last = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    return _rows_key_blocks(
+        start_m, tl.minimum(start_m + BLOCK_M, seq_q) - 1, seq_k, band_lo, band_hi, RowLo, RowHi,
+        doc_off, kv_lo, kv_hi,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rows_key_blocks(
+    first,
+    last,
+    seq_k,
+    band_lo,
+    band_hi,
+    RowLo,
+    RowHi,
+    doc_off,
+    kv_lo,
+    kv_hi,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key blocks seen by query rows ``[first, last]`` (see ``_split_blocks``)."""
     lo = first * 0
     hi = lo + seq_k
     full_lo = lo

@@ -48,9 +48,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _split_blocks
-from .configs import padded_head_dim, tanh_mode
-from .forward import _attn_fwd_inner, check_identity, identity_of
+from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _rows_key_blocks
+from .configs import padded_head_dim
+from .forward import _attn_fwd_runs, check_identity, identity_of
 from .launch import PreparedLaunch
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
@@ -83,43 +83,6 @@ INTERPRETER_SM_COUNT = 4
 # --------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _decode_key_range(
-    first_q,
-    last_q,
-    seq_k,
-    band_lo,
-    band_hi,
-    RowLo,
-    RowHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Key blocks seen by query rows ``[first_q, last_q]`` within the valid keys
-    ``[kv_lo, kv_hi)`` (see ``_split_blocks``)."""
-    lo = kv_lo
-    hi = kv_hi
-    full_lo = lo
-    full_hi = hi
-    if HAS_LO:
-        lo = tl.maximum(lo, first_q + band_lo)
-        full_lo = tl.maximum(full_lo, last_q + band_lo)
-    if HAS_HI:
-        hi = tl.minimum(hi, last_q + band_hi + 1)
-        full_hi = tl.minimum(full_hi, first_q + band_hi + 1)
-    if HAS_DOCS:
-        lo = tl.maximum(lo, tl.load(RowLo + doc_off + first_q))
-        full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last_q))
-        hi = tl.minimum(hi, tl.load(RowHi + doc_off + last_q))
-        full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first_q))
-    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
 @triton.jit
@@ -211,9 +174,10 @@ def _decode_fwd(
     first_q = start_r // group_size
     last_q = tl.minimum((start_r + BLOCK_M - 1) // group_size, seq_q - 1)
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
-    block_first, full_first, full_end, block_end = _decode_key_range(
+    block_first, full_first, full_end, block_end = _rows_key_blocks(
         first_q, last_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, BLOCK_N=BLOCK_N,
+        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     # this program's even share [share_first, share_end) of the visited blocks
     visited = block_end - block_first
@@ -241,34 +205,15 @@ def _decode_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    acc, l_i, m_i = _attn_fwd_inner(
+    acc, l_i, m_i = _attn_fwd_runs(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, share_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI,
+        offs_m, row_lo, row_hi, share_first, prefix_end, middle_first, middle_end, suffix_first,
+        share_end,
+        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+        EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, middle_first, middle_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI,
-        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-    )  # fmt: skip
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, suffix_first, share_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI,
-        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-    )  # fmt: skip
-
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     rows = offs_m.to(tl.int64)[:, None]
@@ -623,15 +568,7 @@ def plan_decode(
         BLOCK_E=block_e,
         BLOCK_M=layout.block_m,
         BLOCK_N=cfg.block_n,
-        HAS_LO=mask.has_lo,
-        HAS_HI=mask.has_hi,
-        HAS_DOCS=mask.row_lo is not None,
-        HAS_KV_RANGE=mask.kv_start is not None,
-        HAS_ALIBI=mask.slopes is not None,
-        ALIBI_SIGN=mask.alibi_sign,
-        HAS_SOFTCAP=softcap is not None,
-        TANH_MODE=tanh_mode(q),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **mask.flags(q),
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,

@@ -26,7 +26,7 @@ from .common import (
     _row_bounds,
     _tile_ptrs,
 )
-from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config, tanh_mode
+from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config
 from .launch import PreparedLaunch
 from .masks import doc_stride, late_rows_first, mask_args
 
@@ -133,6 +133,48 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _attn_fwd_runs(
+    acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    offs_m, row_lo, row_hi, prefix_first, prefix_end, middle_first, middle_end, suffix_first,
+    suffix_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+    EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+):  # fmt: skip
+    """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
+    mask) and a partial suffix, each ``[first, end)`` in blocks."""
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, middle_first, middle_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=False, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, suffix_first, suffix_end, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef,
+        MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE,
+    )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q,
     K,
@@ -217,35 +259,14 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    # partial prefix, full middle, partial suffix
-    acc, l_i, m_i = _attn_fwd_inner(
+    acc, l_i, m_i = _attn_fwd_runs(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
+        offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end, block_end,
+        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+        EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
     )  # fmt: skip
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
-    )  # fmt: skip
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
-    )  # fmt: skip
-
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
@@ -357,16 +378,8 @@ def plan_forward(
         BLOCK_E=block_e,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        HAS_LO=mask.has_lo,
-        HAS_HI=mask.has_hi,
-        HAS_DOCS=mask.row_lo is not None,
-        HAS_KV_RANGE=mask.kv_start is not None,
-        HAS_ALIBI=mask.slopes is not None,
-        ALIBI_SIGN=mask.alibi_sign,
-        HAS_SOFTCAP=softcap is not None,
-        TANH_MODE=tanh_mode(q),
         REVERSE=late_rows_first(seq_q, seq_k, mask),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **mask.flags(q),
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         num_warps=cfg.num_warps,

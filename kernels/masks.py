@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .common import LOG2E
+from .configs import tanh_mode
 from .launch import launches_traceable
 
 __all__ = ["MaskArgs", "doc_stride", "late_cols_first", "late_rows_first", "mask_args"]
@@ -36,8 +38,24 @@ class MaskArgs:
     stride_sb: int
     stride_sh: int
     qk_scale: float
+    has_softcap: bool
     softcap_in: float
     softcap_out: float
+
+    def flags(self, q: Tensor) -> dict[str, Any]:
+        """The ``tl.constexpr`` flags every attention kernel takes for this mask and for
+        inputs of ``q``'s dtype and device."""
+        return dict(
+            HAS_LO=self.has_lo,
+            HAS_HI=self.has_hi,
+            HAS_DOCS=self.row_lo is not None,
+            HAS_KV_RANGE=self.kv_start is not None,
+            HAS_ALIBI=self.slopes is not None,
+            ALIBI_SIGN=self.alibi_sign,
+            HAS_SOFTCAP=self.has_softcap,
+            TANH_MODE=tanh_mode(q),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
 
 
 def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -179,6 +197,7 @@ def mask_args(
         stride_sb=stride_sb,
         stride_sh=stride_sh,
         qk_scale=scale * LOG2E,
+        has_softcap=softcap is not None,
         softcap_in=softcap_in,
         softcap_out=softcap_out,
     )
