@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +59,20 @@ class Lowered:
     @property
     def has_key_range(self) -> bool:
         return self.kv_start is not None
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The mask and score-modifier keywords of the Triton kernels' launchers
+        (``attention_forward``, ``decode_forward``, their plans, ``block_sparse_attention``)."""
+        return {
+            "band_lo": self.band_lo,
+            "band_hi": self.band_hi,
+            "q_doc": self.q_doc,
+            "kv_doc": self.kv_doc,
+            "alibi_slopes": self.slopes,
+            "softcap": self.softcap,
+            "kv_start": self.kv_start,
+            "kv_end": self.kv_end,
+        }
 
     @property
     def _band_only(self) -> bool:

@@ -98,16 +98,7 @@ def kernel_args(bias: AttnBias, length_q: int, length_kv: int) -> dict[str, Any]
     """The keyword arguments ``bias`` lowers to (it must have a kernel form)."""
     lowered = lower(bias, length_q, length_kv, torch.device(DEVICE))
     assert not lowered.others
-    return {
-        "kv_start": lowered.kv_start,
-        "kv_end": lowered.kv_end,
-        "band_lo": lowered.band_lo,
-        "band_hi": lowered.band_hi,
-        "q_doc": lowered.q_doc,
-        "kv_doc": lowered.kv_doc,
-        "alibi_slopes": lowered.slopes,
-        "softcap": lowered.softcap,
-    }
+    return lowered.kernel_args()
 
 
 def band_bias(length_q: int, length_kv: int, lo: int | None, hi: int | None) -> TensorBias:

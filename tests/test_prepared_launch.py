@@ -91,11 +91,9 @@ def test_a_prepared_plan_gives_what_a_fresh_call_gives(
         outs = [attnbias.sdpa(q, k, v, attn_mask=bias) for _ in range(3)]
         assert len(made) == 1  # planned once, then launched
         lowered = attnbias.spec.lower(bias, length_q, k.shape[2], q.device, batch=q.shape[0])
-        fresh = getattr(module, name)(
-            q, k, v, scale=16**-0.5, band_lo=lowered.band_lo, band_hi=lowered.band_hi,
-            q_doc=lowered.q_doc, kv_doc=lowered.kv_doc, alibi_slopes=lowered.slopes,
-            softcap=lowered.softcap,
-        ).launch(q, k, v)  # fmt: skip
+        fresh = getattr(module, name)(q, k, v, scale=16**-0.5, **lowered.kernel_args()).launch(
+            q, k, v
+        )
     fresh_out = fresh[0] if kernel == "training" else fresh
     for out in outs:
         assert torch.equal(out, fresh_out)

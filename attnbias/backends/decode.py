@@ -72,20 +72,12 @@ class TritonDecode(Backend):
     def run(self, spec: Spec) -> Tensor:
         from attnbias.kernels.decode import decode_forward
 
-        lowered = spec.lowered
         return decode_forward(
             spec.query,
             spec.key,
             spec.value,
             scale=spec.resolved_scale,
-            band_lo=lowered.band_lo,
-            band_hi=lowered.band_hi,
-            q_doc=lowered.q_doc,
-            kv_doc=lowered.kv_doc,
-            alibi_slopes=lowered.slopes,
-            softcap=lowered.softcap,
-            kv_start=lowered.kv_start,
-            kv_end=lowered.kv_end,
+            **spec.lowered.kernel_args(),
         )
 
     def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
@@ -93,7 +85,6 @@ class TritonDecode(Backend):
         arguments) and launched with each call's tensors."""
         from attnbias.kernels.decode import plan_decode
 
-        lowered = spec.lowered
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
         # this function keeps the bias, and biases are not written in place.
         launch = plan_decode(
@@ -101,14 +92,7 @@ class TritonDecode(Backend):
             spec.key,
             spec.value,
             scale=spec.resolved_scale,
-            band_lo=lowered.band_lo,
-            band_hi=lowered.band_hi,
-            q_doc=lowered.q_doc,
-            kv_doc=lowered.kv_doc,
-            alibi_slopes=lowered.slopes,
-            softcap=lowered.softcap,
-            kv_start=lowered.kv_start,
-            kv_end=lowered.kv_end,
+            **spec.lowered.kernel_args(),
         ).launch
 
         def run_prepared(call: Spec) -> Tensor:

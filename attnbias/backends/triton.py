@@ -87,20 +87,12 @@ class TritonKernel(Backend):
     def run(self, spec: Spec) -> Tensor:
         from attnbias.kernels import block_sparse_attention
 
-        lowered = spec.lowered
         return block_sparse_attention(
             spec.query,
             spec.key,
             spec.value,
             scale=spec.resolved_scale,
-            band_lo=lowered.band_lo,
-            band_hi=lowered.band_hi,
-            q_doc=lowered.q_doc,
-            kv_doc=lowered.kv_doc,
-            alibi_slopes=lowered.slopes,
-            softcap=lowered.softcap,
-            kv_start=lowered.kv_start,
-            kv_end=lowered.kv_end,
+            **spec.lowered.kernel_args(),
         )
 
     def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
@@ -110,7 +102,6 @@ class TritonKernel(Backend):
             return self.run
         from attnbias.kernels.forward import plan_forward
 
-        lowered = spec.lowered
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
         # this function keeps the bias, and biases are not written in place.
         plan = plan_forward(
@@ -118,14 +109,7 @@ class TritonKernel(Backend):
             spec.key,
             spec.value,
             scale=spec.resolved_scale,
-            band_lo=lowered.band_lo,
-            band_hi=lowered.band_hi,
-            q_doc=lowered.q_doc,
-            kv_doc=lowered.kv_doc,
-            alibi_slopes=lowered.slopes,
-            softcap=lowered.softcap,
-            kv_start=lowered.kv_start,
-            kv_end=lowered.kv_end,
+            **spec.lowered.kernel_args(),
         )
         launch = plan.launch
 
