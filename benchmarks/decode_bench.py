@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import attnbias
 from attnbias import AlibiBias, SlidingWindowBias, SoftcapBias, causal_lower_right
 from attnbias.bias import alibi_slopes
+
+# isort: split
+# A sibling, found through the folder of this script on sys.path.
+from measure import host_us
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 8, 32, 8, 128
 WINDOW = 4096
@@ -196,18 +199,6 @@ def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
     return rows
 
 
-def host_us(call: Call, calls: int = 200) -> float:
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def host_table() -> None:
     from attnbias.kernels import attention_forward, decode_forward
     from attnbias.spec import lower
@@ -224,11 +215,7 @@ def host_table() -> None:
             ("training kernel (L=128)", q, attention_forward),
         ):
             lowered = lower(bias, query.shape[2], q.shape[2], q.device)
-            kwargs = dict(
-                scale=0.125, band_lo=lowered.band_lo, band_hi=lowered.band_hi,
-                q_doc=lowered.q_doc, kv_doc=lowered.kv_doc, alibi_slopes=lowered.slopes,
-                softcap=lowered.softcap,
-            )  # fmt: skip
+            kwargs = dict(scale=0.125, **lowered.kernel_args())
             direct = host_us(lambda query=query, go=launch, kw=kwargs: go(query, q, q, **kw))
             with torch.no_grad():
                 ours = host_us(

@@ -105,6 +105,20 @@ def time_ms(fn: Callable[[], Any], inputs: Inputs, cfg: Config) -> float:
     return statistics.median(times)
 
 
+def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    """Host time of one call, µs: ``calls`` calls issued without waiting for the GPU, so
+    where the GPU keeps up each costs what the host spends on it."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def peak_extra_mib(fn: Callable[[], Any], base_bytes: int, cfg: Config) -> float | None:
     """Peak memory of one call above what was allocated before the contender was set up, so
     it counts the contender's own state (mask, block mask), outputs and gradients."""

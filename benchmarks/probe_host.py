@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 from flash_attn.cute import flash_attn_func
@@ -15,17 +14,9 @@ from flash_attn.cute import flash_attn_func
 import attnbias
 from attnbias import SlidingWindowBias
 
-
-def host_us(fn, calls: int = 50) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+# isort: split
+# A sibling, found through the folder of this script on sys.path.
+from measure import host_us
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     )[0].transpose(1, 2)
     plan = lambda: attnbias.explain(q, k, v, attn_mask=bias)
     for name, fn in (("attnbias", ours), ("fa4 direct", direct), ("explain", plan)):
-        print(f"| {name} | {min(host_us(fn) for _ in range(3)):.1f} us per call |")
+        print(f"| {name} | {min(host_us(fn, calls=50) for _ in range(3)):.1f} us per call |")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(200):
