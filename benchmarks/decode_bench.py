@@ -227,15 +227,24 @@ def host_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S = 32768 only")
+    parser.add_argument("--kv", type=int, nargs="+", help="cache lengths (default: all three)")
+    parser.add_argument("--biases", nargs="+", default=list(biases()), choices=list(biases()))
+    parser.add_argument(
+        "--tables", nargs="+", default=["decode", "prefill", "host"],
+        choices=["decode", "prefill", "host"],
+    )  # fmt: skip
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("\n## Decode (CUDA-graph replays)\n")
-    lengths_kv = [32768] if args.quick else [8192, 32768, 131072]
-    decode_table([1, 4, 16], lengths_kv, ["causal", "window", "alibi", "softcap"])
-    print("\n## Chunked prefill\n")
-    decode_table([1024], [16384], ["causal"])
-    print("\n## Host time per forward call (B=1, H=1, S=128, E=64, no grad)\n")
-    host_table()
+    if "decode" in args.tables:
+        print("\n## Decode (CUDA-graph replays)\n")
+        lengths_kv = args.kv or ([32768] if args.quick else [8192, 32768, 131072])
+        decode_table([1, 4, 16], lengths_kv, args.biases)
+    if "prefill" in args.tables:
+        print("\n## Chunked prefill\n")
+        decode_table([1024], [16384], ["causal"])
+    if "host" in args.tables:
+        print("\n## Host time per forward call (B=1, H=1, S=128, E=64, no grad)\n")
+        host_table()
 
 
 if __name__ == "__main__":

@@ -281,7 +281,9 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq_inner(
     dq,
-    dslope,
+    slope_pdr,
+    slope_pr,
+    slope_pd,
     q,
     do,
     lse2,
@@ -319,8 +321,11 @@ def _attn_bwd_dq_inner(
     HAS_DSLOPE: tl.constexpr,
 ):
     """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
-    ``dslope`` ``[BLOCK_M]``: each row's sum of ``dS * |i + (S - L) - j|``, where ``dS`` is
-    the gradient of the score that ALiBi's term ``-slope * |i + (S - L) - j|`` is added to."""
+    three ``[BLOCK_M]`` row sums for the gradient of ALiBi's slope: ``sum P dP r``,
+    ``sum P r`` and ``sum P dP``, where ``r = |i + (S - L) - j|`` and ``dP`` is the gradient of
+    the probabilities. The slope's part of a row is ``sum dS r = sum P dP r - (sum P r)(sum P
+    dP)`` (:func:`_attn_bwd_dq`): it needs no ``delta``, whose rounding (it is read from the
+    low-precision output) would otherwise be multiplied by the distances."""
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     IN_RANGE: tl.constexpr = MASKED and HAS_KV_RANGE  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -354,7 +359,15 @@ def _attn_bwd_dq_inner(
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
             ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
-            dslope += tl.sum(ds * tl.abs(rel), 1)
+            pd = p * dp
+            if MASKED:
+                pd = tl.where(keep, pd, 0.0)
+                pr = tl.where(keep, p * tl.abs(rel), 0.0)
+            else:
+                pr = p * tl.abs(rel)
+            slope_pdr += tl.sum(pd * tl.abs(rel), 1)
+            slope_pr += tl.sum(pr, 1)
+            slope_pd += tl.sum(pd, 1)
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
             if MASKED:  # t of a masked pair may be NaN
@@ -363,7 +376,7 @@ def _attn_bwd_dq_inner(
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq, dslope
+    return dq, slope_pdr, slope_pr, slope_pd
 
 
 @triton.jit
@@ -484,25 +497,30 @@ def _attn_bwd_dq(
     shift = seq_k - seq_q
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dq, dslope = _attn_bwd_dq_inner(
-        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    slope_pdr = tl.zeros([BLOCK_M], dtype=tl.float32)
+    slope_pr = tl.zeros([BLOCK_M], dtype=tl.float32)
+    slope_pd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
-    dq, dslope = _attn_bwd_dq_inner(
-        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
     )  # fmt: skip
-    dq, dslope = _attn_bwd_dq_inner(
-        dq, dslope, q, do, lse2, delta, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
         qk_scale, softcap_in, softcap_out, alibi_coef,
         MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
@@ -513,7 +531,7 @@ def _attn_bwd_dq(
     if HAS_DSLOPE:
         # ALiBi's term is -slope * |i + (S - L) - j|
         dslope_ptr = DSlope + (off_b * num_heads + off_h) * tl.num_programs(0) + pid_m
-        tl.store(dslope_ptr, -tl.sum(dslope, 0))
+        tl.store(dslope_ptr, -tl.sum(slope_pdr - slope_pr * slope_pd, 0))
     dq *= sm_scale
     dq_ptrs = _tile_ptrs(
         DQ + off_b * stride_dqb + off_h.to(tl.int64) * stride_dqh, start_m, stride_dqm, stride_dqk,

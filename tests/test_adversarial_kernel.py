@@ -320,7 +320,7 @@ def test_rows_that_keep_nothing_give_zero_whatever_their_query() -> None:
     bias = DocumentBias.from_seqlens([6, 5, 9, 4], [10, 0, 10, 0]) + causal_lower_right()
     q, grad_out = (torch.randn(2, 2, 24, 16, device=DEVICE) for _ in range(2))
     k, v = (torch.randn(2, 2, 20, 16, device=DEVICE) for _ in range(2))
-    empty = torch.zeros(24, dtype=torch.bool)
+    empty = torch.zeros(24, dtype=torch.bool, device=DEVICE)
     empty[6:11] = empty[20:] = True
     q[:, :, empty] = math.nan
     grad_out[:, :, empty] = math.inf
