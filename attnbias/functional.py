@@ -165,6 +165,26 @@ def _validate(
     return dropout, scale
 
 
+def _says(text: str) -> Callable[[], str]:
+    return lambda: text
+
+
+class _EmptyOutput(torch.autograd.Function):
+    """The ``(B, Hq, L, Ev)`` output of a call with ``B``, ``Hq`` or ``L`` equal to 0, and
+    zero gradients for query, key and value: no element of the output depends on them."""
+
+    @staticmethod
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in (query, key, value)]
+        return query.new_empty((*query.shape[:3], value.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, ...]:
+        return tuple(
+            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs
+        )
+
+
 def _choose(
     query: Tensor,
     key: Tensor,
@@ -181,6 +201,16 @@ def _choose(
     ``call`` is the call's :func:`plan_cache.call_key`; a built-in bias's decision is kept
     under it.
     """
+    batch, heads_q, length_q = query.shape[:3]
+    if batch * heads_q * length_q == 0:
+        return (
+            _says(
+                f"empty: the output (B, Hq, L, Ev)={(batch, heads_q, length_q, value.shape[-1])} "
+                f"has no elements, so nothing runs (stock SDPA ends the process with a floating "
+                f"point exception on some of these shapes)"
+            ),
+            lambda: _EmptyOutput.apply(query, key, value),
+        )
     if (
         isinstance(attn_mask, AttnBias)
         and not attn_mask.needs_materialization()
@@ -209,19 +239,16 @@ def _choose(
             enable_gqa=enable_gqa,
         )
 
-    def says(text: str) -> Callable[[], str]:
-        return lambda: text
-
     if isinstance(attn_mask, Tensor):
         return (
-            says(
+            _says(
                 "sdpa: a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, "
                 "or use a structured bias such as CausalBias, to silence the warning)"
             ),
             stock(attn_mask, is_causal),
         )
     if attn_mask is None:
-        return says("sdpa: no mask: stock SDPA"), stock(None, is_causal)
+        return _says("sdpa: no mask: stock SDPA"), stock(None, is_causal)
     if attn_mask.needs_materialization():
         bias = with_causal(attn_mask, is_causal)
         assert bias is not None  # attn_mask is not None here
@@ -238,7 +265,7 @@ def _choose(
             )
 
         return (
-            says(
+            _says(
                 f"sdpa+mask: {bias!r} needs materialization, so stock SDPA runs with its "
                 f"materialized mask"
             ),
@@ -246,7 +273,7 @@ def _choose(
         )
     cls = type(attn_mask)
     return (
-        says(
+        _says(
             f"{cls.__name__}.dispatch: {cls.__name__} does not need materialization and runs "
             f"through its own dispatch()"
         ),
@@ -292,8 +319,8 @@ def sdpa(
 
     Returns:
         ``(B, Hq, L, Ev)``. A query row that keeps no key gives 0 (and zero gradients). An
-        empty ``B``, ``Hq``, ``L`` or ``S`` gives what stock SDPA gives: an empty result, or
-        0 for every row when ``S = 0``.
+        empty ``B``, ``Hq`` or ``L`` gives an empty result without running anything, and
+        ``S = 0`` gives 0 for every row, as stock SDPA does; the gradients are zeros.
 
     Raises:
         TypeError: a flag that is not a bool, a number that is not a number, an ``attn_mask``
@@ -347,10 +374,10 @@ def explain(
 
     The first word is the route: ``fa4`` (FlashAttention 4), ``triton`` (the block-sparse
     kernel), ``sdpa(is_causal=True)``, ``sdpa`` (stock, no mask), ``sdpa+mask`` (stock with the
-    materialized mask), ``reference`` (the exact eager path) or ``<Class>.dispatch`` (a user
-    bias's own dispatch). For the built-in biases the next lines give the order the backends
-    were tried in (set per GPU generation and kind of bias, or by :func:`use_backends`) and
-    every other backend's reasons::
+    materialized mask), ``reference`` (the exact eager path), ``empty`` (no output element:
+    nothing runs) or ``<Class>.dispatch`` (a user bias's own dispatch). For the built-in
+    biases the next lines give the order the backends were tried in (set per GPU generation
+    and kind of bias, or by :func:`use_backends`) and every other backend's reasons::
 
         >>> q = k = v = torch.randn(1, 1, 4, 8)
         >>> print(explain(q, k, v, attn_mask=SoftcapBias(30.0)))  # doctest: +ELLIPSIS

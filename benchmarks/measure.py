@@ -105,18 +105,21 @@ def time_ms(fn: Callable[[], Any], inputs: Inputs, cfg: Config) -> float:
     return statistics.median(times)
 
 
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    """Host time of one call, µs: ``calls`` calls issued without waiting for the GPU, so
-    where the GPU keeps up each costs what the host spends on it."""
-    for _ in range(10):
+def host_us(fn: Callable[[], Any], calls: int = 500, rounds: int = 5) -> float:
+    """Host time of one call, µs: the median over ``rounds`` of ``calls`` calls issued
+    without waiting for the GPU, so where the GPU keeps up each costs what the host spends on
+    it."""
+    for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def peak_extra_mib(fn: Callable[[], Any], base_bytes: int, cfg: Config) -> float | None:
