@@ -223,7 +223,7 @@ def _choose(
         if call is not None:
             # the backend prepares its run once, for this call and the identical ones after it
             entry = plan_cache.store(call, chosen.spec, chosen.backend)
-            return chosen.explain, partial(entry.run_prepared, chosen.spec)
+            return chosen.explain, partial(entry.run, query, key, value)
         return chosen.explain, chosen.run
 
     def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
@@ -344,7 +344,7 @@ def sdpa(
         cached = plan_cache.lookup(call)
         if cached is not None:
             # The same call, validated and planned before.
-            return cached.run(query, key, value, scale, dropout_p, enable_gqa)
+            return cached.run(query, key, value)
     dropout_p, scale = _validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )

@@ -25,13 +25,14 @@ that grows by one key per step is a new ``KeyRangeBias(end=...)`` per step).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from attnbias.backends import Backend
+from attnbias.backends.base import Prepared
 from attnbias.bias import (
     AlibiBias,
     AttnBias,
@@ -59,31 +60,8 @@ class CachedPlan:
 
     bias: AttnBias | None
     lowered: Lowered
-    run_prepared: Callable[[Spec], Tensor]
-    needs_grad: bool
-
-    def run(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        scale: float | None,
-        dropout_p: float,
-        enable_gqa: bool,
-    ) -> Tensor:
-        spec = Spec(
-            query,
-            key,
-            value,
-            self.bias,
-            self.lowered,
-            scale,
-            dropout_p,
-            enable_gqa,
-            self.needs_grad,
-            False,
-        )
-        return self.run_prepared(spec)
+    # the call's query, key and value -> its output (flags and bias are fixed by the key)
+    run: Prepared
 
 
 _ENTRIES: dict[Hashable, CachedPlan] = {}
@@ -169,7 +147,7 @@ def lookup(key: Hashable) -> CachedPlan | None:
 def store(key: Hashable, spec: Spec, backend: Backend) -> CachedPlan:
     """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
     Returns the entry, whose prepared run also serves the call that made it."""
-    entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec), spec.needs_grad)
+    entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec))
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:

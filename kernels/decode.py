@@ -473,9 +473,13 @@ class DecodePlan:
     kernel: PreparedLaunch | None
     merge: PreparedLaunch | None  # merges the splits' partial results (one split: None)
 
-    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``out`` as :func:`decode_forward` returns it. No host synchronisation."""
-        check_identity("decode", self.identity, q, k, v)
+    def launch(self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True) -> Tensor:
+        """``out`` as :func:`decode_forward` returns it. No host synchronisation.
+
+        ``checked=False`` skips checking that the tensors are of the plan's identity, for a
+        caller that has (the plan cache keys on it)."""
+        if checked:
+            check_identity("decode", self.identity, q, k, v)
         batch, num_heads, seq_q, head_dim = q.shape
         out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
         if self.kernel is None or self.layout is None:

@@ -314,9 +314,15 @@ class ForwardPlan:
     scalars: tuple[int | float, ...]  # the runtime scalars after the strides
     kernel: PreparedLaunch | None  # None: an empty output, nothing to launch
 
-    def launch(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` as :func:`attention_forward` returns them. No host synchronisation."""
-        check_identity("forward", self.identity, q, k, v)
+    def launch(
+        self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` as :func:`attention_forward` returns them. No host synchronisation.
+
+        ``checked=False`` skips checking that the tensors are of the plan's identity, for a
+        caller that has (the plan cache keys on it)."""
+        if checked:
+            check_identity("forward", self.identity, q, k, v)
         batch, num_heads, seq_q, head_dim = q.shape
         out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)

@@ -13,7 +13,10 @@ from torch import Tensor
 
 from attnbias.spec import Spec
 
-__all__ = ["Backend", "refuse_double_backward"]
+__all__ = ["Backend", "Prepared", "refuse_double_backward"]
+
+# A backend's run for one call identity: takes the call's query, key and value.
+Prepared = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def _refuse_graph(route: str, grad: Tensor) -> None:
@@ -67,14 +70,24 @@ class Backend(ABC):
     def run(self, spec: Spec) -> Tensor:
         """``(B, Hq, L, Ev)`` attention for ``spec``."""
 
-    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
-        """:meth:`run` for calls identical to ``spec`` but for the contents of their tensors.
+    def prepare(self, spec: Spec) -> Prepared:
+        """:meth:`run` for calls identical to ``spec`` but for their tensors: the returned
+        function takes the call's query, key and value.
 
         A repeated call runs the returned function (see ``attnbias/plan_cache.py``), so
         whatever depends only on the call's identity (shapes, flags, the lowered bias) can be
         worked out here once. The function must not keep ``spec``'s query, key or value alive.
         """
-        return self.run
+        fields = (
+            spec.bias, spec.lowered, spec.scale, spec.dropout_p, spec.enable_gqa,
+            spec.needs_grad, spec.compiling,
+        )  # fmt: skip
+        run = self.run
+
+        def run_call(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            return run(Spec(query, key, value, *fields))
+
+        return run_call
 
     def label(self, spec: Spec) -> str:
         """The route's name in ``explain`` (the backend's name unless a form is worth naming)."""

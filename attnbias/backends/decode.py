@@ -3,11 +3,9 @@ key/value caches, forward only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import Tensor
 
-from attnbias.backends.base import Backend
+from attnbias.backends.base import Backend, Prepared
 from attnbias.backends.triton import kernel_reasons
 from attnbias.kernels.limits import DTYPES, MAX_DECODE_QUERIES
 from attnbias.spec import Spec
@@ -80,7 +78,7 @@ class TritonDecode(Backend):
             **spec.lowered.kernel_args(),
         )
 
-    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+    def prepare(self, spec: Spec) -> Prepared:
         """The decode forward planned once (:func:`plan_decode`: layout, split count, mask
         arguments) and launched with each call's tensors."""
         from attnbias.kernels.decode import plan_decode
@@ -95,7 +93,8 @@ class TritonDecode(Backend):
             **spec.lowered.kernel_args(),
         ).launch
 
-        def run_prepared(call: Spec) -> Tensor:
-            return launch(call.query, call.key, call.value)
+        def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            # the plan cache's key already holds the shapes, dtypes and devices
+            return launch(query, key, value, checked=False)
 
         return run_prepared

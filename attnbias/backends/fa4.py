@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend, refuse_double_backward
+from attnbias.backends.base import Backend, Prepared, refuse_double_backward
 from attnbias.bias import DocumentBias, parts_of
 from attnbias.spec import Lowered, Spec
 
@@ -226,8 +226,8 @@ def _head_dim_reasons(major: int, head_dim: int, head_dim_v: int, dtype: torch.d
     return []
 
 
-def _first_order(out: Tensor, spec: Spec) -> Tensor:
-    return refuse_double_backward(out, "FlashAttention 4") if spec.needs_grad else out
+def _first_order(out: Tensor, needs_grad: bool) -> Tensor:
+    return refuse_double_backward(out, "FlashAttention 4") if needs_grad else out
 
 
 class FlashAttention4(Backend):
@@ -353,10 +353,11 @@ class FlashAttention4(Backend):
         return f"FlashAttention 4 ({', '.join(terms)})"
 
     def run(self, spec: Spec) -> Tensor:
-        return self.prepare(spec)(spec)
+        return self.prepare(spec)(spec.query, spec.key, spec.value)
 
-    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+    def prepare(self, spec: Spec) -> Prepared:
         lowered = spec.lowered
+        needs_grad = spec.needs_grad
         layout = self._layout(spec)
         options: dict[str, Any] = {
             "softmax_scale": spec.resolved_scale,
@@ -377,15 +378,12 @@ class FlashAttention4(Backend):
         if layout is None:
             dense = _flash_attn_func()
 
-            def run_dense(spec: Spec) -> Tensor:
+            def run_dense(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
                 # FlashAttention takes (B, L, H, E): a transposed view, no copy.
                 out, _ = dense(
-                    spec.query.transpose(1, 2),
-                    spec.key.transpose(1, 2),
-                    spec.value.transpose(1, 2),
-                    **options,
+                    query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **options
                 )
-                return _first_order(out.transpose(1, 2), spec)
+                return _first_order(out.transpose(1, 2), needs_grad)
 
             return run_dense
 
@@ -397,15 +395,15 @@ class FlashAttention4(Backend):
             max_seqlen_k=layout.max_seqlen_k,
         )
 
-        def run_documents(spec: Spec) -> Tensor:
+        def run_documents(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
             # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
             # with [0] would zero-fill and copy each gradient in the backward)
             out, _ = varlen(
-                spec.query.squeeze(0).transpose(0, 1),
-                spec.key.squeeze(0).transpose(0, 1),
-                spec.value.squeeze(0).transpose(0, 1),
+                query.squeeze(0).transpose(0, 1),
+                key.squeeze(0).transpose(0, 1),
+                value.squeeze(0).transpose(0, 1),
                 **options,
             )
-            return _first_order(out.transpose(0, 1).unsqueeze(0), spec)
+            return _first_order(out.transpose(0, 1).unsqueeze(0), needs_grad)
 
         return run_documents

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
 
 from torch import Tensor
 
-from attnbias.backends.base import Backend
+from attnbias.backends.base import Backend, Prepared
 from attnbias.kernels.limits import DTYPES, MAX_ALIBI_LENGTH, MAX_HEAD_DIM
 from attnbias.kernels.limits import interpreting as _interpreting  # tests replace it
 from attnbias.spec import Spec
@@ -95,11 +94,11 @@ class TritonKernel(Backend):
             **spec.lowered.kernel_args(),
         )
 
-    def prepare(self, spec: Spec) -> Callable[[Spec], Tensor]:
+    def prepare(self, spec: Spec) -> Prepared:
         """Without gradients, the forward planned once (:func:`plan_forward`) and launched
         with each call's tensors, recording no autograd node; with them, :meth:`run`."""
         if spec.needs_grad or spec.compiling:
-            return self.run
+            return super().prepare(spec)
         from attnbias.kernels.forward import plan_forward
 
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
@@ -113,7 +112,8 @@ class TritonKernel(Backend):
         )
         launch = plan.launch
 
-        def run_prepared(call: Spec) -> Tensor:
-            return launch(call.query, call.key, call.value)[0]
+        def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            # the plan cache's key already holds the shapes, dtypes and devices
+            return launch(query, key, value, checked=False)[0]
 
         return run_prepared
