@@ -207,6 +207,7 @@ def test_the_default_route_is_the_kernel_and_explain_names_the_range(
     assert "fa4: " in text and "a key range (KeyRangeBias)" in text.split("fa4: ")[1]
     # without the kernel (CPU, no interpreter) the materialized mask takes it
     monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+    q, k, v = (t.detach().cpu() for t in (q, k, v))
     assert attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True).startswith(
         "sdpa+mask: band -inf <= j - i <= 20, key range"
     )

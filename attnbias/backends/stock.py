@@ -109,7 +109,12 @@ def materialized_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    return inputs.poison(out, masked.keep)
+    out = inputs.poison(out, masked.keep)
+    if masked.keep is None:
+        return out
+    # Rows that keep no key give 0, and send no gradient anywhere: stock SDPA's CUDA kernels
+    # (torch 2.11) give such a row a value there, with gradients reaching keys it does not keep.
+    return out.masked_fill(~masked.keep.any(-1, keepdim=True), 0.0)
 
 
 def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
