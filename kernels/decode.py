@@ -498,8 +498,8 @@ class DecodePlan:
             # The outputs and partial results are fresh and contiguous: their strides are
             # fixed by the shapes.
             out_aligned = out.data_ptr() % 16 == 0
-            parts_aligned = all(
-                t.data_ptr() % 16 == 0 for t in (part_out, part_lse) if t is not None
+            parts_aligned = part_out is None or (
+                part_out.data_ptr() % 16 == 0 and part_lse.data_ptr() % 16 == 0  # type: ignore[union-attr]
             )
             call_key = (
                 q_stride,

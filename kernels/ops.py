@@ -1,7 +1,8 @@
 """The launchers as PyTorch custom ops, with autograd, and the public attention function.
 
-``attnbias::attention_fwd`` returns ``(out, lse)`` and ``attnbias::attention_bwd`` returns
-``(dq, dk, dv)``. Both are ``torch.library.triton_op``s whose kernels are launched through
+``attnbias::attention_fwd`` returns ``(out, lse)``, ``attnbias::attention_bwd`` returns
+``(dq, dk, dv)`` and ``attnbias::decode_fwd`` (forward only) returns ``out``. They are
+``torch.library.triton_op``s whose kernels are launched through
 ``wrap_triton``, so ``torch.compile(fullgraph=True)`` traces into them without a graph break.
 Outside of tracing (eager mode, and Triton's interpreter on CPU tensors) the same launchers
 run through a plain ``torch.autograd.Function`` instead: the custom-op boundary and
@@ -18,10 +19,11 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .backward import attention_backward
+from .decode import decode_forward
 from .forward import attention_forward
 from .launch import traceable_launches
 
-__all__ = ["block_sparse_attention"]
+__all__ = ["block_sparse_attention", "decode_attention"]
 
 
 @triton_op("attnbias::attention_fwd", mutates_args=())
@@ -74,6 +76,35 @@ def _attention_bwd(
             kv_start=kv_start, kv_end=kv_end, grad_lse=grad_lse, slopes_grad=False,
         )  # fmt: skip
     return dq, dk, dv
+
+
+@triton_op("attnbias::decode_fwd", mutates_args=())
+def _decode_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    band_lo: int | None,
+    band_hi: int | None,
+    q_doc: Tensor | None,
+    kv_doc: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softcap: float | None,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
+) -> Tensor:
+    with traceable_launches():
+        return decode_forward(
+            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
+            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
+        )  # fmt: skip
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **mask: Any) -> Tensor:
+    """:func:`~attnbias.kernels.decode.decode_forward` as the ``attnbias::decode_fwd`` op, which
+    ``torch.compile`` traces without a graph break (no gradients: forward only). ``mask``: the
+    keywords of :meth:`attnbias.spec.Lowered.kernel_args`."""
+    return _decode_fwd(q, k, v, scale, **mask)
 
 
 # Position of ``alibi_slopes`` among the inputs of the forward (both paths).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -567,16 +568,19 @@ def test_planner_takes_the_training_kernel_otherwise(monkeypatch: pytest.MonkeyP
     assert attnbias.explain(**call).startswith("triton-decode: ")
 
 
-def test_a_traced_call_takes_the_training_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_traced_call_takes_the_decode_kernel_and_a_training_call_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fake_gpu(monkeypatch, "cuda")
     call = short_call()
     spec = make_spec(
         call["query"], call["key"], call["value"], call["attn_mask"], False, None, 0.0, True
     )
     assert plan(spec).backend.name == "triton-decode"
-    traced = plan(dataclasses.replace(spec, compiling=True))
-    assert traced.backend.name == "triton"
-    assert "triton-decode: torch.compile traces this call" in traced.explain()
+    assert plan(dataclasses.replace(spec, compiling=True)).backend.name == "triton-decode"
+    training = plan(dataclasses.replace(spec, needs_grad=True))
+    assert training.backend.name == "triton"
+    assert "triton-decode: gradients are required" in training.explain()
 
 
 def test_refusals_name_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -680,3 +684,34 @@ def test_cuda_graph_capture_and_replay(name: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, call())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["window", "key_range"])
+def test_a_compiled_decode_step_runs_the_decode_kernel(name: str) -> None:
+    """Under ``torch.compile(fullgraph=True)`` a short query takes the decode kernel's op (in
+    the traced graph), and with ``mode="reduce-overhead"`` (CUDA graphs) gives what the eager
+    decode kernel gives."""
+    q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
+    bias = gpu_bias(name, 32, 4, 8192)
+
+    def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    targets: list[str] = []
+
+    def record(graph: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., Any]:
+        targets.extend(str(node.target) for node in graph.graph.nodes)
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(step, backend=record, fullgraph=True)(q, k, v)
+        assert any("decode_fwd" in target for target in targets), targets
+        assert not any("attention_fwd" in target for target in targets), targets
+        expected = step(q, k, v)
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):  # warm-up, recording, replay
+            out = compiled(q, k, v).clone()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

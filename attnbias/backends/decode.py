@@ -20,7 +20,8 @@ class TritonDecode(Backend):
     The query heads that share a key/value head are packed with the queries into tiles of
     rows, so each key/value block is read once per group, and the visited key blocks are split
     across programs whose partial results are merged by log-sum-exp. Calls that need
-    gradients, and calls traced by ``torch.compile``, take the training kernel (``triton``).
+    gradients take the training kernel (``triton``); a call traced by ``torch.compile`` runs
+    the kernels through their registered op (``attnbias::decode_fwd``).
     """
 
     name = "triton-decode"
@@ -36,11 +37,6 @@ class TritonDecode(Backend):
             )
         if spec.needs_grad:
             reasons.append("gradients are required: the training kernel runs")
-        if spec.compiling:
-            reasons.append(
-                "torch.compile traces this call and the decode kernel has no registered op: "
-                "the training kernel's op runs"
-            )
         return reasons
 
     def how(self, spec: Spec) -> str:
@@ -70,6 +66,16 @@ class TritonDecode(Backend):
     def run(self, spec: Spec) -> Tensor:
         from attnbias.kernels.decode import decode_forward
 
+        if spec.compiling:
+            from attnbias.kernels.ops import decode_attention
+
+            return decode_attention(
+                spec.query,
+                spec.key,
+                spec.value,
+                scale=spec.resolved_scale,
+                **spec.lowered.kernel_args(),
+            )
         return decode_forward(
             spec.query,
             spec.key,
