@@ -856,6 +856,13 @@ class KeyRangeBias(_BuiltinBias):
     output is 0). Keys outside the range reach nothing at all, on every route: a NaN in a
     padded key or an unused cache slot stays out of every output and gradient.
 
+    Positions given as ``torch.int32`` tensors of shape ``(B,)`` on the inputs' device are
+    used as they are, not copied: a cache that fills can write ``end += 1`` in place between
+    decode steps, and the next call with the same bias (a CUDA-graph replay of a captured
+    call too) sees it. They must stay ``0 <= start <= end``, which is checked only when the
+    bias is made. Positions of another dtype, shape or device are copied once, and later
+    writes into them are not seen.
+
     >>> KeyRangeBias(start=[1, 0], end=[3, 2]).materialize(shape=(2, 1, 1, 3))
     tensor([[[[-inf, 0., 0.]]],
     <BLANKLINE>
@@ -936,7 +943,9 @@ class KeyRangeBias(_BuiltinBias):
 
     def bounds_on(self, device: _Device, batch: int, length_kv: int) -> tuple[Tensor, Tensor]:
         """``(start, end)`` as int32 ``(B,)`` tensors on ``device``, ``None`` filled in with 0
-        and ``S``; copied to a device once and kept with the bias."""
+        and ``S``: the bias's own tensors where they are int32 ``(B,)`` on ``device`` already
+        (so that writes into them are seen), otherwise copied to a device once and kept with
+        the bias."""
 
         def prepare(bound: Tensor | None, default: int) -> Tensor:
             if bound is None:

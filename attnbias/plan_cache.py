@@ -16,10 +16,11 @@ every layer and every step. A call is identified here by everything the decision
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
 biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each call, so that their
-gradient is recorded each time). Biases are immutable; writing into the id
-tensors of a :class:`DocumentBias` or the positions of a :class:`KeyRangeBias` after using it
-may not be seen (nor by their own per-device copies): build a new bias instead (a cache
-that grows by one key per step is a new ``KeyRangeBias(end=...)`` per step).
+gradient is recorded each time). Biases are immutable, with one exception:
+the positions of a :class:`KeyRangeBias` given as int32 ``(B,)`` tensors on the inputs'
+device are read at each call, so a cache that grows writes ``end += 1`` in place. Writing into
+the id tensors of a :class:`DocumentBias`, or into positions of another dtype or device, after
+using the bias may not be seen (nor by their per-device copies): build a new bias instead.
 """
 
 from __future__ import annotations

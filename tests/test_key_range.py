@@ -244,3 +244,31 @@ def test_ranges_past_the_keys_are_refused() -> None:
     q, k, v, _ = tensors(torch.float32)
     with pytest.raises(ValueError, match=r"goes past the call's S=40"):
         sdpa(q, k, v, attn_mask=KeyRangeBias(end=[41, 3]), enable_gqa=True)
+
+
+@pytest.mark.parametrize("backend", ["triton-decode", "triton", "sdpa+mask", "reference"])
+def test_positions_written_in_place_are_seen_by_the_next_call(backend: str) -> None:
+    """int32 ``(B,)`` positions on the inputs' device are used, not copied: a cache that fills
+    writes ``end += 1`` between decode steps, and the same bias (and a prepared plan, or a
+    captured graph) sees it."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(2, 4, length, 16, generator=generator).to(DEVICE) for length in (2, 40, 40)
+    )
+    end = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    bias = KeyRangeBias(start=torch.tensor([3, 0], dtype=torch.int32, device=DEVICE), end=end)
+    bias = bias + causal_lower_right()
+    k[:, :, 33:] = math.nan  # not filled yet
+    v[:, :, 33:] = math.nan
+    with torch.no_grad(), attnbias.use_backends(backend):
+        for _ in range(3):  # the first call plans, the next ones reuse the plan
+            out = attnbias.sdpa(q, k, v, attn_mask=bias)
+            fresh = KeyRangeBias(start=[3, 0], end=end.tolist()) + causal_lower_right()
+            expected = attention(q, k.nan_to_num(), v.nan_to_num(), fresh)
+            low = attention(q, k.nan_to_num(), v.nan_to_num(), fresh, dtype=q.dtype)
+            assert_close_to_oracle([out], [expected], [low], q.dtype)
+            # the next token of each row: its key and value go in at `end`, then the range grows
+            for row, position in enumerate(end.tolist()):
+                k[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
+                v[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
+            end += 1
