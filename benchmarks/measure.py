@@ -105,20 +105,25 @@ def time_ms(fn: Callable[[], Any], inputs: Inputs, cfg: Config) -> float:
     return statistics.median(times)
 
 
-def host_us(fn: Callable[[], Any], calls: int = 500, rounds: int = 5) -> float:
+def host_us(fn: Callable[[], Any], calls: int = 500, rounds: int = 5, warmup: int = 20) -> float:
     """Host time of one call, µs: the median over ``rounds`` of ``calls`` calls issued
     without waiting for the GPU, so where the GPU keeps up each costs what the host spends on
-    it."""
-    for _ in range(20):
+    it (without a GPU: the time of a call)."""
+
+    def settle() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    settle()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+        settle()
     return statistics.median(times)
 
 

@@ -18,8 +18,6 @@ they may take them).
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +30,10 @@ from attnbias import AlibiBias, DocumentBias, SlidingWindowBias, SoftcapBias
 from attnbias import causal_lower_right as causal
 from attnbias.backends import triton as triton_backend
 from attnbias.kernels import decode, forward, launch
+
+# isort: split
+# A sibling, found through the folder of this script on sys.path.
+from measure import host_us
 
 B, H, S, E = 1, 1, 128, 64
 DTYPE = torch.bfloat16
@@ -63,16 +65,8 @@ def fake_launches() -> None:
         launch.CACHED_LAUNCHES[kernel] = launch.CachedLaunch(_FakeJit(kernel))
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 2000, rounds: int = 7) -> float:
-    for _ in range(200):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+def per_call_us(fn: Callable[[], object]) -> float:
+    return host_us(fn, calls=2000, rounds=7, warmup=200)
 
 
 def bare(length_q: int) -> Callable[[], object]:
