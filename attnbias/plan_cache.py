@@ -80,10 +80,36 @@ def _part_key(part: AttnBias) -> Hashable | None:
     return None
 
 
+class _HashedKey:
+    """A bias's key with its hash worked out once: a call hashes it on every lookup, and the
+    hash of a sum of frozen dataclasses is Python code, part by part."""
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _HashedKey and self._hash == other._hash and self.parts == other.parts
+
+
+# A sum of biases keeps its key under this attribute once worked out (biases are immutable);
+# False where it has none.
+_KEY_ATTRIBUTE = "_plan_cache_key"
+
+
 def _bias_key(bias: object) -> Hashable | None:
     if type(bias) is CompositeBias:
-        keys = tuple(_part_key(part) for part in bias.parts)
-        return None if None in keys else keys
+        found = bias.__dict__.get(_KEY_ATTRIBUTE)
+        if found is None:
+            keys = tuple(_part_key(part) for part in bias.parts)
+            found = False if None in keys else _HashedKey(keys)
+            object.__setattr__(bias, _KEY_ATTRIBUTE, found)
+        return found or None
     if isinstance(bias, AttnBias):
         return _part_key(bias)
     return None

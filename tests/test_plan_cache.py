@@ -177,6 +177,22 @@ def test_slopes_of_your_own_are_never_cached(plans: list[Any]) -> None:
     assert len(plans) == 2
 
 
+def test_sums_are_told_apart_by_their_parts_however_often_used(plans: list[Any]) -> None:
+    """A sum works out its key once and keeps it: the same sum object used again, and an
+    equal one, hit; a sum that differs in one part's value is another call. One of your own
+    slopes stays uncached on every use of the same sum."""
+    q, k, v = inputs()
+    narrow = causal_lower_right() + SlidingWindowBias(2)
+    wide = causal_lower_right() + SlidingWindowBias(3)
+    for bias in (narrow, wide, narrow, wide, causal_lower_right() + SlidingWindowBias(3)):
+        check(q, k, v, bias, attnbias.sdpa(q, k, v, attn_mask=bias))
+    assert len(plans) == 2
+    own = AlibiBias(slopes=torch.tensor([0.5, 0.25])) + causal_lower_right()
+    for _ in range(2):
+        check(q, k, v, own, attnbias.sdpa(q, k, v, attn_mask=own))
+    assert len(plans) == 4
+
+
 def test_the_paper_slopes_are_cached_by_head_count(plans: list[Any]) -> None:
     q, k, v = inputs(dtype=torch.float64)
     for _ in range(2):
