@@ -202,24 +202,32 @@ def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
 def bare_launch(plan: Any, q: Tensor, k: Tensor, v: Tensor) -> Call:
     """The least a launch of ``plan``'s kernels costs: its outputs allocated and the compiled
     kernels' own launchers called with the arguments ``plan.launch`` passed them (recorded
-    from one call)."""
+    from one call, after which the plan's launchers are as they were)."""
     launches = [x for x in (plan.kernel, getattr(plan, "merge", None)) if x is not None]
     recorded: list[tuple[Any, tuple[Any, ...]]] = []
     for launch in launches:
         (key, (runner, constexprs)), *_ = launch.runners.items()
 
-        def record(*args: Any, runner: Any = runner, constexprs: Any = constexprs) -> None:
+        def record(*args: Any, runner: Any = runner) -> None:
             recorded.append((runner, args))
             runner(*args)
 
         launch.runners[key] = (record, constexprs)
     plan.launch(q, k, v)
+    for launch, (runner, _) in zip(launches, recorded, strict=True):
+        key, (_, constexprs) = next(iter(launch.runners.items()))
+        launch.runners[key] = (runner, constexprs)
     out_shape = (*q.shape[:3], v.shape[-1])
-    extra = len(recorded) - 1  # the decode kernel's partial results, when it splits
+    # the float32 outputs beside ``out``: the forward's lse; a split decode's partial outputs
+    # and log-sum-exps
+    from attnbias.kernels.decode import DecodePlan
+
+    split = isinstance(plan, DecodePlan) and plan.merge is not None
+    extra = 1 if not isinstance(plan, DecodePlan) else 2 if split else 0
 
     def run() -> Tensor:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        for _ in range(extra * 2 if extra else 1):  # forward: lse; decode: partials and lse
+        for _ in range(extra):
             torch.empty(out_shape, dtype=torch.float32, device=q.device)
         for runner, args in recorded:
             runner(*args)
