@@ -359,13 +359,13 @@ def _attn_bwd_dq_inner(
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
             ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
+            dist = tl.abs(rel)
             pd = p * dp
+            pr = p * dist
             if MASKED:
                 pd = tl.where(keep, pd, 0.0)
-                pr = tl.where(keep, p * tl.abs(rel), 0.0)
-            else:
-                pr = p * tl.abs(rel)
-            slope_pdr += tl.sum(pd * tl.abs(rel), 1)
+                pr = tl.where(keep, pr, 0.0)
+            slope_pdr += tl.sum(pd * dist, 1)
             slope_pr += tl.sum(pr, 1)
             slope_pd += tl.sum(pd, 1)
         if HAS_SOFTCAP:
