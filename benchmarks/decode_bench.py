@@ -203,7 +203,7 @@ def bare_launch(plan: Any, q: Tensor, k: Tensor, v: Tensor) -> Call:
     """The least a launch of ``plan``'s kernels costs: its outputs allocated and the compiled
     kernels' own launchers called with the arguments ``plan.launch`` passed them (recorded
     from one call, after which the plan's launchers are as they were)."""
-    launches = [x for x in (plan.kernel, getattr(plan, "merge", None)) if x is not None]
+    launches = [plan.kernel]
     recorded: list[tuple[Any, tuple[Any, ...]]] = []
     for launch in launches:
         (key, (runner, constexprs)), *_ = launch.runners.items()
@@ -218,17 +218,19 @@ def bare_launch(plan: Any, q: Tensor, k: Tensor, v: Tensor) -> Call:
         key, (_, constexprs) = next(iter(launch.runners.items()))
         launch.runners[key] = (runner, constexprs)
     out_shape = (*q.shape[:3], v.shape[-1])
-    # the float32 outputs beside ``out``: the forward's lse; a split decode's partial outputs
-    # and log-sum-exps
+    # the float32 outputs beside ``out``: the forward's lse; a split decode's partial results
+    # (its counters are kept from launch to launch)
     from attnbias.kernels.decode import DecodePlan
 
-    split = isinstance(plan, DecodePlan) and plan.merge is not None
-    extra = 1 if not isinstance(plan, DecodePlan) else 2 if split else 0
+    if isinstance(plan, DecodePlan):
+        extra = [(plan.part_size,)] if plan.part_size else []
+    else:
+        extra = [out_shape]
 
     def run() -> Tensor:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        for _ in range(extra):
-            torch.empty(out_shape, dtype=torch.float32, device=q.device)
+        for shape in extra:
+            torch.empty(shape, dtype=torch.float32, device=q.device)
         for runner, args in recorded:
             runner(*args)
         return out

@@ -20,10 +20,15 @@ Splitting. The key blocks a tile visits (its band and documents decide them, so 
 even shares, one program each; :func:`num_splits` picks the count on the host from the shapes
 and the band alone (never from tensor contents, so the launch is CUDA-graph safe). With one
 split the program normalises and stores the output. With more, each program stores its
-normalised partial output ``o_s`` and its base-2 log-sum-exp ``lse_s`` in float32, and a second
-kernel merges them per row::
+normalised partial output ``o_s`` and its base-2 log-sum-exp ``lse_s`` in float32 and counts
+itself done on the tile's counter; the program that finishes last merges the shares per row::
 
     M = max_s lse_s,    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)
+
+and sets the counter back to 0. Merging in the kernel that computed the shares, instead of in
+a second kernel, saves a launch and its gap on the GPU and on the host. The counters are
+int32 zeros that the launches of one stream share (:func:`split_counters`): they run one after
+another, and each leaves them at 0.
 
 A share with no kept key (empty, or all masked) has ``o_s = 0`` and ``lse_s = -inf``, so it
 weighs nothing; a row whose shares are all empty gets 0.
@@ -51,7 +56,7 @@ from torch import Tensor
 from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _rows_key_blocks
 from .configs import padded_head_dim
 from .forward import _attn_fwd_runs, check_identity, identity_of
-from .launch import PreparedLaunch
+from .launch import PreparedLaunch, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
 
@@ -63,8 +68,10 @@ __all__ = [
     "decode_config",
     "decode_forward",
     "decode_layout",
+    "merges_in_kernel",
     "num_splits",
     "plan_decode",
+    "split_counters",
     "visited_key_blocks",
 ]
 
@@ -78,6 +85,8 @@ FULL_ENOUGH = 0.8
 # The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic, splitting
 # the keys of one or two programs, and fast (each program costs the interpreter time).
 INTERPRETER_SM_COUNT = 4
+# Packed rows per program of the merge kernel
+MERGE_ROWS = 4
 
 
 # --------------------------------------------------------------------------------------
@@ -91,8 +100,8 @@ def _decode_fwd(
     K,
     V,
     Out,
-    PartOut,
-    PartLse,
+    Parts,
+    Counters,
     RowLo,
     RowHi,
     KvStart,
@@ -102,8 +111,6 @@ def _decode_fwd(
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
-    stride_ps, stride_pb, stride_ph, stride_pm, stride_pk,
-    stride_ls, stride_lb, stride_lh, stride_lm,
     stride_db,
     stride_sb, stride_sh,
     group_size,
@@ -131,12 +138,16 @@ def _decode_fwd(
     EVEN_N: tl.constexpr,
     POSITIVE_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE_LAST: tl.constexpr,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
     With ``SPLIT`` it stores the share's normalised output and base-2 log-sum-exp in
-    ``PartOut`` ``(splits, B, Hq, L, E)`` and ``PartLse`` ``(splits, B, Hq, L)``; otherwise
-    (one share) the output itself.
+    ``Parts`` (float32: ``(splits, B * Hkv * tiles, BLOCK_M, BLOCK_E)`` outputs, then
+    ``(splits, B * Hkv * tiles, BLOCK_M)`` log-sum-exps); with ``MERGE_LAST`` the last share
+    of the tile to finish, counted on ``Counters`` ``(B * Hkv * tiles,)`` (int32, zero on
+    entry and on exit), merges them into the output, and without it :func:`_decode_merge`
+    does. With one share it stores the output itself.
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -150,12 +161,8 @@ def _decode_fwd(
     tile = tl.program_id(1) % row_tiles
     off_b = tl.program_id(2).to(tl.int64)
 
-    # Packed rows, query-major: row r is query r // G of query head off_hk * G + r % G.
     start_r = tile * BLOCK_M
-    offs_r = start_r + tl.arange(0, BLOCK_M)
-    offs_m = offs_r // group_size  # [BLOCK_M] query positions
-    heads = (off_hk * group_size + offs_r % group_size).to(tl.int64)  # [BLOCK_M] query heads
-    in_rows = offs_r < group_size * seq_q
+    offs_m, heads, in_rows = _packed_rows(start_r, off_hk, group_size, seq_q, BLOCK_M=BLOCK_M)
     offs_e = tl.arange(0, BLOCK_E)
     in_tile = in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
 
@@ -216,93 +223,162 @@ def _decode_fwd(
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
-    rows = offs_m.to(tl.int64)[:, None]
+    o_ptrs = _out_ptrs(
+        Out, off_b, heads, offs_m, offs_e, stride_ob, stride_oh, stride_om, stride_ok
+    )  # [BLOCK_M, BLOCK_E]
     if SPLIT:
+        # The partial results, tile by tile: (splits, B * Hkv * row_tiles, BLOCK_M, BLOCK_E)
+        # outputs, then (splits, B * Hkv * row_tiles, BLOCK_M) log-sum-exps.
+        tile_index = off_b * tl.num_programs(1) + tl.program_id(1)
+        tiles = tl.num_programs(2).to(tl.int64) * tl.num_programs(1)
+        lse_base = Parts + num_splits * tiles * BLOCK_M * BLOCK_E
         lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
-        split_off = pid_split.to(tl.int64)
-        lse_ptrs = (
-            PartLse
-            + split_off * stride_ls
-            + off_b * stride_lb
-            + heads * stride_lh
-            + offs_m.to(tl.int64) * stride_lm
-        )
-        tl.store(lse_ptrs, lse2, mask=in_rows)  # [BLOCK_M]
-        part_ptrs = (
-            PartOut
-            + split_off * stride_ps
-            + off_b * stride_pb
-            + heads[:, None] * stride_ph
-            + rows * stride_pm
-            + offs_e[None, :] * stride_pk
-        )
-        tl.store(part_ptrs, acc, mask=in_tile)  # [BLOCK_M, BLOCK_E]
+        rows = (pid_split * tiles + tile_index) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(lse_base + rows, lse2, mask=in_rows)  # [BLOCK_M]
+        tl.store(
+            Parts + rows[:, None] * BLOCK_E + offs_e[None, :], acc, mask=in_rows[:, None]
+        )  # [BLOCK_M, BLOCK_E]
+        if MERGE_LAST:
+            # Every thread's stores, then one release per program: the share that arrives
+            # last sees all of them and merges.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counters + tile_index, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tile_rows = tile_index * BLOCK_M + tl.arange(0, BLOCK_M)
+                # its own share from registers, as the rows outside the tile load it
+                own_lse = tl.where(in_rows, lse2, float("-inf"))
+                own_part = tl.where(in_rows[:, None], acc, 0.0)
+                out = _merge_shares(
+                    Parts, lse_base, tile_rows, tiles * BLOCK_M, offs_e, in_rows, num_splits,
+                    pid_split, own_lse, own_part, ROWS=BLOCK_M, BLOCK_E=BLOCK_E,
+                )  # fmt: skip
+                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=in_tile)
+                # back to zero for the next launch on this stream
+                tl.store(Counters + tile_index, 0)
     else:
-        o_ptrs = (
-            Out
-            + off_b * stride_ob
-            + heads[:, None] * stride_oh
-            + rows * stride_om
-            + offs_e[None, :] * stride_ok
-        )
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=in_tile)  # [BLOCK_M, BLOCK_E]
 
 
 @triton.jit
-def _decode_merge(
-    PartOut,
-    PartLse,
-    Out,
-    stride_ps, stride_pb, stride_ph, stride_pm, stride_pk,
-    stride_ls, stride_lb, stride_lh, stride_lm,
-    stride_ob, stride_oh, stride_om, stride_ok,
+def _merge_shares(
+    Parts,
+    lse_base,
+    part_rows,
+    share_stride,
+    offs_e,
+    in_rows,
     num_splits,
-    seq_q,
-    HEAD_DIM: tl.constexpr,
+    own_split,
+    own_lse,
+    own_part,
+    ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):  # fmt: skip
-    """The output of ``BLOCK_L`` query rows of one query head from the shares' partial
-    outputs, weighted by their log-sum-exps (grid: row blocks, Hq, B)."""
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    offs_e = tl.arange(0, BLOCK_E)
-    in_rows = offs_m < seq_q
-    in_tile = in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
-    rows = offs_m.to(tl.int64)
-    lse_ptrs = PartLse + off_b * stride_lb + off_h * stride_lh + rows * stride_lm
-    part_ptrs = (
-        PartOut
-        + off_b * stride_pb
-        + off_h * stride_ph
-        + rows[:, None] * stride_pm
-        + offs_e[None, :] * stride_pk
-    )
+):
+    """The output of ``ROWS`` packed rows from the shares' partial outputs, weighted by their
+    base-2 log-sum-exps; ``part_rows`` are the rows in the first share, each next share
+    ``share_stride`` rows further. Read through L2 (``.cg``): other programs wrote them.
+    Share ``own_split`` (-1: none) is the caller's own, ``own_lse`` ``[ROWS]`` and
+    ``own_part`` ``[ROWS, BLOCK_E]``, taken from registers instead of memory; the shares are
+    merged in the same order either way, so the result does not depend on who merges.
 
-    # two passes over the shares: their largest log-sum-exp, then the weighted sum
-    lse_max = tl.full([BLOCK_L], float("-inf"), dtype=tl.float32)
+    One pass, the running largest log-sum-exp rescaling what came before: each share's two
+    loads depend on nothing loaded before them."""
+    lse_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    weights = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
     for s in range(0, num_splits):
-        lse = tl.load(lse_ptrs + s * stride_ls, mask=in_rows, other=float("-inf"))  # [BLOCK_L]
-        lse_max = tl.maximum(lse_max, lse)
-    # rows with no kept key in any share: subtract 0 so every weight is exp2(-inf) = 0
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.zeros([BLOCK_L], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_L, BLOCK_E], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(lse_ptrs + s * stride_ls, mask=in_rows, other=float("-inf"))  # [BLOCK_L]
-        part = tl.load(part_ptrs + s * stride_ps, mask=in_tile, other=0.0)  # [BLOCK_L, BLOCK_E]
-        weight = tl.math.exp2(lse - lse_max)
+        rows = s * share_stride + part_rows
+        load_rows = in_rows & (tl.zeros([ROWS], dtype=tl.int32) + s != own_split)
+        lse = tl.load(
+            lse_base + rows, mask=load_rows, other=float("-inf"), cache_modifier=".cg"
+        )  # [ROWS]
+        part_ptrs = Parts + rows[:, None] * BLOCK_E + offs_e[None, :]
+        part = tl.load(
+            part_ptrs, mask=load_rows[:, None], other=0.0, cache_modifier=".cg"
+        )  # [ROWS, BLOCK_E]
+        lse = tl.where(s == own_split, own_lse, lse)
+        part = tl.where(s == own_split, own_part, part)
+        new_max = tl.maximum(lse_max, lse)
+        # rows with no kept key so far: subtract 0 so every weight is exp2(-inf) = 0
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.math.exp2(lse_max - base)
+        weight = tl.math.exp2(lse - base)
         # a share that kept nothing adds exactly nothing; a NaN log-sum-exp (a kept NaN
         # score) propagates
-        acc += tl.where((lse == float("-inf"))[:, None], 0.0, weight[:, None] * part)
-        weights += weight
-    out = acc / tl.where(weights == 0.0, 1.0, weights)[:, None]
-    o_ptrs = (
-        Out + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_om
+        acc = acc * rescale[:, None] + tl.where(
+            (lse == float("-inf"))[:, None], 0.0, weight[:, None] * part
+        )
+        weights = weights * rescale + weight
+        lse_max = new_max
+    return acc / tl.where(weights == 0.0, 1.0, weights)[:, None]
+
+
+@triton.jit
+def _packed_rows(start_r, off_hk, group_size, seq_q, BLOCK_M: tl.constexpr):
+    """The query positions, query heads and validity of the packed rows ``start_r ..
+    start_r + BLOCK_M`` of key/value head ``off_hk``, query-major: row ``r`` is query
+    ``r // G`` of query head ``off_hk * G + r % G``."""
+    offs_r = start_r + tl.arange(0, BLOCK_M)
+    offs_m = offs_r // group_size  # [BLOCK_M]
+    heads = (off_hk * group_size + offs_r % group_size).to(tl.int64)  # [BLOCK_M]
+    return offs_m, heads, offs_r < group_size * seq_q
+
+
+@triton.jit
+def _out_ptrs(Out, off_b, heads, offs_m, offs_e, stride_ob, stride_oh, stride_om, stride_ok):
+    return (
+        Out
+        + off_b * stride_ob
+        + heads[:, None] * stride_oh
+        + offs_m.to(tl.int64)[:, None] * stride_om
         + offs_e[None, :] * stride_ok
+    )
+
+
+@triton.jit
+def _decode_merge(
+    Parts,
+    Out,
+    stride_ob, stride_oh, stride_om, stride_ok,
+    group_size,
+    row_tiles,
+    seq_q,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """The output of ``ROWS`` packed rows from the shares ``_decode_fwd`` left in ``Parts``
+    without ``MERGE_LAST`` (grid: Hkv * tiles * BLOCK_M // ROWS, B): a second kernel, for
+    launches that cannot keep counters (captured in a CUDA graph, which may be replayed on
+    any stream, or traced)."""
+    tl.static_assert(BLOCK_M % ROWS == 0)
+    CHUNKS: tl.constexpr = BLOCK_M // ROWS
+    off_b = tl.program_id(1).to(tl.int64)
+    tile_of_b = tl.program_id(0) // CHUNKS  # off_hk * row_tiles + tile
+    start_r = (tile_of_b % row_tiles) * BLOCK_M + (tl.program_id(0) % CHUNKS) * ROWS
+    offs_m, heads, in_rows = _packed_rows(
+        start_r, tile_of_b // row_tiles, group_size, seq_q, BLOCK_M=ROWS
+    )
+    offs_e = tl.arange(0, BLOCK_E)
+    tiles_of_b = tl.num_programs(0) // CHUNKS
+    tiles = tl.num_programs(1).to(tl.int64) * tiles_of_b
+    lse_base = Parts + num_splits * tiles * BLOCK_M * BLOCK_E
+    part_rows = (
+        (off_b * tiles_of_b + tile_of_b) * BLOCK_M + (tl.program_id(0) % CHUNKS) * ROWS
+        + tl.arange(0, ROWS)
     )  # fmt: skip
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=in_tile)  # [BLOCK_L, BLOCK_E]
+    nothing = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
+    out = _merge_shares(
+        Parts, lse_base, part_rows, tiles * BLOCK_M, offs_e, in_rows, num_splits,
+        -1, tl.sum(nothing, axis=1), nothing, ROWS=ROWS, BLOCK_E=BLOCK_E,
+    )  # fmt: skip
+    o_ptrs = _out_ptrs(
+        Out, off_b, heads, offs_m, offs_e, stride_ob, stride_oh, stride_om, stride_ok
+    )  # [ROWS, BLOCK_E]
+    in_tile = in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=in_tile)
 
 
 # --------------------------------------------------------------------------------------
@@ -453,11 +529,42 @@ def decode_layout(
 # --------------------------------------------------------------------------------------
 
 
+# (device index, stream) -> int32 zeros, one per tile of a split launch: each launch counts
+# the shares of a tile that are done in them and sets them back to 0 before it ends, so the
+# launches of one stream, which run one after another, can share them.
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+
+
+def merges_in_kernel(device: torch.device) -> bool:
+    """Whether a split launch now merges in its last share (on counters) rather than in a
+    second kernel: yes for eager launches and under the interpreter; no for launches being
+    traced by ``torch.compile`` or captured in a CUDA graph (a graph may be replayed on any
+    stream, so it could not share counters with the launches of one)."""
+    if launches_traceable():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def split_counters(device: torch.device, count: int) -> Tensor:
+    """At least ``count`` int32 zeros on ``device`` for one eager launch's tiles: one buffer
+    per CUDA stream (launches on another stream could run at the same time), fresh ones on
+    the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        size = triton.next_power_of_2(count)
+        counters = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
     """The decode forward of one call identity, worked out once (the decode layout, its split
-    count, the mask arguments, the grids): :meth:`launch` only allocates the outputs and
-    launches the kernels with the call's tensors.
+    count, the mask arguments, the grid): :meth:`launch` only allocates the output and the
+    partial results and launches the kernel with the call's tensors.
 
     Made by :func:`plan_decode` for the shapes, dtypes and devices of ``q``, ``k``, ``v``
     (checked on each launch) and the mask arguments, whose tensors (document ranges, slopes,
@@ -469,38 +576,40 @@ class DecodePlan:
     identity: tuple[object, ...]
     layout: DecodeLayout | None  # None: an empty output, nothing to launch
     mask_tensors: tuple[Tensor | None, ...]  # row_lo, row_hi, kv_start, kv_end, slopes
-    scalars: tuple[int | float, ...]  # the decode kernel's runtime scalars after the strides
-    kernel: PreparedLaunch | None
-    merge: PreparedLaunch | None  # merges the splits' partial results (one split: None)
+    scalars: tuple[int | float, ...]  # the output's strides and the scalars after them
+    kernel: PreparedLaunch | None  # with more than one split, its last share merges
+    part_size: int  # float32 elements of the partial results (one split: 0, none)
+    tiles: int  # B * Hkv * row_tiles: the counters a split launch needs
+    # with more than one split, for launches that keep no counters: the shares only, then
+    # the merge kernel and its runtime scalars
+    kernel_apart: PreparedLaunch | None = None
+    merge: PreparedLaunch | None = None
+    merge_scalars: tuple[int, ...] = ()
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True) -> Tensor:
-        """``out`` as :func:`decode_forward` returns it. No host synchronisation.
+        """``out`` as :func:`decode_forward` returns it. No host synchronisation: one launch,
+        or two where a split launch cannot keep counters (:func:`merges_in_kernel`).
 
         ``checked=False`` skips checking that the tensors are of the plan's identity, for a
         caller that has (the plan cache keys on it)."""
         if checked:
             check_identity("decode", self.identity, q, k, v)
-        batch, num_heads, seq_q, head_dim = q.shape
-        out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-        if self.kernel is None or self.layout is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        kernel, merge = self.kernel, None
+        if kernel is None:
             return out
-        part_out = part_lse = None
-        part_strides: tuple[int, ...] = (0,) * 5
-        lse_strides: tuple[int, ...] = (0,) * 4
-        if self.merge is not None:
-            shape = (self.layout.splits, batch, num_heads, seq_q)
-            part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-            part_strides, lse_strides = part_out.stride(), part_lse.stride()
-        q_stride, k_stride, v_stride, out_stride = q.stride(), k.stride(), v.stride(), out.stride()
-        call_key = merge_key = None
-        if self.kernel.direct():
-            # The outputs and partial results are fresh and contiguous: their strides are
-            # fixed by the shapes.
-            out_aligned = out.data_ptr() % 16 == 0
-            parts_aligned = part_out is None or (
-                part_out.data_ptr() % 16 == 0 and part_lse.data_ptr() % 16 == 0  # type: ignore[union-attr]
-            )
+        parts = counters = None
+        if self.part_size:
+            parts = torch.empty(self.part_size, dtype=torch.float32, device=q.device)
+            if merges_in_kernel(q.device):
+                counters = split_counters(q.device, self.tiles)
+            elif self.kernel_apart is not None:
+                kernel, merge = self.kernel_apart, self.merge
+        q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+        call_key = None
+        if kernel.direct():
+            # The output and partial results are fresh and contiguous (their strides are
+            # the plan's), and the counters are 16-byte aligned.
             call_key = (
                 q_stride,
                 k_stride,
@@ -508,20 +617,16 @@ class DecodePlan:
                 q.data_ptr() % 16 == 0,
                 k.data_ptr() % 16 == 0,
                 v.data_ptr() % 16 == 0,
-                out_aligned,
-                parts_aligned,
+                out.data_ptr() % 16 == 0,
+                parts is None or parts.data_ptr() % 16 == 0,
             )
-            merge_key = (out_aligned, parts_aligned)
-        self.kernel(
-            call_key, q, k, v, out, part_out, part_lse, *self.mask_tensors,
-            *q_stride, *k_stride, *v_stride, *out_stride, *part_strides, *lse_strides,
-            *self.scalars,
+        kernel(
+            call_key, q, k, v, out, parts, counters, *self.mask_tensors,
+            *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
-        if self.merge is not None:
-            self.merge(
-                merge_key, part_out, part_lse, out, *part_strides, *lse_strides, *out_stride,
-                self.layout.splits, seq_q,
-            )  # fmt: skip
+        if merge is not None:
+            merge_key = None if call_key is None else call_key[-2:]
+            merge(merge_key, parts, out, *self.merge_scalars)
         return out
 
 
@@ -547,7 +652,7 @@ def plan_decode(
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
-        return DecodePlan(identity, None, (), (), None, None)
+        return DecodePlan(identity, None, (), (), None, 0, 0)
     mask = mask_args(
         q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
         alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
@@ -566,6 +671,7 @@ def plan_decode(
     cfg = layout.config
     block_e = padded_head_dim(head_dim)
     split = layout.splits > 1
+    tiles = batch * num_kv_heads * layout.row_tiles
     grid = (layout.splits, num_kv_heads * layout.row_tiles, batch)
     options = dict(
         HEAD_DIM=head_dim,
@@ -579,20 +685,26 @@ def plan_decode(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    merge = None
+    # the output is allocated contiguous: (B, Hq, L, E)
+    out_strides = (num_heads * seq_q * head_dim, seq_q * head_dim, head_dim, 1)
+    kernel_apart = merge = None
+    merge_scalars: tuple[int, ...] = ()
     if split:
-        block_l = min(MIN_ROWS, triton.next_power_of_2(seq_q))
-        merge_grid = (triton.cdiv(seq_q, block_l), num_heads, batch)
+        kernel_apart = PreparedLaunch(_decode_fwd, grid, {**options, "MERGE_LAST": False})
+        rows = min(MERGE_ROWS, layout.block_m)
         merge_options = dict(
-            HEAD_DIM=head_dim, BLOCK_E=block_e, BLOCK_L=block_l, num_warps=cfg.num_warps,
-            num_stages=1,
+            HEAD_DIM=head_dim, BLOCK_E=block_e, BLOCK_M=layout.block_m, ROWS=rows,
+            num_warps=cfg.num_warps, num_stages=1,
         )  # fmt: skip
+        merge_grid = (grid[1] * (layout.block_m // rows), batch)
         merge = PreparedLaunch(_decode_merge, merge_grid, merge_options)
+        merge_scalars = (*out_strides, layout.group_size, layout.row_tiles, seq_q, layout.splits)
     return DecodePlan(
         identity,
         layout,
         (mask.row_lo, mask.row_hi, mask.kv_start, mask.kv_end, mask.slopes),
         (
+            *out_strides,
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
@@ -606,8 +718,12 @@ def plan_decode(
             mask.softcap_in,
             mask.softcap_out,
         ),
-        PreparedLaunch(_decode_fwd, grid, options),
+        PreparedLaunch(_decode_fwd, grid, {**options, "MERGE_LAST": split}),
+        layout.splits * tiles * layout.block_m * (block_e + 1) if split else 0,
+        tiles,
+        kernel_apart,
         merge,
+        merge_scalars,
     )
 
 

@@ -159,7 +159,8 @@ class PreparedLaunch:
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], options: dict[str, Any]) -> None:
         self.kernel = kernel
-        self.grid = grid
+        # a compiled kernel's own launcher takes exactly three grid dimensions
+        self.grid = (*grid, *(1,) * (3 - len(grid)))
         self.options = options
         self.runners: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
         self.interpreted = interpreting()

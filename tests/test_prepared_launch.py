@@ -195,6 +195,7 @@ class _FakeKernel:
     def __init__(self) -> None:
         self.params = [_FakeParam(n) for n in ("X", "stride_x", "BLOCK")]
         self.launches: list[tuple[str, tuple[Any, ...]]] = []
+        self.compiled_grids: list[tuple[int, ...]] = []
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         def jit_launch(*args: Any, **options: Any) -> Any:
@@ -203,6 +204,7 @@ class _FakeKernel:
 
             class Compiled:
                 def __getitem__(self, grid: tuple[int, ...]) -> Any:
+                    kernel.compiled_grids.append(grid)
                     return lambda *a: kernel.launches.append(("compiled", a))
 
             return Compiled()
@@ -215,7 +217,8 @@ def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
 ) -> None:
     """A prepared launch calls the compiled kernel only for a call key it has seen, passing the
     constexprs after the arguments; an unseen key (another alignment) compiles through the
-    launch cache, which keys on every argument."""
+    launch cache, which keys on every argument. The compiled kernel's launcher gets a grid of
+    three dimensions (it indexes all three), whatever the plan gave."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fake = _FakeKernel()
@@ -231,5 +234,6 @@ def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
     assert fake.launches[-1] == ("jit", (odd, 1))
     prepared((1, False), odd, 1)
     assert fake.launches[-1] == ("compiled", (odd, 1, 16))
+    assert fake.compiled_grids and set(fake.compiled_grids) == {(1, 1, 1)}
     with launch.traceable_launches():
         assert not prepared.direct()
