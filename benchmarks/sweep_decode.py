@@ -31,7 +31,7 @@ BLOCK_N, WARPS, STAGES, SPLITS = (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 
 
 
 def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
-    tuned = decode._GPU_CONFIGS[128]
+    tuned, tuned_small = decode._GPU_CONFIGS[128], decode._GPU_SMALL_TILE_CONFIGS[128]
     q, k, v = draw(length_q, length_kv)
     bias = causal_lower_right()
     if window:
@@ -39,13 +39,16 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
     kwargs = lower(bias, length_q, length_kv, q.device, batch=q.shape[0]).kernel_args()
     share = min(WINDOW + length_q, length_kv) / length_kv if window else 1.0
     floor = floor_ms(k, v) * share
-    splits_now = decode.plan_decode(q, k, v, scale=0.1, **kwargs).layout.splits  # type: ignore[union-attr]
-    print(f"\n## {name}: floor {floor:.4f} ms; now {tuned}, {splits_now} splits\n")
+    layout_now = decode.plan_decode(q, k, v, scale=0.1, **kwargs).layout
+    assert layout_now is not None
+    splits_now, now_config = layout_now.splits, layout_now.config
+    print(f"\n## {name}: floor {floor:.4f} ms; now {now_config}, {splits_now} splits\n")
     print("| block_n | warps | stages | splits | ms | floor / ms |")
     print("|--:|--:|--:|--:|--:|--:|")
     rows = []
     for block_n, warps, stages in itertools.product(BLOCK_N, WARPS, STAGES):
-        decode._GPU_CONFIGS[128] = decode.DecodeConfig(block_n, 64, warps, stages)
+        swept = decode.DecodeConfig(block_n, 64, warps, stages)
+        decode._GPU_CONFIGS[128] = decode._GPU_SMALL_TILE_CONFIGS[128] = swept
         for splits in SPLITS:
             try:
                 plan = decode.plan_decode(q, k, v, scale=0.1, num_splits=splits, **kwargs)
@@ -54,8 +57,8 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
                 print(f"  {block_n}/{warps}/{stages}/{splits}: {type(exc).__name__}")
                 ms = math.inf
             rows.append((ms, block_n, warps, stages, splits))
-    decode._GPU_CONFIGS[128] = tuned
-    now = (tuned.block_n, tuned.num_warps, tuned.num_stages, splits_now)
+    decode._GPU_CONFIGS[128], decode._GPU_SMALL_TILE_CONFIGS[128] = tuned, tuned_small
+    now = (now_config.block_n, now_config.num_warps, now_config.num_stages, splits_now)
     for ms, *config in sorted(rows)[:10] + [r for r in rows if tuple(r[1:]) == now]:
         label = " (now)" if tuple(config) == now else ""
         cells = " | ".join(str(c) for c in config)

@@ -389,16 +389,19 @@ def _decode_merge(
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of the decode kernel: ``block_n`` keys per block, at most
-    ``max_rows`` packed rows per tile, and the kernel's warps and pipeline stages."""
+    ``max_rows`` packed rows per tile, the kernel's warps and pipeline stages, and
+    ``full_enough``: the share of the multiprocessors that, each given a program, keeps the
+    GPU busy enough that the keys are not split (:func:`num_splits`)."""
 
     block_n: int
     max_rows: int
     num_warps: int
     num_stages: int
+    full_enough: float = FULL_ENOUGH
 
 
-# Guesses to be tuned on a GPU (the warps at head dim 256 follow the training kernel's forward);
-# keyed by the head dim padded to a power of two.
+# Keyed by the head dim padded to a power of two (the warps at head dim 256 follow the
+# training kernel's forward).
 _GPU_CONFIGS = {
     16: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
     32: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
@@ -406,15 +409,40 @@ _GPU_CONFIGS = {
     128: DecodeConfig(block_n=64, max_rows=64, num_warps=4, num_stages=3),
     256: DecodeConfig(block_n=32, max_rows=64, num_warps=8, num_stages=2),
 }
+# A tile of at most 16 packed rows (a query or a few per group of heads) computes little per
+# key it reads: longer key blocks, more of them in flight, and one program per tile even when
+# only half of the multiprocessors get one keep the memory as busy without the merge (H100,
+# E=128: 49.9 µs against 51.4 for a 4096-key window, B=8, Hkv=8; benchmarks/NOTES.md). Taken
+# where the stages' key and value blocks fit the device's shared memory.
+_GPU_SMALL_TILE_CONFIGS = {
+    128: DecodeConfig(block_n=128, max_rows=MIN_ROWS, num_warps=4, num_stages=3, full_enough=0.45),
+}
+# Shared memory a decode program needs beside its key and value blocks (the query tile,
+# the compiler's scratch)
+SHARED_MEMORY_SLACK = 16 * 1024
 # The interpreter runs each program in numpy: small tiles keep CPU tests fast and still span
 # several key blocks and row tiles.
 INTERPRETER_CONFIG = DecodeConfig(block_n=16, max_rows=16, num_warps=1, num_stages=1)
 
 
-def decode_config(block_e: int) -> DecodeConfig:
-    """The launch parameters for a head dim padded to ``block_e`` (the one place to tune)."""
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    properties = torch.cuda.get_device_properties(index)
+    return int(getattr(properties, "shared_memory_per_block_optin", 0))
+
+
+def decode_config(block_e: int, *, rows: int, itemsize: int, device: torch.device) -> DecodeConfig:
+    """The launch parameters for a head dim padded to ``block_e``, ``rows`` packed rows per
+    key/value head (``Hq // Hkv * L``), inputs of ``itemsize`` bytes, on ``device`` (the one
+    place to tune)."""
     if interpreting():
         return INTERPRETER_CONFIG
+    small = _GPU_SMALL_TILE_CONFIGS.get(block_e)
+    if small is not None and rows <= small.max_rows and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        blocks = small.num_stages * 2 * small.block_n * block_e * itemsize
+        if blocks + SHARED_MEMORY_SLACK <= _cuda_shared_memory(index):
+            return small
     return _GPU_CONFIGS[block_e]
 
 
@@ -454,10 +482,18 @@ def visited_key_blocks(
     return (hi - 1) // block_n - lo // block_n + 1
 
 
-def num_splits(*, batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int) -> int:
+def num_splits(
+    *,
+    batch: int,
+    kv_heads: int,
+    row_tiles: int,
+    key_blocks: int,
+    sms: int,
+    full_enough: float = FULL_ENOUGH,
+) -> int:
     """How many programs share the key blocks of one (batch entry, key/value head, row tile).
 
-    One while ``batch * kv_heads * row_tiles`` programs keep most of the ``sms``
+    One while ``batch * kv_heads * row_tiles`` programs keep ``full_enough`` of the ``sms``
     multiprocessors busy; otherwise FlashAttention 2's rule: the fewest splits whose waves of
     programs fill the GPU nearly as well as the best count does, counting only split counts
     that change the blocks per split, never more splits than ``key_blocks`` nor
@@ -465,7 +501,7 @@ def num_splits(*, batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sm
     and fills the GPU no better).
     """
     programs = batch * kv_heads * row_tiles
-    if programs == 0 or key_blocks <= 1 or programs >= FULL_ENOUGH * sms:
+    if programs == 0 or key_blocks <= 1 or programs >= full_enough * sms:
         return 1
     limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
 
@@ -499,18 +535,20 @@ def decode_layout(
     k_shape: tuple[int, ...] | torch.Size,
     device: torch.device,
     *,
+    itemsize: int,
     band_lo: int | None,
     band_hi: int | None,
     has_docs: bool,
     splits: int | None = None,
 ) -> DecodeLayout:
-    """The layout of a call with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``, from
-    shapes and the band only (``splits`` forces the split count)."""
+    """The layout of a call with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)`` of
+    ``itemsize``-byte elements, from shapes and the band only (``splits`` forces the split
+    count)."""
     batch, num_heads, seq_q, head_dim = q_shape
     num_kv_heads, seq_k = k_shape[1], k_shape[2]
     group_size = num_heads // num_kv_heads if num_kv_heads else 1
-    config = decode_config(padded_head_dim(head_dim))
     rows = group_size * seq_q
+    config = decode_config(padded_head_dim(head_dim), rows=rows, itemsize=itemsize, device=device)
     block_m = min(config.max_rows, max(MIN_ROWS, triton.next_power_of_2(max(rows, 1))))
     row_tiles = triton.cdiv(rows, block_m)
     if splits is None:
@@ -520,6 +558,7 @@ def decode_layout(
             row_tiles=row_tiles,
             key_blocks=visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, config.block_n),
             sms=sm_count(device),
+            full_enough=config.full_enough,
         )
     return DecodeLayout(group_size, block_m, row_tiles, splits, config)
 
@@ -662,6 +701,7 @@ def plan_decode(
         q.shape,
         k.shape,
         q.device,
+        itemsize=q.element_size(),
         band_lo=mask.band_lo if mask.has_lo else None,
         band_hi=mask.band_hi if mask.has_hi else None,
         # the extent of documents and key ranges is on the device: count every key

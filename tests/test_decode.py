@@ -48,7 +48,8 @@ from attnbias.spec import lower, make_spec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
-BLOCK_N = decode.decode_config(16).block_n  # the tests' head dim; the GPU's tiles differ
+# the key block of the tests' head dim and dtypes (the GPU's tiles differ)
+BLOCK_N = decode.decode_config(16, rows=64, itemsize=4, device=torch.device(DEVICE)).block_n
 
 
 @pytest.fixture(autouse=True)
@@ -490,6 +491,30 @@ def test_num_splits_choices() -> None:
     assert splits(1, 8, 5) < splits(1, 8, 512)
     assert splits(1, 8, 5) <= 5
     assert splits(1, 8, 1) == 1
+    # tiles that compute little per key: half the GPU busy is busy enough
+    assert num_splits(batch=8, kv_heads=8, row_tiles=1, key_blocks=256, sms=h100,
+                      full_enough=0.45) == 1  # fmt: skip
+    assert num_splits(batch=4, kv_heads=8, row_tiles=1, key_blocks=256, sms=h100,
+                      full_enough=0.45) > 1  # fmt: skip
+
+
+def test_small_tiles_take_their_config_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of at most 16 packed rows at E=128 take longer key blocks and split less, on a
+    GPU whose shared memory holds their blocks (16-bit inputs; not fp32, not another head
+    dim, not more rows); the interpreter always takes its own small tiles."""
+    cuda = torch.device("cuda", 0)
+    small, large = decode._GPU_SMALL_TILE_CONFIGS[128], decode._GPU_CONFIGS[128]
+    assert small.block_n > large.block_n and small.full_enough < large.full_enough
+    monkeypatch.setattr(decode, "interpreting", lambda: True)
+    assert decode.decode_config(128, rows=4, itemsize=2, device=cuda) == decode.INTERPRETER_CONFIG
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 227 * 1024)  # H100
+    assert decode.decode_config(128, rows=16, itemsize=2, device=cuda) is small
+    assert decode.decode_config(128, rows=17, itemsize=2, device=cuda) is large
+    assert decode.decode_config(128, rows=4, itemsize=4, device=cuda) is large
+    assert decode.decode_config(64, rows=4, itemsize=2, device=cuda) is decode._GPU_CONFIGS[64]
+    monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 99 * 1024)
+    assert decode.decode_config(128, rows=4, itemsize=2, device=cuda) is large
 
 
 # --------------------------------------------------------------------------------------

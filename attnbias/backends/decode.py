@@ -47,6 +47,7 @@ class TritonDecode(Backend):
             spec.query.shape,
             spec.key.shape,
             spec.device,
+            itemsize=spec.query.element_size(),
             band_lo=lowered.band_lo,
             band_hi=lowered.band_hi,
             has_docs=lowered.q_doc is not None or lowered.kv_start is not None,
