@@ -220,9 +220,9 @@ def _choose(
         chosen = plan(
             make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         )
-        if call is not None:
-            # the backend prepares its run once, for this call and the identical ones after it
-            entry = plan_cache.store(call, chosen.spec, chosen.backend)
+        # the backend prepares its run once, for this call and the identical ones after it
+        entry = None if call is None else plan_cache.store(call, chosen.spec, chosen.backend)
+        if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
         return chosen.explain, chosen.run
 

@@ -145,8 +145,6 @@ def call_key(
     )  # fmt: skip
     if not _FLAG_TYPES.issuperset(flags[::2]):
         return None
-    if 0 in query.shape or 0 in key.shape or 0 in value.shape:
-        return None  # rare, and validation adjusts some of them (the scale at E = 0)
     return (
         bias_key,
         flags,
@@ -171,9 +169,13 @@ def lookup(key: Hashable) -> CachedPlan | None:
     return _ENTRIES.get(key)
 
 
-def store(key: Hashable, spec: Spec, backend: Backend) -> CachedPlan:
+def store(key: Hashable, spec: Spec, backend: Backend) -> CachedPlan | None:
     """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
-    Returns the entry, whose prepared run also serves the call that made it."""
+    Returns the entry, whose prepared run also serves the call that made it, or ``None`` for
+    a call with an empty dimension, which is not kept (rare, and validation adjusts some of
+    them: the scale at E = 0): its key is never found, and it runs unprepared."""
+    if 0 in spec.query.shape or 0 in spec.key.shape or 0 in spec.value.shape:
+        return None
     entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec))
     with _LOCK:
         _ENTRIES[key] = entry

@@ -30,7 +30,7 @@ from attnbias.bias import alibi_slopes
 
 # isort: split
 # A sibling, found through the folder of this script on sys.path.
-from measure import host_us
+from measure import host_us_interleaved
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 8, 32, 8, 128
 WINDOW = 4096
@@ -239,35 +239,42 @@ def bare_launch(plan: Any, q: Tensor, k: Tensor, v: Tensor) -> Call:
 
 
 def host_table() -> None:
-    from attnbias import plan_cache
+    from attnbias import plan_cache, use_backends
     from attnbias.kernels.decode import plan_decode
     from attnbias.kernels.forward import plan_forward
     from attnbias.spec import lower
 
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     short = q[:, :, :4]
-    print("| bias | kernel | bare launch µs | plan µs | sdpa µs | sdpa − bare µs |")
-    print("|---|---|--:|--:|--:|--:|")
-    stock = host_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
-    print(f"| none | stock SDPA | — | — | {stock:.1f} | — |")
+    print("| bias | kernel | bare launch µs | plan µs | sdpa µs | sdpa − bare µs | stock SDPA µs |")
+    print("|---|---|--:|--:|--:|--:|--:|")
     for name, bias in biases(heads=1).items():
-        for label, query, planner in (
-            ("decode (L=4)", short, plan_decode),
-            ("training (L=128)", q, plan_forward),
+        for label, query, planner, backend in (
+            ("decode (L=4)", short, plan_decode, "triton-decode"),
+            ("training (L=128)", q, plan_forward, "triton"),
         ):
             lowered = lower(bias, query.shape[2], q.shape[2], q.device)
             plan = planner(query, q, q, scale=0.125, **lowered.kernel_args())
             plan.launch(query, q, q)
-            bare = host_us(bare_launch(plan, query, q, q))
-            planned = host_us(lambda query=query, plan=plan: plan.launch(query, q, q))
             plan_cache.clear()
-            with torch.no_grad():
-                ours = host_us(
-                    lambda query=query, bias=bias: attnbias.sdpa(query, q, q, attn_mask=bias)
+
+            # the kernel's own route, whatever else is installed (FlashAttention 4 would take
+            # some of these calls)
+            with torch.no_grad(), use_backends(backend):
+                times = host_us_interleaved(
+                    {
+                        "bare": bare_launch(plan, query, q, q),
+                        "plan": lambda query=query, plan=plan: plan.launch(query, q, q),
+                        "sdpa": lambda query=query, bias=bias: attnbias.sdpa(
+                            query, q, q, attn_mask=bias
+                        ),
+                        "stock": lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                    }
                 )
             print(
-                f"| {name} | {label} | {bare:.1f} | {planned:.1f} | {ours:.1f} "
-                f"| {ours - bare:.1f} |"
+                f"| {name} | {label} | {times['bare']:.1f} | {times['plan']:.1f} "
+                f"| {times['sdpa']:.1f} | {times['sdpa'] - times['bare']:.1f} "
+                f"| {times['stock']:.1f} |"
             )
 
 

@@ -127,6 +127,32 @@ def host_us(fn: Callable[[], Any], calls: int = 500, rounds: int = 5, warmup: in
     return statistics.median(times)
 
 
+def host_us_interleaved(
+    fns: dict[str, Callable[[], Any]], calls: int = 300, rounds: int = 15, warmup: int = 50
+) -> dict[str, float]:
+    """Host time of one call of each of ``fns``, µs, as :func:`host_us` measures it, with the
+    rounds of the functions interleaved (a round of each, then again), so that a host whose
+    speed drifts during the run weighs on all of them alike; the median round of each."""
+
+    def settle() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            settle()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    settle()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def peak_extra_mib(fn: Callable[[], Any], base_bytes: int, cfg: Config) -> float | None:
     """Peak memory of one call above what was allocated before the contender was set up, so
     it counts the contender's own state (mask, block mask), outputs and gradients."""

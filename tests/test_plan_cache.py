@@ -76,6 +76,25 @@ def test_a_repeated_call_reuses_its_decision(plans: list[Any]) -> None:
     assert len(plans) == 1
 
 
+@pytest.mark.parametrize("empty", ["keys", "head_dim"])
+def test_a_call_with_an_empty_dimension_is_not_kept(plans: list[Any], empty: str) -> None:
+    """S = 0 or E = 0: planned on every call and never stored (its key is never found)."""
+    plan_cache.clear()
+    q, k, v = inputs()
+    if empty == "keys":
+        k, v = k[:, :, :0], v[:, :, :0]
+    else:
+        q, k = q[..., :0], k[..., :0]
+    bias = causal_lower_right() + SoftcapBias(5.0)
+    for _ in range(2):
+        out = attnbias.sdpa(q, k, v, attn_mask=bias)
+        assert out.shape == (*q.shape[:3], v.shape[-1])
+        if empty == "keys":
+            assert (out == 0).all()  # no key: every row gives 0
+    assert len(plans) == 2
+    assert not plan_cache._ENTRIES
+
+
 VARIANTS: dict[str, Callable[[Tensor, Tensor, Tensor], dict[str, Any]]] = {
     "another length": lambda q, k, v: {"q": q[:, :, :5]},
     "another dtype": lambda q, k, v: {"q": q.double(), "k": k.double(), "v": v.double()},
