@@ -410,13 +410,16 @@ _GPU_CONFIGS = {
     256: DecodeConfig(block_n=32, max_rows=64, num_warps=8, num_stages=2),
 }
 # A tile of at most 16 packed rows (a query or a few per group of heads) computes little per
-# key it reads: longer key blocks, more of them in flight, and one program per tile even when
-# only half of the multiprocessors get one keep the memory as busy without the merge (H100,
-# E=128: 49.9 µs against 51.4 for a 4096-key window, B=8, Hkv=8; benchmarks/NOTES.md). Taken
-# where the stages' key and value blocks fit the device's shared memory.
+# key it reads: on a key range of up to SMALL_TILE_MAX_KEYS, longer key blocks, more of them
+# in flight, and one program per tile even when only half of the multiprocessors get one keep
+# the memory as busy without the merge (H100, E=128, B=8, Hkv=8, bf16: a 4096-key window at
+# L=1 in 49.8 µs against 51.2 with the general tiles; 8192 to 65536 keys within 1%). Longer
+# ranges keep the general tiles (131072 keys: 1361 µs against 1384). Taken where the stages'
+# key and value blocks fit the device's shared memory.
 _GPU_SMALL_TILE_CONFIGS = {
     128: DecodeConfig(block_n=128, max_rows=MIN_ROWS, num_warps=4, num_stages=3, full_enough=0.45),
 }
+SMALL_TILE_MAX_KEYS = 32768
 # Shared memory a decode program needs beside its key and value blocks (the query tile,
 # the compiler's scratch)
 SHARED_MEMORY_SLACK = 16 * 1024
@@ -431,14 +434,21 @@ def _cuda_shared_memory(index: int) -> int:
     return int(getattr(properties, "shared_memory_per_block_optin", 0))
 
 
-def decode_config(block_e: int, *, rows: int, itemsize: int, device: torch.device) -> DecodeConfig:
+def decode_config(
+    block_e: int, *, rows: int, keys: int, itemsize: int, device: torch.device
+) -> DecodeConfig:
     """The launch parameters for a head dim padded to ``block_e``, ``rows`` packed rows per
-    key/value head (``Hq // Hkv * L``), inputs of ``itemsize`` bytes, on ``device`` (the one
-    place to tune)."""
+    key/value head (``Hq // Hkv * L``) that visit up to ``keys`` keys, inputs of ``itemsize``
+    bytes, on ``device`` (the one place to tune)."""
     if interpreting():
         return INTERPRETER_CONFIG
     small = _GPU_SMALL_TILE_CONFIGS.get(block_e)
-    if small is not None and rows <= small.max_rows and device.type == "cuda":
+    if (
+        small is not None
+        and rows <= small.max_rows
+        and keys <= SMALL_TILE_MAX_KEYS
+        and device.type == "cuda"
+    ):
         index = device.index if device.index is not None else torch.cuda.current_device()
         blocks = small.num_stages * 2 * small.block_n * block_e * itemsize
         if blocks + SHARED_MEMORY_SLACK <= _cuda_shared_memory(index):
@@ -548,7 +558,10 @@ def decode_layout(
     num_kv_heads, seq_k = k_shape[1], k_shape[2]
     group_size = num_heads // num_kv_heads if num_kv_heads else 1
     rows = group_size * seq_q
-    config = decode_config(padded_head_dim(head_dim), rows=rows, itemsize=itemsize, device=device)
+    keys = visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, 1)
+    config = decode_config(
+        padded_head_dim(head_dim), rows=rows, keys=keys, itemsize=itemsize, device=device
+    )
     block_m = min(config.max_rows, max(MIN_ROWS, triton.next_power_of_2(max(rows, 1))))
     row_tiles = triton.cdiv(rows, block_m)
     if splits is None:

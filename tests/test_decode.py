@@ -49,7 +49,9 @@ from attnbias.spec import lower, make_spec
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 # the key block of the tests' head dim and dtypes (the GPU's tiles differ)
-BLOCK_N = decode.decode_config(16, rows=64, itemsize=4, device=torch.device(DEVICE)).block_n
+BLOCK_N = decode.decode_config(
+    16, rows=64, keys=2**20, itemsize=4, device=torch.device(DEVICE)
+).block_n
 
 
 @pytest.fixture(autouse=True)
@@ -499,22 +501,40 @@ def test_num_splits_choices() -> None:
 
 
 def test_small_tiles_take_their_config_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiles of at most 16 packed rows at E=128 take longer key blocks and split less, on a
-    GPU whose shared memory holds their blocks (16-bit inputs; not fp32, not another head
-    dim, not more rows); the interpreter always takes its own small tiles."""
+    """Tiles of at most 16 packed rows at E=128 on key ranges of at most 32768 keys take
+    longer key blocks and split less, on a GPU whose shared memory holds their blocks (16-bit
+    inputs; not fp32, not another head dim, not more rows or keys); the interpreter always
+    takes its own small tiles."""
     cuda = torch.device("cuda", 0)
     small, large = decode._GPU_SMALL_TILE_CONFIGS[128], decode._GPU_CONFIGS[128]
     assert small.block_n > large.block_n and small.full_enough < large.full_enough
+
+    def config(block_e: int = 128, rows: int = 4, keys: int = 4096, itemsize: int = 2) -> Any:
+        return decode.decode_config(block_e, rows=rows, keys=keys, itemsize=itemsize, device=cuda)
+
     monkeypatch.setattr(decode, "interpreting", lambda: True)
-    assert decode.decode_config(128, rows=4, itemsize=2, device=cuda) == decode.INTERPRETER_CONFIG
+    assert config() == decode.INTERPRETER_CONFIG
     monkeypatch.setattr(decode, "interpreting", lambda: False)
     monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 227 * 1024)  # H100
-    assert decode.decode_config(128, rows=16, itemsize=2, device=cuda) is small
-    assert decode.decode_config(128, rows=17, itemsize=2, device=cuda) is large
-    assert decode.decode_config(128, rows=4, itemsize=4, device=cuda) is large
-    assert decode.decode_config(64, rows=4, itemsize=2, device=cuda) is decode._GPU_CONFIGS[64]
+    assert config() is small
+    assert config(rows=16, keys=decode.SMALL_TILE_MAX_KEYS) is small
+    assert config(rows=17) is large
+    assert config(keys=decode.SMALL_TILE_MAX_KEYS + 1) is large
+    assert config(itemsize=4) is large
+    assert config(block_e=64) is decode._GPU_CONFIGS[64]
     monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 99 * 1024)
-    assert decode.decode_config(128, rows=4, itemsize=2, device=cuda) is large
+    assert config() is large
+    # what a layout passes: the keys its band visits (a window's, not the cache's)
+    seen: list[int] = []
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(
+        decode, "decode_config", lambda *args, keys, **kwargs: seen.append(keys) or large
+    )
+    decode.decode_layout(
+        (8, 32, 1, 128), (8, 8, 131072, 128), cuda, itemsize=2, band_lo=131071 - 4095,
+        band_hi=131071, has_docs=False,
+    )  # fmt: skip
+    assert seen == [4096]
 
 
 # --------------------------------------------------------------------------------------
