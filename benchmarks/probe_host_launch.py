@@ -59,7 +59,7 @@ class _FakeJit:
 
 
 def fake_launches() -> None:
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    launch.current_device = lambda: 0
     triton_backend._interpreting = lambda: True  # the backends take CPU tensors
     for kernel in (forward._attn_fwd, decode._decode_fwd):
         launch.CACHED_LAUNCHES[kernel] = launch.CachedLaunch(_FakeJit(kernel))

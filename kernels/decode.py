@@ -646,15 +646,16 @@ class DecodePlan:
         caller that has (the plan cache keys on it)."""
         if checked:
             check_identity("decode", self.identity, q, k, v)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        device = q.device
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
         kernel, merge = self.kernel, None
         if kernel is None:
             return out
         parts = counters = None
         if self.part_size:
-            parts = torch.empty(self.part_size, dtype=torch.float32, device=q.device)
-            if merges_in_kernel(q.device):
-                counters = split_counters(q.device, self.tiles)
+            parts = torch.empty(self.part_size, dtype=torch.float32, device=device)
+            if merges_in_kernel(device):
+                counters = split_counters(device, self.tiles)
             elif self.kernel_apart is not None:
                 kernel, merge = self.kernel_apart, self.merge
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()

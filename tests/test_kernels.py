@@ -692,9 +692,10 @@ def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch cache reuses a compiled kernel only for equal scalars (integers of a
     ``do_not_specialize`` parameter: equal width), constexprs, launch options and tensor
     dtypes and 16-byte alignment; it passes the constexprs through."""
+    from attnbias.kernels import launch as launch_module
     from attnbias.kernels.launch import CachedLaunch
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "current_device", lambda: 0)
     fake = _FakeKernel()
     launch = CachedLaunch(fake)
     assert (launch.num_args, launch.constexpr_names) == (5, ["BLOCK"])

@@ -220,7 +220,7 @@ def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
     launch cache, which keys on every argument. The compiled kernel's launcher gets a grid of
     three dimensions (it indexes all three), whatever the plan gave."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_device", lambda: 0)
     fake = _FakeKernel()
     monkeypatch.setitem(launch.CACHED_LAUNCHES, fake, launch.CachedLaunch(fake))
     prepared = launch.PreparedLaunch(fake, (1,), {"BLOCK": 16, "num_warps": 4})

@@ -3,6 +3,8 @@ key/value caches, forward only."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
@@ -91,17 +93,13 @@ class TritonDecode(Backend):
         from attnbias.kernels.decode import plan_decode
 
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
-        # this function keeps the bias, and biases are not written in place.
-        launch = plan_decode(
+        # this function keeps the bias, and biases are not written in place. The plan cache's
+        # key already holds the shapes, dtypes and devices: no identity check per call.
+        plan = plan_decode(
             spec.query,
             spec.key,
             spec.value,
             scale=spec.resolved_scale,
             **spec.lowered.kernel_args(),
-        ).launch
-
-        def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-            # the plan cache's key already holds the shapes, dtypes and devices
-            return launch(query, key, value, checked=False)
-
-        return run_prepared
+        )
+        return functools.partial(plan.launch, checked=False)
