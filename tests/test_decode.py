@@ -699,7 +699,8 @@ def test_refusals_name_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
         query=torch.randn(2, 8, 4, 272, dtype=BF16), key=wide, value=wide
     )
     monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
-    assert "the decode kernel needs CUDA tensors and these are on cpu" in reasons()
+    on_cpu = {name: call[name].cpu() for name in ("query", "key", "value")}
+    assert "the decode kernel needs CUDA tensors and these are on cpu" in reasons(**on_cpu)
 
 
 # --------------------------------------------------------------------------------------
