@@ -326,6 +326,8 @@ def _packed_rows(start_r, off_hk, group_size, seq_q, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _out_ptrs(Out, off_b, heads, offs_m, offs_e, stride_ob, stride_oh, stride_om, stride_ok):
+    """The output's ``[rows, BLOCK_E]`` pointers of packed rows (query ``offs_m`` of head
+    ``heads``)."""
     return (
         Out
         + off_b * stride_ob
@@ -369,10 +371,12 @@ def _decode_merge(
         (off_b * tiles_of_b + tile_of_b) * BLOCK_M + (tl.program_id(0) % CHUNKS) * ROWS
         + tl.arange(0, ROWS)
     )  # fmt: skip
-    nothing = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
+    # no share of its own (split -1): every share comes from memory
+    no_lse = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    no_part = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
     out = _merge_shares(
         Parts, lse_base, part_rows, tiles * BLOCK_M, offs_e, in_rows, num_splits,
-        -1, tl.sum(nothing, axis=1), nothing, ROWS=ROWS, BLOCK_E=BLOCK_E,
+        -1, no_lse, no_part, ROWS=ROWS, BLOCK_E=BLOCK_E,
     )  # fmt: skip
     o_ptrs = _out_ptrs(
         Out, off_b, heads, offs_m, offs_e, stride_ob, stride_oh, stride_om, stride_ok
