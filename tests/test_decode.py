@@ -390,6 +390,17 @@ def test_the_merge_kernel_gives_what_the_last_share_gives(
         assert torch.equal(apart, merged_last)
 
 
+def test_traced_launches_merge_in_a_second_kernel() -> None:
+    """A launch traced by ``torch.compile`` keeps no counters (it may end up in a CUDA graph
+    replayed on any stream); an eager one merges in its last share."""
+    from attnbias.kernels.launch import traceable_launches
+
+    device = torch.device(DEVICE)
+    assert decode.merges_in_kernel(device)
+    with traceable_launches():
+        assert not decode.merges_in_kernel(device)
+
+
 def test_split_counters_are_zeros_of_at_least_the_count() -> None:
     counters = decode.split_counters(torch.device(DEVICE), 5)
     assert counters.dtype == torch.int32 and counters.numel() >= 5
