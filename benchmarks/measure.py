@@ -109,22 +109,7 @@ def host_us(fn: Callable[[], Any], calls: int = 500, rounds: int = 5, warmup: in
     """Host time of one call, µs: the median over ``rounds`` of ``calls`` calls issued
     without waiting for the GPU, so where the GPU keeps up each costs what the host spends on
     it (without a GPU: the time of a call)."""
-
-    def settle() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    for _ in range(warmup):
-        fn()
-    settle()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        settle()
-    return statistics.median(times)
+    return host_us_interleaved({"fn": fn}, calls=calls, rounds=rounds, warmup=warmup)["fn"]
 
 
 def host_us_interleaved(
