@@ -26,7 +26,7 @@ from attnbias import plan_cache
 from attnbias.backends import stock_sdpa
 from attnbias.backends.stock import materialized_attention
 from attnbias.bias import AttnBias, _BuiltinBias, check_dispatched
-from attnbias.planner import current_policy, plan
+from attnbias.planner import capture_alternative, current_policy, plan
 from attnbias.spec import make_spec, with_causal
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
@@ -221,7 +221,12 @@ def _choose(
             make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
         )
         # the backend prepares its run once, for this call and the identical ones after it
-        entry = None if call is None else plan_cache.store(call, chosen.spec, chosen.backend)
+        # (both routes where the call's route depends on being captured in a CUDA graph)
+        entry = None
+        if call is not None:
+            alternative = capture_alternative(chosen.spec)
+            other = None if alternative is None else alternative.backend
+            entry = plan_cache.store(call, chosen.spec, chosen.backend, other)
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
         return chosen.explain, chosen.run

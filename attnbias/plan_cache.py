@@ -13,6 +13,12 @@ every layer and every step. A call is identified here by everything the decision
   differently);
 - the :func:`~attnbias.use_backends` policy in force.
 
+Where the planner routes a call differently while it is captured in a CUDA graph
+(:func:`attnbias.planner.captured_fa4_first`), its entry holds both routes and takes the one
+for the capture state of each call: a call warmed up eagerly and then captured reuses its
+entry (validating it again during the capture could need a host synchronisation, which a
+capture does not allow).
+
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
 biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each call, so that their
@@ -26,7 +32,7 @@ using the bias may not be seen (nor by their per-device copies): build a new bia
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +50,7 @@ from attnbias.bias import (
     SlidingWindowBias,
     SoftcapBias,
 )
-from attnbias.spec import Lowered, Spec
+from attnbias.spec import Lowered, Spec, capturing
 
 __all__ = ["CachedPlan", "call_key", "clear", "lookup", "store"]
 
@@ -165,23 +171,44 @@ def call_key(
     )
 
 
-def lookup(key: Hashable) -> CachedPlan | None:
-    return _ENTRIES.get(key)
+# ``lookup(key)``: the entry of a call key, or ``None``. The dict's own method (one call
+# fewer per call than a function around it); the dict is only ever changed in place.
+lookup: Callable[[Hashable], CachedPlan | None] = _ENTRIES.get
 
 
-def store(key: Hashable, spec: Spec, backend: Backend) -> CachedPlan | None:
+def store(
+    key: Hashable, spec: Spec, backend: Backend, other: Backend | None = None
+) -> CachedPlan | None:
     """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
-    Returns the entry, whose prepared run also serves the call that made it, or ``None`` for
-    a call with an empty dimension, which is not kept (rare, and validation adjusts some of
-    them: the scale at E = 0): its key is never found, and it runs unprepared."""
+    ``other`` is the backend the planner chooses for the same call in the other capture
+    state (captured in a CUDA graph, or not), where it may differ. Returns the entry, whose prepared
+    run also serves the call that made it, or ``None`` for a call with an empty dimension,
+    which is not kept (rare, and validation adjusts some of them: the scale at E = 0): its
+    key is never found, and it runs unprepared."""
     if 0 in spec.query.shape or 0 in spec.key.shape or 0 in spec.value.shape:
         return None
-    entry = CachedPlan(spec.bias, spec.lowered, backend.prepare(spec))
+    if other is None or other is backend:
+        run = backend.prepare(spec)
+    elif spec.capturing:
+        run = _by_capture(uncaptured=other.prepare(spec), captured=backend.prepare(spec))
+    else:
+        run = _by_capture(uncaptured=backend.prepare(spec), captured=other.prepare(spec))
+    entry = CachedPlan(spec.bias, spec.lowered, run)
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:
             del _ENTRIES[next(iter(_ENTRIES))]
     return entry
+
+
+def _by_capture(*, uncaptured: Prepared, captured: Prepared) -> Prepared:
+    """A prepared run that takes ``captured`` while the call's CUDA stream is capturing a
+    graph and ``uncaptured`` otherwise."""
+
+    def run(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return (captured if capturing(query) else uncaptured)(query, key, value)
+
+    return run
 
 
 def clear() -> None:

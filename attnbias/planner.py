@@ -8,6 +8,7 @@ the list and every other backend's reasons. The lists come from the measurements
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,7 +19,18 @@ import torch
 from attnbias.backends import BACKENDS, Backend
 from attnbias.spec import Spec
 
-__all__ = ["PRIORITY", "Order", "Plan", "current_policy", "generation", "plan", "use_backends"]
+__all__ = [
+    "CAPTURED_FA4_FIRST",
+    "PRIORITY",
+    "Order",
+    "Plan",
+    "capture_alternative",
+    "captured_fa4_first",
+    "current_policy",
+    "generation",
+    "plan",
+    "use_backends",
+]
 
 
 @dataclass(frozen=True)
@@ -42,9 +54,10 @@ class Order:
 # without gradients, and refuses everything else, which then goes down the list. On those
 # (an H100, bf16, B=8, Hq=32, Hkv=8, L in 1/4/16, S 8192/32768, CUDA-graph replays) it matched
 # FlashAttention 4 on causal (0.352 against 0.357 ms at S=32768), was 1.33x faster on
-# soft-cap (0.353 against 0.47) and 3.5x on ALiBi, and 2-5% slower on a 4096-key window
-# (0.051-0.057 against 0.050-0.054 ms); called eagerly, each FlashAttention 4 call costs
-# ~250 us of host time against ~100 for the decode kernel, more than these kernels' GPU time.
+# soft-cap (0.353 against 0.47) and 3.5x on ALiBi, and 3-6% slower on a 4096-key window at
+# L >= 4 (0.053-0.056 against 0.052-0.053 ms); called eagerly, each FlashAttention 4 call
+# costs ~180 µs of host time, far more than these kernels' GPU time, so only calls captured
+# in a CUDA graph take FlashAttention 4 on the decodes where it is faster (CAPTURED_FA4_FIRST).
 # Blackwell's lists follow Hopper's, unmeasured.
 _HOPPER: dict[str, Order] = {
     "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
@@ -54,6 +67,31 @@ _HOPPER: dict[str, Order] = {
     "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
+
+
+@dataclass(frozen=True)
+class CapturedFa4First:
+    """Decodes that, captured in a CUDA graph, try FlashAttention 4 before the decode kernel:
+    masks of these ``kinds``, without gradients, with at least ``min_rows`` packed rows
+    (``Hq / Hkv * L``) whose queries keep keys from a range of at most ``max_keys``."""
+
+    kinds: frozenset[str]
+    min_rows: int
+    max_keys: int
+
+
+# A call captured in a CUDA graph pays its host time once, at capture; each replay costs its
+# GPU time alone. On those decodes FlashAttention 4 was faster than the decode kernel in
+# CUDA-graph replays (H100, bf16, B=8, Hq=32, Hkv=8, E=128, benchmarks/DECODE_RESULTS.md):
+# a 4096-key window at L=4 and 16 (3-6%: the decode kernel splits the keys, or idles half the
+# GPU, where FlashAttention 4 streams them at full speed in one program per tile), causal at
+# L=16 over 8192 keys (3%) and L=4 (equal). At L=1 (4 packed rows) and over 32768 keys and
+# more, the decode kernel is as fast or faster, and it is on ALiBi and soft-cap everywhere.
+# Called eagerly, FlashAttention 4's host time (~180 µs a call) is far above these kernels'
+# GPU time, so uncaptured calls keep the decode kernel.
+CAPTURED_FA4_FIRST = CapturedFa4First(
+    kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
+)
 _DEFAULT: dict[str, Order] = {
     "none": Order(("sdpa",)),
     "causal": Order(("sdpa", "triton-decode", "triton")),
@@ -184,8 +222,37 @@ class Plan:
         return "\n".join(lines)
 
 
-def _order(gen: str, kind: str, needs_grad: bool, policy: _Policy) -> tuple[tuple[str, ...], str]:
-    """The backends to try, in order, and what decided it (for ``explain``)."""
+def captured_fa4_first(gen: str, spec: Spec) -> bool:
+    """Whether ``spec``, captured in a CUDA graph, tries FlashAttention 4 before the decode
+    kernel (:data:`CAPTURED_FA4_FIRST`)."""
+    if gen not in ("hopper", "blackwell") or spec.needs_grad:
+        return False
+    lowered = spec.lowered
+    if lowered.kind not in CAPTURED_FA4_FIRST.kinds or lowered.has_key_range:
+        return False
+    _, heads_q, length_q, length_kv = spec.shape
+    heads_kv = spec.key.shape[1]
+    if heads_kv == 0 or heads_q // heads_kv * length_q < CAPTURED_FA4_FIRST.min_rows:
+        return False
+    # the keys some query keeps: from the first query's lowest to the last query's highest
+    lo = 0 if lowered.band_lo is None else max(0, lowered.band_lo)
+    hi = length_kv if lowered.band_hi is None else min(length_kv, length_q + lowered.band_hi)
+    return hi - lo <= CAPTURED_FA4_FIRST.max_keys
+
+
+def capture_alternative(spec: Spec) -> Plan | None:
+    """The plan of ``spec`` in the other capture state (captured in a CUDA graph, or not)
+    where it may choose another backend (:func:`captured_fa4_first`), else ``None``."""
+    if spec.compiling or not captured_fa4_first(generation(spec.device), spec):
+        return None
+    return plan(dataclasses.replace(spec, capturing=not spec.capturing))
+
+
+def _order(
+    gen: str, kind: str, needs_grad: bool, policy: _Policy, fa4_first: bool = False
+) -> tuple[tuple[str, ...], str]:
+    """The backends to try, in order, and what decided it (for ``explain``); ``fa4_first``
+    moves FlashAttention 4 before the decode kernel (:func:`captured_fa4_first`)."""
     if policy.only is not None:
         order = policy.only
         heading = "pinned by use_backends"
@@ -193,6 +260,16 @@ def _order(gen: str, kind: str, needs_grad: bool, policy: _Policy) -> tuple[tupl
         preferred = PRIORITY[gen].get(kind, Order(())).pick(needs_grad)
         order = tuple(dict.fromkeys(preferred + _FALLBACK))
         heading = f"{gen}, {kind}, {'training' if needs_grad else 'inference'}"
+        if fa4_first and "fa4" in order:
+            decode = order.index("triton-decode")
+            if order.index("fa4") > decode:
+                rest = tuple(name for name in order if name != "fa4")
+                order = (*rest[:decode], "fa4", *rest[decode:])
+            heading += (
+                f"; captured in a CUDA graph, a decode of at least "
+                f"{CAPTURED_FA4_FIRST.min_rows} packed rows over at most "
+                f"{CAPTURED_FA4_FIRST.max_keys} keys: fa4 before triton-decode"
+            )
     if policy.exclude:
         order = tuple(name for name in order if name not in policy.exclude)
         heading += f"; excluded {', '.join(sorted(policy.exclude))}"
@@ -215,7 +292,9 @@ def plan(spec: Spec) -> Plan:
         gen = "cuda" if spec.device.type == "cuda" else "cpu"
         order, heading = _order(gen, kind, spec.needs_grad, policy)
     else:
-        order, heading = _cached_order(generation(spec.device), kind, spec.needs_grad, policy)
+        gen = generation(spec.device)
+        fa4_first = spec.capturing and captured_fa4_first(gen, spec)
+        order, heading = _cached_order(gen, kind, spec.needs_grad, policy, fa4_first)
     skipped: dict[str, list[str]] = {}
     for name in order:
         reasons = BACKENDS[name].not_supported_reasons(spec)

@@ -278,6 +278,9 @@ class Spec:
     enable_gqa: bool
     needs_grad: bool
     compiling: bool
+    # being captured in a CUDA graph: its host time is paid once, at capture, so only the
+    # GPU time of its route counts (``planner.plan``)
+    capturing: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -328,6 +331,7 @@ def make_spec(
         tensors.append(lowered.slopes)
     tensors += [part.bias for part in lowered.others if isinstance(part, TensorBias)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    compiling = torch.compiler.is_compiling()
     return Spec(
         query=query,
         key=key,
@@ -338,8 +342,14 @@ def make_spec(
         dropout_p=dropout_p,
         enable_gqa=enable_gqa,
         needs_grad=needs_grad,
-        compiling=torch.compiler.is_compiling(),
+        compiling=compiling,
+        capturing=not compiling and capturing(query),
     )
+
+
+def capturing(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a CUDA tensor and the current CUDA stream is capturing a graph."""
+    return tensor.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def with_causal(bias: AttnBias | None, causal: bool) -> AttnBias | None:

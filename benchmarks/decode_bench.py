@@ -16,6 +16,7 @@ Run on the GPU: ``python benchmarks/decode_bench.py [--quick]``; prints markdown
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -156,14 +157,23 @@ def timed(contenders: dict[str, Call]) -> dict[str, float]:
 
 
 def decode_table(lengths_q: list[int], lengths_kv: list[int], names: list[str]) -> None:
-    print("| bias | L | S | route | attnbias ms | floor ms | × floor | flex ms | fa4 ms | "
-          "flex / attnbias | fa4 / attnbias | max diff vs flex |")  # fmt: skip
-    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("| bias | L | S | route (captured) | attnbias ms | decode kernel ms | floor ms | × floor "
+          "| flex ms | fa4 ms | flex / attnbias | fa4 / attnbias | max diff vs flex |")  # fmt: skip
+    print("|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for length_kv in lengths_kv:
         for length_q in lengths_q:
             for row in decode_rows(length_q, length_kv, names):
                 print(row)
             torch.cuda.empty_cache()
+
+
+def captured_route(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> str:
+    """The backend a call takes when captured in a CUDA graph, as the timed calls are."""
+    from attnbias.planner import plan
+    from attnbias.spec import make_spec
+
+    spec = make_spec(q, k, v, bias, False, None, 0.0, True)
+    return plan(dataclasses.replace(spec, capturing=True)).backend.name
 
 
 def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
@@ -176,8 +186,17 @@ def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
         def ours(bias: Any = bias) -> Tensor:
             return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
 
-        route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True).split(":")[0]
+        def decode_kernel(bias: Any = bias) -> Tensor:
+            with attnbias.use_backends("triton-decode"):
+                return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+        route = captured_route(q, k, v, bias)
+        eager = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True).split(":")[0]
         contenders: dict[str, Call] = {"attnbias": ours}
+        if route != "triton-decode" and eager == "triton-decode":
+            # the decode kernel's own time where a captured call takes another route
+            contenders["decode"] = decode_kernel
+            route = f"{route} (eager: {eager})"
         try:
             contenders["flex"] = flex_call(name, q, k, v)
         except Exception as exc:
@@ -191,8 +210,9 @@ def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
             diff = (ours().float() - contenders["flex"]().float()).abs().max().item()
         mine = times.get("attnbias", math.nan)
         flex, fa = times.get("flex", math.nan), times.get("fa4", math.nan)
+        own = f"{times['decode']:.3f}" if "decode" in times else "="
         rows.append(
-            f"| {name} | {length_q} | {length_kv} | {route} | {mine:.3f} | {floor:.3f} "
+            f"| {name} | {length_q} | {length_kv} | {route} | {mine:.3f} | {own} | {floor:.3f} "
             f"| {mine / floor:.2f} | {flex:.3f} | {fa:.3f} | {flex / mine:.2f} "
             f"| {fa / mine:.2f} | {diff:.1e} |"
         )
@@ -217,20 +237,17 @@ def bare_launch(plan: Any, q: Tensor, k: Tensor, v: Tensor) -> Call:
     for launch, (runner, _) in zip(launches, recorded, strict=True):
         key, (_, constexprs) = next(iter(launch.runners.items()))
         launch.runners[key] = (runner, constexprs)
-    out_shape = (*q.shape[:3], v.shape[-1])
-    # the float32 outputs beside ``out``: the forward's lse; a split decode's partial results
-    # (its counters are kept from launch to launch)
+    # allocated as the plans allocate them: the output (B, Hq, L, E), and beside it the
+    # forward's float32 lse (a split decode keeps its partial results and counters per stream)
     from attnbias.kernels.decode import DecodePlan
+    from attnbias.kernels.launch import empty_contiguous, empty_rows
 
-    if isinstance(plan, DecodePlan):
-        extra = [(plan.part_size,)] if plan.part_size else []
-    else:
-        extra = [out_shape]
+    has_lse = not isinstance(plan, DecodePlan)
 
     def run() -> Tensor:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        for shape in extra:
-            torch.empty(shape, dtype=torch.float32, device=q.device)
+        out = empty_contiguous(q)
+        if has_lse:
+            empty_rows(q)
         for runner, args in recorded:
             runner(*args)
         return out

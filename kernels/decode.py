@@ -26,9 +26,9 @@ itself done on the tile's counter; the program that finishes last merges the sha
     M = max_s lse_s,    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)
 
 and sets the counter back to 0. Merging in the kernel that computed the shares, instead of in
-a second kernel, saves a launch and its gap on the GPU and on the host. The counters are
-int32 zeros that the launches of one stream share (:func:`split_counters`): they run one after
-another, and each leaves them at 0.
+a second kernel, saves a launch and its gap on the GPU and on the host. The counters (int32
+zeros) and the partial results are kept per stream and shared by its launches
+(:func:`split_scratch`): they run one after another, and each leaves the counters at 0.
 
 A share with no kept key (empty, or all masked) has ``o_s = 0`` and ``lse_s = -inf``, so it
 weighs nothing; a row whose shares are all empty gets 0.
@@ -56,7 +56,7 @@ from torch import Tensor
 from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _rows_key_blocks
 from .configs import padded_head_dim
 from .forward import _attn_fwd_runs, check_identity, identity_of
-from .launch import PreparedLaunch, launches_traceable
+from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
 
@@ -71,7 +71,7 @@ __all__ = [
     "merges_in_kernel",
     "num_splits",
     "plan_decode",
-    "split_counters",
+    "split_scratch",
     "visited_key_blocks",
 ]
 
@@ -585,10 +585,12 @@ def decode_layout(
 # --------------------------------------------------------------------------------------
 
 
-# (device index, stream) -> int32 zeros, one per tile of a split launch: each launch counts
-# the shares of a tile that are done in them and sets them back to 0 before it ends, so the
-# launches of one stream, which run one after another, can share them.
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
+# (device index, stream) -> (counters, partial results) of the eager split launches on that
+# stream: int32 zeros, one per tile, that each launch counts the finished shares of a tile in
+# and sets back to 0 before it ends, and the float32 partial results the shares leave for the
+# last one. The launches of one stream run one after another, so they can share both; a
+# launch on another stream could run at the same time, so each stream has its own.
+_SCRATCH: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
 
 def merges_in_kernel(device: torch.device) -> bool:
@@ -598,29 +600,45 @@ def merges_in_kernel(device: torch.device) -> bool:
     stream, so it could not share counters with the launches of one)."""
     if launches_traceable():
         return False
-    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    return device.type != "cuda" or not torch._C._cuda_isCurrentStreamCapturing()
 
 
-def split_counters(device: torch.device, count: int) -> Tensor:
-    """At least ``count`` int32 zeros on ``device`` for one eager launch's tiles: one buffer
-    per CUDA stream (launches on another stream could run at the same time), fresh ones on
-    the CPU (the interpreter)."""
+def split_scratch(device: torch.device, tiles: int, part_size: int) -> tuple[Tensor, Tensor] | None:
+    """``(counters, parts)`` for an eager split launch on ``device`` whose last share merges:
+    at least ``tiles`` int32 zeros and ``part_size`` float32 elements, kept per CUDA stream
+    (fresh ones on the CPU, under the interpreter); ``None`` when the launch merges in a
+    second kernel instead (:func:`merges_in_kernel`)."""
+    if not merges_in_kernel(device):
+        return None
     if device.type != "cuda":
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+        counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+        return counters, torch.empty(part_size, dtype=torch.float32, device=device)
+    index = device.index if device.index is not None else torch._C._cuda_getDevice()
     key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        size = triton.next_power_of_2(count)
-        counters = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
+    found = _SCRATCH.get(key)
+    if found is None or found[0].numel() < tiles or found[1].numel() < part_size:
+        # grown to powers of two; a buffer given up here is reused by the allocator only
+        # after the launches already queued on this stream
+        if found is None or found[0].numel() < tiles:
+            size = triton.next_power_of_2(tiles)
+            kept_counters = torch.zeros(size, dtype=torch.int32, device=device)
+        else:
+            kept_counters = found[0]
+        if found is None or found[1].numel() < part_size:
+            size = triton.next_power_of_2(part_size)
+            kept_parts = torch.empty(size, dtype=torch.float32, device=device)
+        else:
+            kept_parts = found[1]
+        found = _SCRATCH[key] = (kept_counters, kept_parts)
+    return found
 
 
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
     """The decode forward of one call identity, worked out once (the decode layout, its split
-    count, the mask arguments, the grid): :meth:`launch` only allocates the output and the
-    partial results and launches the kernel with the call's tensors.
+    count, the mask arguments, the grid): :meth:`launch` only allocates the output (and the
+    partial results where the stream keeps none) and launches the kernel with the call's
+    tensors.
 
     Made by :func:`plan_decode` for the shapes, dtypes and devices of ``q``, ``k``, ``v``
     (checked on each launch) and the mask arguments, whose tensors (document ranges, slopes,
@@ -647,26 +665,31 @@ class DecodePlan:
         or two where a split launch cannot keep counters (:func:`merges_in_kernel`).
 
         ``checked=False`` skips checking that the tensors are of the plan's identity, for a
-        caller that has (the plan cache keys on it)."""
+        caller that has (the plan cache keys on it); :meth:`run` is that call."""
         if checked:
             check_identity("decode", self.identity, q, k, v)
-        device = q.device
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        return self.run(q, k, v)
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """:meth:`launch` without the identity check."""
+        out = empty_contiguous(q)  # (B, Hq, L, E): the strides the plan holds
         kernel, merge = self.kernel, None
         if kernel is None:
             return out
         parts = counters = None
         if self.part_size:
-            parts = torch.empty(self.part_size, dtype=torch.float32, device=device)
-            if merges_in_kernel(device):
-                counters = split_counters(device, self.tiles)
-            elif self.kernel_apart is not None:
+            scratch = split_scratch(q.device, self.tiles, self.part_size)
+            if scratch is not None:
+                counters, parts = scratch
+            else:
+                parts = torch.empty(self.part_size, dtype=torch.float32, device=q.device)
                 kernel, merge = self.kernel_apart, self.merge
+                assert kernel is not None  # a split plan has both
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
         call_key = None
         if kernel.direct():
-            # The output and partial results are fresh and contiguous (their strides are
-            # the plan's), and the counters are 16-byte aligned.
+            # The output and partial results come from the allocator (their strides are the
+            # plan's), and the counters are 16-byte aligned.
             call_key = (
                 q_stride,
                 k_stride,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -27,7 +26,7 @@ from .common import (
     _tile_ptrs,
 )
 from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config
-from .launch import PreparedLaunch
+from .launch import PreparedLaunch, empty_contiguous, empty_rows
 from .masks import doc_stride, late_rows_first, mask_args
 
 __all__ = ["ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward"]
@@ -323,9 +322,8 @@ class ForwardPlan:
         caller that has (the plan cache keys on it)."""
         if checked:
             check_identity("forward", self.identity, q, k, v)
-        batch, num_heads, seq_q, head_dim = q.shape
-        out = torch.empty((batch, num_heads, seq_q, head_dim), dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
+        out = empty_contiguous(q)  # (B, Hq, L, E)
+        lse = empty_rows(q)  # (B, Hq, L)
         if self.kernel is None:
             return out, lse
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()

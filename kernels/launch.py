@@ -10,6 +10,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .limits import interpreting
 
@@ -17,6 +18,8 @@ __all__ = [
     "CachedLaunch",
     "PreparedLaunch",
     "current_device",
+    "empty_contiguous",
+    "empty_rows",
     "launcher",
     "launches_traceable",
     "traceable_launches",
@@ -133,6 +136,26 @@ class CachedLaunch:
 
 
 CACHED_LAUNCHES: dict[Any, CachedLaunch] = {}
+
+
+def empty_contiguous(t: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor of ``t``'s shape, dtype and device.
+
+    ``torch.empty_like`` costs the host ~3 µs less per call than ``torch.empty`` with a
+    shape, dtype and device (H100 host); a launch being traced takes ``torch.empty``, the
+    form ``torch.compile``'s functional graphs are built from."""
+    if _TRACEABLE_LAUNCH.get():
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def empty_rows(t: Tensor) -> Tensor:
+    """An uninitialised float32 tensor of ``t``'s shape without its last dimension (one value
+    per row: a log-sum-exp), on ``t``'s device; cheap on the host as
+    :func:`empty_contiguous` is."""
+    if _TRACEABLE_LAUNCH.get():
+        return torch.empty(t.shape[:-1], dtype=torch.float32, device=t.device)
+    return t.new_empty(t.shape[:-1], dtype=torch.float32)
 
 
 def current_device() -> int:

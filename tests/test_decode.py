@@ -56,19 +56,26 @@ BLOCK_N = decode.decode_config(
 
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch: pytest.MonkeyPatch) -> list[Tensor]:
-    """Every ``torch.empty`` starts as NaN, so unwritten outputs and partials fail; returns
-    the float tensors made, for tests that check which buffers a call allocated."""
-    real_empty = torch.empty
+    """Every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` starts as NaN,
+    so unwritten outputs and partials fail; returns the float tensors ``torch.empty`` made
+    (the partial results of a launch on the CPU), for tests that check which buffers a call
+    allocated."""
     made: list[Tensor] = []
 
-    def poisoned(*args: Any, **kwargs: Any) -> Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-            made.append(t)
-        return t
+    def poisoning(real: Callable[..., Tensor], record: bool) -> Callable[..., Tensor]:
+        def poisoned(*args: Any, **kwargs: Any) -> Tensor:
+            t = real(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+                if record:
+                    made.append(t)
+            return t
 
-    monkeypatch.setattr(torch, "empty", poisoned)
+        return poisoned
+
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty, True))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like, False))
+    monkeypatch.setattr(Tensor, "new_empty", poisoning(Tensor.new_empty, False))
     return made
 
 
@@ -328,11 +335,17 @@ def test_forced_splits_agree(name: str, poison_empty: list[Tensor]) -> None:
     blocks = -(-length_kv // BLOCK_N)
     results = {}
     for splits in (1, 3, blocks + 3):
+        if DEVICE == "cuda":
+            # a stream keeps its partial results from launch to launch: poisoned too (and
+            # large enough that this launch makes no new ones)
+            scratch = decode.split_scratch(torch.device(DEVICE), 1024, 1 << 20)
+            assert scratch is not None
+            scratch[1].fill_(float("nan"))
         poison_empty.clear()
         results[splits] = check(q, k, v, bias, args, splits=splits)
         partials = [t for t in poison_empty if t.dim() == 1]
-        # the partial outputs and log-sum-exps come from the poisoned torch.empty
-        assert len(partials) == (1 if splits > 1 else 0)
+        # on the CPU the partial outputs and log-sum-exps come from the poisoned torch.empty
+        assert len(partials) == (1 if splits > 1 and DEVICE == "cpu" else 0)
     for out in results.values():
         torch.testing.assert_close(out, results[1], rtol=0, atol=1e-5)
 
@@ -362,7 +375,11 @@ def test_the_last_share_merges_and_leaves_the_counters_at_zero(
     tiles = batch * heads_kv * plan.layout.row_tiles
     counters = torch.zeros(tiles + 1, dtype=torch.int32, device=DEVICE)
     counters[tiles] = 7
-    monkeypatch.setattr(decode, "split_counters", lambda device, count: counters)
+    monkeypatch.setattr(
+        decode,
+        "split_scratch",
+        lambda device, tiles, size: (counters, torch.empty(size, dtype=FP32, device=device)),
+    )
     for _ in range(2):
         out = plan.launch(q, k, v)
         assert counters[:tiles].eq(0).all() and counters[tiles] == 7
@@ -385,7 +402,6 @@ def test_the_merge_kernel_gives_what_the_last_share_gives(
         merged_last = check(q, k, v, bias, args, splits=splits)
         with monkeypatch.context() as patch:
             patch.setattr(decode, "merges_in_kernel", lambda device: False)
-            patch.setattr(decode, "split_counters", None)  # not used
             apart = check(q, k, v, bias, args, splits=splits)
         assert torch.equal(apart, merged_last)
 
@@ -397,14 +413,37 @@ def test_traced_launches_merge_in_a_second_kernel() -> None:
 
     device = torch.device(DEVICE)
     assert decode.merges_in_kernel(device)
+    assert decode.split_scratch(device, 2, 8) is not None
     with traceable_launches():
         assert not decode.merges_in_kernel(device)
+        assert decode.split_scratch(device, 2, 8) is None
 
 
-def test_split_counters_are_zeros_of_at_least_the_count() -> None:
-    counters = decode.split_counters(torch.device(DEVICE), 5)
+def test_split_scratch_is_zeroed_counters_and_room_for_the_partials() -> None:
+    scratch = decode.split_scratch(torch.device(DEVICE), 5, 300)
+    assert scratch is not None
+    counters, parts = scratch
     assert counters.dtype == torch.int32 and counters.numel() >= 5
     assert counters.eq(0).all()
+    assert parts.dtype == FP32 and parts.numel() >= 300
+
+
+@pytest.mark.gpu
+def test_split_scratch_is_kept_per_stream_and_grows() -> None:
+    """One stream's launches share its counters and partials (they run one after another);
+    another stream gets its own; a launch that needs more gets larger ones."""
+    device = torch.device("cuda")
+    first = decode.split_scratch(device, 5, 300)
+    again = decode.split_scratch(device, 3, 100)
+    assert first is not None and again is not None
+    assert first[0] is again[0] and first[1] is again[1]
+    with torch.cuda.stream(torch.cuda.Stream()):
+        other = decode.split_scratch(device, 5, 300)
+    assert other is not None
+    assert other[0].data_ptr() != first[0].data_ptr()
+    assert other[1].data_ptr() != first[1].data_ptr()
+    grown = decode.split_scratch(device, 5, first[1].numel() + 1)
+    assert grown is not None and grown[1].numel() > first[1].numel() and grown[0] is first[0]
 
 
 def test_a_window_reads_only_its_keys() -> None:
@@ -688,6 +727,119 @@ def test_a_traced_call_takes_the_decode_kernel_and_a_training_call_does_not(
     assert "triton-decode: gradients are required" in training.explain()
 
 
+def fake_capture(monkeypatch: pytest.MonkeyPatch, capturing: bool) -> None:
+    """Calls that the planner and the plan cache take for calls being captured in a CUDA
+    graph (``capturing``), or not; FlashAttention 4 faked as installed on a Hopper GPU."""
+    import attnbias.backends.fa4 as fa4
+    import attnbias.plan_cache as plan_cache
+    import attnbias.spec as spec_module
+
+    for module in (spec_module, plan_cache):
+        monkeypatch.setattr(module, "capturing", lambda tensor: capturing)
+    monkeypatch.setattr(fa4, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(fa4, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(fa4, "_installed", lambda: True)
+
+
+def captured_call(
+    length_q: int, length_kv: int, bias: AttnBias, heads_q: int = 8, heads_kv: int = 2
+) -> dict[str, Any]:
+    q, k, v = make_qkv(1, heads_q, heads_kv, length_q, length_kv, 64, BF16)
+    return dict(query=q, key=k, value=v, attn_mask=bias, enable_gqa=True)
+
+
+WINDOW_40 = causal_lower_right() + SlidingWindowBias(40)
+
+
+@pytest.mark.parametrize(
+    ("length_q", "length_kv", "bias", "heads_q", "first"),
+    [
+        (4, 96, WINDOW_40, 8, "fa4"),  # 16 packed rows
+        (16, 9000, WINDOW_40, 8, "fa4"),  # a window keeps few of many keys
+        (4, 8192, causal_lower_right(), 8, "fa4"),  # 8192 keys, the most
+        (4, 8193, causal_lower_right(), 8, "triton-decode"),  # one key more
+        (3, 96, WINDOW_40, 8, "triton-decode"),  # 12 packed rows
+        (4, 96, WINDOW_40, 4, "triton-decode"),  # 8 packed rows
+        (4, 96, causal_lower_right() + AlibiBias(num_heads=8), 8, "triton-decode"),
+        (4, 96, causal_lower_right() + SoftcapBias(30.0), 8, "triton-decode"),
+    ],
+)
+def test_captured_decodes_try_flash_attention_4_first_where_it_is_faster(
+    monkeypatch: pytest.MonkeyPatch,
+    length_q: int,
+    length_kv: int,
+    bias: AttnBias,
+    heads_q: int,
+    first: str,
+) -> None:
+    """Captured in a CUDA graph, a band or causal decode of at least 16 packed rows over at
+    most 8192 keys takes FlashAttention 4 (faster in graph replays there); the same call
+    uncaptured takes the decode kernel (FlashAttention 4's host time is far above it), and
+    explain says why."""
+    fake_gpu(monkeypatch, "hopper")
+    call = captured_call(length_q, length_kv, bias, heads_q=heads_q)
+    fake_capture(monkeypatch, False)
+    assert attnbias.explain(**call).startswith("triton-decode: ")
+    fake_capture(monkeypatch, True)
+    text = attnbias.explain(**call)
+    assert text.startswith(f"{first}: "), text
+    captured = "captured in a CUDA graph, a decode of at least 16 packed rows over at most 8192"
+    assert (captured in text) == (first == "fa4"), text
+    if first == "fa4":
+        assert "  triton-decode: could run it, after fa4 in the order" in text.splitlines()
+
+
+def test_one_plan_cache_entry_serves_both_capture_states(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call warmed up eagerly and then captured keeps its one plan-cache entry (the capture
+    validates and plans nothing again), which takes FlashAttention 4 while capturing and the
+    decode kernel otherwise; the same from a first call made while capturing."""
+    import attnbias.backends.fa4 as fa4
+    from attnbias import plan_cache
+
+    class MarkedFa4(fa4.FlashAttention4):
+        """FlashAttention 4's reasons (on the faked Hopper GPU), a marker for its output."""
+
+        def prepare(self, spec: Any) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+            return lambda query, key, value: torch.full_like(query, 7.0)
+
+    fake_gpu(monkeypatch, "hopper")
+    monkeypatch.setitem(BACKENDS, "fa4", MarkedFa4())
+    call = captured_call(4, 96, WINDOW_40)
+    for first_captured in (False, True):
+        plan_cache.clear()
+        outs = {}
+        for capturing in (first_captured, not first_captured, first_captured):
+            fake_capture(monkeypatch, capturing)
+            with torch.no_grad():
+                outs[capturing] = attnbias.sdpa(**call)
+            assert len(plan_cache._ENTRIES) == 1
+        assert (outs[True] == 7.0).all()
+        expected = attention(call["query"], call["key"], call["value"], WINDOW_40, enable_gqa=True)
+        low = attention(
+            call["query"], call["key"], call["value"], WINDOW_40, enable_gqa=True, dtype=BF16
+        )
+        assert_close_to_oracle([outs[False]], [expected], [low], BF16)
+
+
+def test_captured_calls_keep_the_decode_kernel_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Hopper and Blackwell, with gradients, or with a key range, capture changes nothing."""
+    fake_capture(monkeypatch, True)
+    call = captured_call(4, 96, WINDOW_40)
+    spec = make_spec(
+        call["query"], call["key"], call["value"], call["attn_mask"], False, None, 0.0, True
+    )
+    assert spec.capturing
+    assert planner.captured_fa4_first("hopper", spec)
+    assert planner.captured_fa4_first("blackwell", spec)
+    assert not planner.captured_fa4_first("cuda", spec)
+    assert not planner.captured_fa4_first("hopper", dataclasses.replace(spec, needs_grad=True))
+    ranged = WINDOW_40 + KeyRangeBias(torch.tensor([0]), torch.tensor([90]))
+    spec = make_spec(call["query"], call["key"], call["value"], ranged, False, None, 0.0, True)
+    assert not planner.captured_fa4_first("hopper", spec)
+
+
 def test_refusals_name_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpu(monkeypatch, "cuda")
     decode_backend = BACKENDS["triton-decode"]
@@ -793,6 +945,45 @@ def test_cuda_graph_capture_and_replay(name: str) -> None:
 
 
 @pytest.mark.gpu
+def test_a_captured_call_takes_its_graph_route_and_matches_the_oracle() -> None:
+    """A window decode of 16 packed rows over 8192 keys, warmed up eagerly (the decode
+    kernel) and then captured: the captured call takes FlashAttention 4 where it is
+    installed on Hopper or Blackwell (faster in replays), the decode kernel elsewhere, and
+    its replays on new contents are held to the oracle."""
+    from attnbias.backends import fa4
+
+    q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
+    bias = gpu_bias("window", 32, 4, 8192)
+
+    def call() -> Tensor:
+        return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    assert attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True).startswith("triton-decode")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+        spec = make_spec(q, k, v, bias, False, None, 0.0, True)
+        route = plan(spec).backend.name
+    assert spec.capturing
+    gen = planner.generation(q.device)
+    faster = fa4._installed() and gen in ("hopper", "blackwell")
+    assert route == ("fa4" if faster else "triton-decode")
+    for target, new in zip((q, k, v), make_qkv(2, 32, 8, 4, 8192, 128, BF16, seed=1), strict=True):
+        target.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = attention(q, k, v, bias, enable_gqa=True)
+    low = attention(q, k, v, bias, enable_gqa=True, dtype=BF16)
+    rounding = flash_rounding(q, k, v, bias, torch.zeros_like(q))[:1]
+    assert_close_to_oracle([out], [expected], [low], BF16, ("out",), rounding)
+
+
+@pytest.mark.gpu
 def test_split_launches_share_counters_per_stream() -> None:
     """Eager split launches in a row on one stream, and interleaved on two streams, each give
     the same output bit for bit (the merge by the last share to finish races with nothing),
@@ -815,7 +1006,8 @@ def test_split_launches_share_counters_per_stream() -> None:
     assert all(torch.equal(out, first) for out in outs)
     for stream in streams:
         with torch.cuda.stream(stream):
-            assert decode.split_counters(q.device, 1).eq(0).all()
+            scratch = decode.split_scratch(q.device, 1, 1)
+            assert scratch is not None and scratch[0].eq(0).all()
 
 
 @pytest.mark.gpu

@@ -228,18 +228,23 @@ def check(
 
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every ``torch.empty`` start as NaN (or a huge int) so unwritten outputs fail."""
-    real_empty = torch.empty
+    """Make every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` start as NaN
+    (or a huge int) so unwritten outputs fail."""
 
-    def poisoned(*args: Any, **kwargs: Any) -> Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(torch.iinfo(t.dtype).max)
-        return t
+    def poisoning(real: Any) -> Any:
+        def poisoned(*args: Any, **kwargs: Any) -> Tensor:
+            t = real(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype in (torch.int32, torch.int64):
+                t.fill_(torch.iinfo(t.dtype).max)
+            return t
 
-    monkeypatch.setattr(torch, "empty", poisoned)
+        return poisoned
+
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
+    monkeypatch.setattr(Tensor, "new_empty", poisoning(Tensor.new_empty))
 
 
 def scale_of(head_dim: int) -> float:

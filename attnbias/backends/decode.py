@@ -3,8 +3,6 @@ key/value caches, forward only."""
 
 from __future__ import annotations
 
-import functools
-
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
@@ -102,4 +100,4 @@ class TritonDecode(Backend):
             scale=spec.resolved_scale,
             **spec.lowered.kernel_args(),
         )
-        return functools.partial(plan.launch, checked=False)
+        return plan.run
