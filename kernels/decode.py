@@ -46,7 +46,7 @@ Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``G = Hq
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -659,6 +659,12 @@ class DecodePlan:
     kernel_apart: PreparedLaunch | None = None
     merge: PreparedLaunch | None = None
     merge_scalars: tuple[int, ...] = ()
+    # [(stream, (counters, parts))]: the CUDA stream of this plan's last direct split launch
+    # and that stream's split_scratch, so that a launch on the same stream skips the lookup
+    # (one item, replaced whole: threads launching on other streams read a consistent pair)
+    last_stream: list[tuple[int, tuple[Tensor, Tensor]] | None] = field(
+        default_factory=lambda: [None]
+    )
 
     def launch(self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True) -> Tensor:
         """``out`` as :func:`decode_forward` returns it. No host synchronisation: one launch,
@@ -676,9 +682,14 @@ class DecodePlan:
         kernel, merge = self.kernel, None
         if kernel is None:
             return out
+        direct = kernel.direct()
         parts = counters = None
         if self.part_size:
-            scratch = split_scratch(q.device, self.tiles, self.part_size)
+            scratch = (
+                self._stream_scratch(q)
+                if direct
+                else split_scratch(q.device, self.tiles, self.part_size)
+            )
             if scratch is not None:
                 counters, parts = scratch
             else:
@@ -686,28 +697,49 @@ class DecodePlan:
                 kernel, merge = self.kernel_apart, self.merge
                 assert kernel is not None  # a split plan has both
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
-        call_key = None
-        if kernel.direct():
-            # The output and partial results come from the allocator (their strides are the
-            # plan's), and the counters are 16-byte aligned.
-            call_key = (
-                q_stride,
-                k_stride,
-                v_stride,
-                q.data_ptr() % 16 == 0,
-                k.data_ptr() % 16 == 0,
-                v.data_ptr() % 16 == 0,
-                out.data_ptr() % 16 == 0,
-                parts is None or parts.data_ptr() % 16 == 0,
-            )
+        if direct:
+            # What the compiled kernel is specialised on beyond the plan: the strides, and
+            # each tensor's 16-byte alignment, spelled out only when some tensor lacks it
+            # (the output and partial results come from the allocator: their strides are
+            # the plan's).
+            ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
+            if parts is not None:
+                ptrs |= parts.data_ptr()
+            call_key: tuple[object, ...] | None = (q_stride, k_stride, v_stride)
+            if ptrs % 16:
+                call_key = (
+                    q_stride,
+                    k_stride,
+                    v_stride,
+                    *(t is None or t.data_ptr() % 16 == 0 for t in (q, k, v, out, parts)),
+                )
+        else:
+            call_key = None
         kernel(
             call_key, q, k, v, out, parts, counters, *self.mask_tensors,
             *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
         if merge is not None:
-            merge_key = None if call_key is None else call_key[-2:]
+            assert parts is not None  # the launch's fresh partial results
+            merge_key = None
+            if direct:
+                merge_key = (parts.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
             merge(merge_key, parts, out, *self.merge_scalars)
         return out
+
+    def _stream_scratch(self, q: Tensor) -> tuple[Tensor, Tensor] | None:
+        """:func:`split_scratch` for a direct launch (a CUDA one, not traced), found from
+        the current stream alone when it is the stream of the plan's last launch."""
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return None
+        stream = torch._C._cuda_getCurrentRawStream(q.get_device())
+        last = self.last_stream[0]
+        if last is None or last[0] != stream:
+            scratch = split_scratch(q.device, self.tiles, self.part_size)
+            if scratch is None:
+                return None
+            last = self.last_stream[0] = (stream, scratch)
+        return last[1]
 
 
 def plan_decode(

@@ -327,19 +327,19 @@ class ForwardPlan:
         if self.kernel is None:
             return out, lse
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
-        # Out and lse are fresh and contiguous: their strides are fixed by the shapes.
-        call_key = None
+        # What the compiled kernel is specialised on beyond the plan: the strides (out and lse
+        # are fresh and contiguous: theirs are fixed by the shapes), and each tensor's 16-byte
+        # alignment, spelled out only when some tensor lacks it.
+        call_key: tuple[object, ...] | None = None
         if self.kernel.direct():
-            call_key = (
-                q_stride,
-                k_stride,
-                v_stride,
-                q.data_ptr() % 16 == 0,
-                k.data_ptr() % 16 == 0,
-                v.data_ptr() % 16 == 0,
-                out.data_ptr() % 16 == 0,
-                lse.data_ptr() % 16 == 0,
-            )
+            call_key = (q_stride, k_stride, v_stride)
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()) % 16:
+                call_key = (
+                    q_stride,
+                    k_stride,
+                    v_stride,
+                    *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)),
+                )
         self.kernel(
             call_key, q, k, v, out, lse, *self.mask_tensors, *q_stride, *k_stride, *v_stride,
             *out.stride(), *self.scalars,

@@ -1018,9 +1018,12 @@ def test_the_merge_kernel_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     bias = gpu_bias("window", 32, 4, 8192)
     plan = decode.plan_decode(q, k, v, scale=0.1, **kernel_args(bias, 4, 8192), num_splits=8)
     merged_last = plan.launch(q, k, v)
-    monkeypatch.setattr(decode, "merges_in_kernel", lambda device: False)
+    assert plan.merge is not None and not plan.merge.runners
+    # what a launch sees while its stream is capturing a CUDA graph
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True)
     for _ in range(3):
         assert torch.equal(plan.launch(q, k, v), merged_last)
+    assert plan.merge.runners  # the second kernel ran, through its own launcher after the first
 
 
 @pytest.mark.gpu
