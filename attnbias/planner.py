@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnbias.backends import BACKENDS, Backend
-from attnbias.spec import Spec
+from attnbias.spec import Spec, capturable
 
 __all__ = [
     "CAPTURED_FA4_FIRST",
@@ -243,7 +243,11 @@ def captured_fa4_first(gen: str, spec: Spec) -> bool:
 def capture_alternative(spec: Spec) -> Plan | None:
     """The plan of ``spec`` in the other capture state (captured in a CUDA graph, or not)
     where it may choose another backend (:func:`captured_fa4_first`), else ``None``."""
-    if spec.compiling or not captured_fa4_first(generation(spec.device), spec):
+    if (
+        spec.compiling
+        or not capturable(spec.query)
+        or not captured_fa4_first(generation(spec.device), spec)
+    ):
         return None
     return plan(dataclasses.replace(spec, capturing=not spec.capturing))
 

@@ -352,6 +352,11 @@ def capturing(tensor: Tensor) -> bool:
     return tensor.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
+def capturable(tensor: Tensor) -> bool:
+    """Whether a call on ``tensor`` could ever be captured in a CUDA graph (a CUDA tensor)."""
+    return tensor.is_cuda
+
+
 def with_causal(bias: AttnBias | None, causal: bool) -> AttnBias | None:
     """``bias`` with ``is_causal=True`` folded in: ``bias + CausalBias(UPPER_LEFT)``."""
     if not causal:
