@@ -181,10 +181,10 @@ def store(
 ) -> CachedPlan | None:
     """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
     ``other`` is the backend the planner chooses for the same call in the other capture
-    state (captured in a CUDA graph, or not), where it may differ. Returns the entry, whose prepared
-    run also serves the call that made it, or ``None`` for a call with an empty dimension,
-    which is not kept (rare, and validation adjusts some of them: the scale at E = 0): its
-    key is never found, and it runs unprepared."""
+    state (captured in a CUDA graph, or not), where it may differ. Returns the entry, whose
+    prepared run also serves the call that made it, or ``None`` for a call with an empty
+    dimension, which is not kept (rare, and validation adjusts some of them: the scale at
+    E = 0): its key is never found, and it runs unprepared."""
     if 0 in spec.query.shape or 0 in spec.key.shape or 0 in spec.value.shape:
         return None
     if other is None or other is backend:
