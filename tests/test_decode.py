@@ -946,15 +946,22 @@ def test_cuda_graph_capture_and_replay(name: str) -> None:
 
 
 @pytest.mark.gpu
-def test_a_captured_call_takes_its_graph_route_and_matches_the_oracle() -> None:
-    """A window decode of 16 packed rows over 8192 keys, warmed up eagerly (the decode
-    kernel) and then captured: the captured call takes FlashAttention 4 where it is
-    installed on Hopper or Blackwell (faster in replays), the decode kernel elsewhere, and
-    its replays on new contents are held to the oracle."""
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("name", "length_q"), [("window", 4), ("window", 16), ("causal_lower_right", 16)]
+)
+def test_a_captured_call_takes_its_graph_route_and_matches_the_oracle(
+    name: str, length_q: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Decodes of 16 and 64 packed rows over 8192 keys, warmed up eagerly (the decode kernel)
+    and then captured: the captured call takes FlashAttention 4 where it is installed on
+    Hopper or Blackwell (faster in replays), the decode kernel elsewhere, and its replays on
+    new contents are held to the oracle."""
     from attnbias.backends import fa4
 
-    q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
-    bias = gpu_bias("window", 32, 4, 8192)
+    q, k, v = make_qkv(2, 32, 8, length_q, 8192, head_dim, dtype)
+    bias = gpu_bias(name, 32, length_q, 8192)
 
     def call() -> Tensor:
         return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
@@ -974,14 +981,15 @@ def test_a_captured_call_takes_its_graph_route_and_matches_the_oracle() -> None:
     gen = planner.generation(q.device)
     faster = fa4._installed() and gen in ("hopper", "blackwell")
     assert route == ("fa4" if faster else "triton-decode")
-    for target, new in zip((q, k, v), make_qkv(2, 32, 8, 4, 8192, 128, BF16, seed=1), strict=True):
+    new_inputs = make_qkv(2, 32, 8, length_q, 8192, head_dim, dtype, seed=1)
+    for target, new in zip((q, k, v), new_inputs, strict=True):
         target.copy_(new)
     graph.replay()
     torch.cuda.synchronize()
     expected = attention(q, k, v, bias, enable_gqa=True)
-    low = attention(q, k, v, bias, enable_gqa=True, dtype=BF16)
+    low = attention(q, k, v, bias, enable_gqa=True, dtype=dtype)
     rounding = flash_rounding(q, k, v, bias, torch.zeros_like(q))[:1]
-    assert_close_to_oracle([out], [expected], [low], BF16, ("out",), rounding)
+    assert_close_to_oracle([out], [expected], [low], dtype, ("out",), rounding)
 
 
 @pytest.mark.gpu
