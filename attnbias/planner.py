@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnbias.backends import BACKENDS, Backend
+from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.spec import Spec, capturable
 
 __all__ = [
@@ -232,6 +233,8 @@ def captured_fa4_first(gen: str, spec: Spec) -> bool:
         return False
     _, heads_q, length_q, length_kv = spec.shape
     heads_kv = spec.key.shape[1]
+    if length_q > MAX_DECODE_QUERIES:  # not a decode: the decode kernel refuses it anyway
+        return False
     if heads_kv == 0 or heads_q // heads_kv * length_q < CAPTURED_FA4_FIRST.min_rows:
         return False
     # the keys some query keeps: from the first query's lowest to the last query's highest

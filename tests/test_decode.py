@@ -825,7 +825,8 @@ def test_one_plan_cache_entry_serves_both_capture_states(
 
 
 def test_captured_calls_keep_the_decode_kernel_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off Hopper and Blackwell, with gradients, or with a key range, capture changes nothing."""
+    """Off Hopper and Blackwell, with gradients, beyond the decode kernel's queries, or with
+    a key range, capture changes nothing."""
     fake_capture(monkeypatch, True)
     call = captured_call(4, 96, WINDOW_40)
     spec = make_spec(
@@ -836,6 +837,9 @@ def test_captured_calls_keep_the_decode_kernel_elsewhere(monkeypatch: pytest.Mon
     assert planner.captured_fa4_first("blackwell", spec)
     assert not planner.captured_fa4_first("cuda", spec)
     assert not planner.captured_fa4_first("hopper", dataclasses.replace(spec, needs_grad=True))
+    long = captured_call(MAX_DECODE_QUERIES + 1, 96, WINDOW_40)
+    spec = make_spec(long["query"], long["key"], long["value"], WINDOW_40, False, None, 0.0, True)
+    assert not planner.captured_fa4_first("hopper", spec)  # not a decode
     ranged = WINDOW_40 + KeyRangeBias(torch.tensor([0]), torch.tensor([90]))
     spec = make_spec(call["query"], call["key"], call["value"], ranged, False, None, 0.0, True)
     assert not planner.captured_fa4_first("hopper", spec)
