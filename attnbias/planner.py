@@ -237,10 +237,12 @@ def captured_fa4_first(gen: str, spec: Spec) -> bool:
         return False
     if heads_kv == 0 or heads_q // heads_kv * length_q < CAPTURED_FA4_FIRST.min_rows:
         return False
-    # the keys some query keeps: from the first query's lowest to the last query's highest
-    lo = 0 if lowered.band_lo is None else max(0, lowered.band_lo)
-    hi = length_kv if lowered.band_hi is None else min(length_kv, length_q + lowered.band_hi)
-    return hi - lo <= CAPTURED_FA4_FIRST.max_keys
+    # the decode kernel's own count of the keys some query keeps (blocks of one key);
+    # imported here, as the backends import the kernels, when a call gets this far
+    from attnbias.kernels.decode import visited_key_blocks
+
+    keys = visited_key_blocks(length_q, length_kv, lowered.band_lo, lowered.band_hi, False, 1)
+    return keys <= CAPTURED_FA4_FIRST.max_keys
 
 
 def capture_alternative(spec: Spec) -> Plan | None:
