@@ -16,6 +16,7 @@ E head dim, Ev value head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnbias.kernels.program import MaskProgram
 from attnbias.bias import (
     AlibiBias,
     AttnBias,
@@ -59,6 +61,20 @@ class Lowered:
     @property
     def has_key_range(self) -> bool:
         return self.kv_start is not None
+
+    @functools.cached_property
+    def program(self) -> MaskProgram:
+        """The kernels' form of these terms, built once."""
+        return MaskProgram(
+            band_lo=self.band_lo,
+            band_hi=self.band_hi,
+            q_doc=self.q_doc,
+            kv_doc=self.kv_doc,
+            kv_start=self.kv_start,
+            kv_end=self.kv_end,
+            alibi_slopes=self.slopes,
+            softcap=self.softcap,
+        )
 
     def kernel_args(self) -> dict[str, Any]:
         """The mask and score-modifier keywords of the Triton kernels' launchers
@@ -281,6 +297,11 @@ class Spec:
     # being captured in a CUDA graph: its host time is paid once, at capture, so only the
     # GPU time of its route counts (``planner.plan``)
     capturing: bool = False
+
+    @property
+    def program(self) -> MaskProgram:
+        """The mask program the Triton kernels' launchers take, unchanged."""
+        return self.lowered.program
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -1,0 +1,198 @@
+"""The mask program: everything the kernels need to know about a call's mask and score terms,
+in one value that is built once by the front-end and passed unchanged to every launcher.
+
+The kernels see no bias classes. A mask program holds:
+
+* the **iteration source** of each query block's key blocks: the analytic band (with documents
+  and key ranges: one contiguous run of key blocks per query block, see ``common.py``), or
+  precomputed :class:`BlockLists` of full and partial key blocks per query block (and their
+  transpose for the dK/dV kernel), which can describe any block pattern;
+* the **element terms** every partial tile evaluates: band limits, document ids, per-row key
+  ranges (all intersect);
+* the **score terms**: ALiBi slopes and the soft-cap.
+
+One place turns a program into launch arguments (``masks.mask_args``); the registered ops
+take it packed (:meth:`MaskProgram.pack`: a list of tensors, a list of ints, a list of floats)
+and unpack it (:meth:`MaskProgram.unpack`), so no parameter list is written out by hand.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``L`` queries, ``S`` keys, ``Mb = ceil(L /
+block_m)`` query blocks and ``Nb = ceil(S / block_n)`` key blocks of a :class:`BlockLists`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["BlockLists", "MaskProgram"]
+
+# How a field travels through the packed form: "tensor" fields (Tensor or None) go to the
+# tensor list, "int" and "float" fields (a number or None) to the number lists with a flag
+# saying whether they are set, "lists" is the optional nested BlockLists.
+_KIND = "packed_as"
+
+
+def _tensor(doc: str) -> Any:
+    return field(default=None, metadata={_KIND: "tensor", "doc": doc})
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLists:
+    """Per query block, the key blocks to visit (and, transposed, per key block the query
+    blocks), each list split into *partial* blocks (the element terms are evaluated) and
+    *full* blocks (every pair kept: no element mask).
+
+    Blocks are ``block_m`` queries by ``block_n`` keys; a kernel's own tiles divide them (the
+    kernels' tiles are powers of two of at most 128). The leading dimensions ``Bl`` and ``Hl``
+    are 1 (shared by every batch row or head) or ``B`` and ``Hq``. A block holding a kept pair
+    must be listed; a block listed as full must keep every pair of it that lies inside
+    ``[0, L) x [0, S)`` under the program's element terms, which are applied on partial blocks
+    only. Indices past a row's count are never read. All tensors are int32 and contiguous.
+    """
+
+    block_m: int
+    block_n: int
+    kv_partial_count: Tensor  # (Bl, Hl, Mb)
+    kv_partial_index: Tensor  # (Bl, Hl, Mb, Nb)
+    kv_full_count: Tensor  # (Bl, Hl, Mb)
+    kv_full_index: Tensor  # (Bl, Hl, Mb, Nb)
+    q_partial_count: Tensor  # (Bl, Hl, Nb)
+    q_partial_index: Tensor  # (Bl, Hl, Nb, Mb)
+    q_full_count: Tensor  # (Bl, Hl, Nb)
+    q_full_index: Tensor  # (Bl, Hl, Nb, Mb)
+
+    TENSORS = (
+        "kv_partial_count",
+        "kv_partial_index",
+        "kv_full_count",
+        "kv_full_index",
+        "q_partial_count",
+        "q_partial_index",
+        "q_full_count",
+        "q_full_index",
+    )
+
+    def tensors(self) -> list[Tensor]:
+        return [getattr(self, name) for name in self.TENSORS]
+
+
+@dataclass(frozen=True, eq=False)
+class MaskProgram:
+    """A call's mask and score terms in the kernels' form (see the module docstring).
+
+    A pair ``(i, j)`` of batch row ``b`` and query head ``h`` is kept when
+    ``band_lo <= j - i <= band_hi`` (``None``: open side), ``q_doc[b, i] == kv_doc[b, j]``
+    (document ids non-decreasing, ``(1 | B, L)`` and ``(1 | B, S)``, both or neither) and
+    ``kv_start[b] <= j < kv_end[b]`` (``(B,)`` or ``(1,)`` integers, both or neither), and,
+    with ``blocks``, when its block is listed for that query block. Scores are
+    ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then ``- slope[b, h] *
+    |i + S - L - j|`` with ``alibi_slopes`` ``(1 | B, Hq)`` float32.
+    """
+
+    band_lo: int | None = field(default=None, metadata={_KIND: "int"})
+    band_hi: int | None = field(default=None, metadata={_KIND: "int"})
+    q_doc: Tensor | None = _tensor("(1 | B, L) integer document ids")
+    kv_doc: Tensor | None = _tensor("(1 | B, S) integer document ids")
+    kv_start: Tensor | None = _tensor("(B,) or (1,) first valid key of each batch row")
+    kv_end: Tensor | None = _tensor("(B,) or (1,) one past the last valid key")
+    alibi_slopes: Tensor | None = _tensor("(1 | B, Hq) float32 ALiBi slopes")
+    softcap: float | None = field(default=None, metadata={_KIND: "float"})
+    blocks: BlockLists | None = field(default=None, metadata={_KIND: "lists"})
+
+    @property
+    def has_key_range(self) -> bool:
+        return self.kv_start is not None
+
+    @property
+    def has_docs(self) -> bool:
+        return self.q_doc is not None
+
+    def replace(self, **changes: Any) -> MaskProgram:
+        return dataclasses.replace(self, **changes)
+
+    # -- the packed form of the registered ops ------------------------------------------------
+
+    def pack(self) -> tuple[list[Tensor | None], list[int], list[float]]:
+        """``(tensors, ints, floats)``: this program as the registered ops take it."""
+        tensors: list[Tensor | None] = []
+        ints: list[int] = []
+        floats: list[float] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = f.metadata[_KIND]
+            if kind == "tensor":
+                tensors.append(value)
+            elif kind == "int":
+                ints += [0, 0] if value is None else [1, int(value)]
+            elif kind == "float":
+                ints.append(0 if value is None else 1)
+                floats.append(0.0 if value is None else float(value))
+            else:  # lists
+                if value is None:
+                    ints += [0, 0, 0]
+                    tensors += [None] * len(BlockLists.TENSORS)
+                else:
+                    ints += [1, value.block_m, value.block_n]
+                    tensors += value.tensors()
+        return tensors, ints, floats
+
+    @classmethod
+    def unpack(
+        cls, tensors: list[Tensor | None], ints: list[int], floats: list[float]
+    ) -> MaskProgram:
+        """The program :meth:`pack` was given."""
+        tensor_it, int_it, float_it = iter(tensors), iter(ints), iter(floats)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            kind = f.metadata[_KIND]
+            if kind == "tensor":
+                values[f.name] = next(tensor_it)
+            elif kind == "int":
+                is_set, number = next(int_it), next(int_it)
+                values[f.name] = number if is_set else None
+            elif kind == "float":
+                is_set, number = next(int_it), next(float_it)
+                values[f.name] = number if is_set else None
+            else:
+                is_set, block_m, block_n = next(int_it), next(int_it), next(int_it)
+                lists = [next(tensor_it) for _ in BlockLists.TENSORS]
+                values[f.name] = (
+                    BlockLists(block_m, block_n, *lists)  # type: ignore[arg-type]
+                    if is_set
+                    else None
+                )
+        return cls(**values)
+
+    @classmethod
+    def tensor_slot(cls, name: str) -> int:
+        """Where the tensor field ``name`` sits in :meth:`pack`'s tensor list (the ops'
+        backward returns a gradient there)."""
+        slot = 0
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return slot
+            kind = f.metadata[_KIND]
+            slot += 1 if kind == "tensor" else len(BlockLists.TENSORS) if kind == "lists" else 0
+        raise KeyError(name)
+
+    def describe(self) -> str:
+        """The terms in words (for error messages and ``explain``)."""
+        terms = []
+        if self.band_lo is not None or self.band_hi is not None:
+            lo = "-inf" if self.band_lo is None else str(self.band_lo)
+            hi = "+inf" if self.band_hi is None else str(self.band_hi)
+            terms.append(f"band {lo} <= j - i <= {hi}")
+        if self.q_doc is not None:
+            terms.append("documents")
+        if self.has_key_range:
+            terms.append("key range kv_start[b] <= j < kv_end[b]")
+        if self.alibi_slopes is not None:
+            terms.append("ALiBi")
+        if self.softcap is not None:
+            terms.append(f"soft-cap {self.softcap:g}")
+        if self.blocks is not None:
+            terms.append(f"block lists of {self.blocks.block_m}x{self.blocks.block_n}")
+        return ", ".join(terms) if terms else "no mask"
