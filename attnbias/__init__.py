@@ -1,6 +1,6 @@
 """Bias objects for scaled dot product attention, run on the fastest exact kernel."""
 
-from attnbias.bias import (
+from attnbias.biases import (
     AlibiBias,
     AttnBias,
     CausalBias,

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import plan_cache
-from attnbias.backends import stock_sdpa
-from attnbias.backends.stock import materialized_attention
-from attnbias.bias import AttnBias, _BuiltinBias, check_dispatched
+from attnbias.biases import AttnBias
+from attnbias.biases.base import set_router
 from attnbias.planner import capture_alternative, current_policy, plan
-from attnbias.spec import make_spec, with_causal
+from attnbias.spec import call_form, make_spec
+from attnbias.terms import Call
 
 __all__ = ["explain", "patch_sdpa", "sdpa"]
 
@@ -161,31 +161,11 @@ def _validate(
         # the same), while the default 1/sqrt(E) is undefined.
         scale = 1.0
     if isinstance(attn_mask, AttnBias):
-        attn_mask._validate_call(batch, heads_q, query.shape[2], key.shape[2])
+        attn_mask.validate_call(Call(batch, heads_q, query.shape[2], key.shape[2], query.device))
     return dropout, scale
 
 
-def _says(text: str) -> Callable[[], str]:
-    return lambda: text
-
-
-class _EmptyOutput(torch.autograd.Function):
-    """The ``(B, Hq, L, Ev)`` output of a call with ``B``, ``Hq`` or ``L`` equal to 0, and
-    zero gradients for query, key and value: no element of the output depends on them."""
-
-    @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        ctx.inputs = [(x.shape, x.dtype, x.device) for x in (query, key, value)]
-        return query.new_empty((*query.shape[:3], value.shape[-1]))
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, ...]:
-        return tuple(
-            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs
-        )
-
-
-def _choose(
+def _decide(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -196,99 +176,42 @@ def _choose(
     enable_gqa: bool,
     call: Hashable | None = None,
 ) -> tuple[Callable[[], str], Callable[[], Tensor]]:
-    """``(explanation, thunk)``: the one decision both sdpa and explain report.
+    """``(explanation, thunk)``: the one decision both sdpa and explain report, for a
+    validated call of any form (a bias object, a plain tensor mask, none).
 
-    ``call`` is the call's :func:`plan_cache.call_key`; a built-in bias's decision is kept
-    under it.
+    ``call`` is the call's :func:`plan_cache.call_key`; the decision is kept under it and the
+    chosen backend prepares its run once, for this call and the identical ones after it (both
+    routes where the route depends on being captured in a CUDA graph).
     """
-    batch, heads_q, length_q = query.shape[:3]
-    if batch * heads_q * length_q == 0:
-        return (
-            _says(
-                f"empty: the output (B, Hq, L, Ev)={(batch, heads_q, length_q, value.shape[-1])} "
-                f"has no elements, so nothing runs (stock SDPA ends the process with a floating "
-                f"point exception on some of these shapes)"
-            ),
-            lambda: _EmptyOutput.apply(query, key, value),
-        )
-    if (
-        isinstance(attn_mask, AttnBias)
-        and not attn_mask.needs_materialization()
-        and type(attn_mask).dispatch is _BuiltinBias.dispatch
-    ):
-        # The built-ins, first: theirs is the path whose host time counts.
-        chosen = plan(
-            make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa)
-        )
-        # the backend prepares its run once, for this call and the identical ones after it
-        # (both routes where the call's route depends on being captured in a CUDA graph)
-        entry = None
-        if call is not None:
-            alternative = capture_alternative(chosen.spec)
-            other = None if alternative is None else alternative.backend
-            entry = plan_cache.store(call, chosen.spec, chosen.backend, other)
+    form = call_form(query, attn_mask)
+    chosen = plan(
+        make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form)
+    )
+    if call is not None:
+        alternative = capture_alternative(chosen.spec)
+        other = None if alternative is None else alternative.backend
+        entry = plan_cache.store(call, chosen.spec, chosen.backend, other)
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
-        return chosen.explain, chosen.run
+    return chosen.explain, chosen.run
 
-    def stock(mask: Tensor | None, causal: bool) -> Callable[[], Tensor]:
-        return partial(
-            stock_sdpa,
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
 
-    if isinstance(attn_mask, Tensor):
-        return (
-            _says(
-                "sdpa: a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, "
-                "or use a structured bias such as CausalBias, to silence the warning)"
-            ),
-            stock(attn_mask, is_causal),
-        )
-    if attn_mask is None:
-        return _says("sdpa: no mask: stock SDPA"), stock(None, is_causal)
-    if attn_mask.needs_materialization():
-        bias = with_causal(attn_mask, is_causal)
-        assert bias is not None  # attn_mask is not None here
+def _route(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_bias: AttnBias,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The ``dispatch`` of the built-in biases (``KernelBias.dispatch``): the dispatcher's
+    decision for the call, run."""
+    return plan(make_spec(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)).run()
 
-        def materialized() -> Tensor:
-            return materialized_attention(
-                query,
-                key,
-                value,
-                bias,
-                dropout_p=dropout_p,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
 
-        return (
-            _says(
-                f"sdpa+mask: {bias!r} needs materialization, so stock SDPA runs with its "
-                f"materialized mask"
-            ),
-            materialized,
-        )
-    cls = type(attn_mask)
-    return (
-        _says(
-            f"{cls.__name__}.dispatch: {cls.__name__} does not need materialization and runs "
-            f"through its own dispatch()"
-        ),
-        lambda: check_dispatched(
-            attn_mask,
-            cls.dispatch(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa),
-            query,
-            value,
-        ),
-    )
+set_router(_route)
 
 
 def sdpa(
@@ -361,7 +284,7 @@ def sdpa(
             UserWarning,
             stacklevel=2,
         )
-    _, run = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call)
+    _, run = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, call)
     return run()
 
 
@@ -396,7 +319,7 @@ def explain(
     dropout_p, scale = _validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
-    explanation, _ = _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    explanation, _ = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return explanation()
 
 

@@ -4,10 +4,11 @@ At short sequence lengths a call's host time is its whole runtime, and most of i
 deciding the same thing again: a model calls attention with the same bias, shapes and flags in
 every layer and every step. A call is identified here by everything the decision reads:
 
-- the bias: the built-ins that hold no tensor (causal, sliding window, soft-cap, ALiBi with the
-  paper's slopes) by value, so a bias rebuilt each step still hits; a :class:`DocumentBias` and
-  a :class:`KeyRangeBias` by identity, and the entry keeps them alive so that their identity
-  cannot be reused (the lowered form it stores holds their tensors on the device);
+- the bias, by its :meth:`~attnbias.AttnBias.cache_key`: the built-ins that hold no tensor
+  (causal, sliding window, soft-cap, ALiBi with the paper's slopes) by value, so a bias
+  rebuilt each step still hits; a :class:`DocumentBias` and a :class:`KeyRangeBias` by
+  identity, and the entry keeps them alive so that their identity cannot be reused (the terms
+  it stores hold their tensors on the device); any other bias is not kept (``None``);
 - the shapes, dtypes, devices and ``requires_grad`` of query, key and value, and grad mode;
 - every flag with its type (``1`` and ``True`` are different calls: validation may treat them
   differently);
@@ -40,85 +41,29 @@ from torch import Tensor
 
 from attnbias.backends import Backend
 from attnbias.backends.base import Prepared
-from attnbias.bias import (
-    AlibiBias,
-    AttnBias,
-    CausalBias,
-    CompositeBias,
-    DocumentBias,
-    KeyRangeBias,
-    SlidingWindowBias,
-    SoftcapBias,
-)
-from attnbias.spec import Lowered, Spec, capturing
+from attnbias.biases import AttnBias
+from attnbias.spec import Spec, capturing
+from attnbias.terms import Terms
 
 __all__ = ["CachedPlan", "call_key", "clear", "lookup", "store"]
 
 # Entries kept; the oldest goes first. A model has a handful of distinct attention calls.
 MAX_ENTRIES = 64
 
-_BY_VALUE = (CausalBias, SlidingWindowBias, SoftcapBias)  # frozen, equal by value, no tensors
-
 
 @dataclass(frozen=True, slots=True)
 class CachedPlan:
-    """What a call decided: its bias (``is_causal`` folded in), lowered form and backend, and
-    the backend's function prepared for it."""
+    """What a call decided: its bias (``is_causal`` folded in), terms and backend, and the
+    backend's function prepared for it."""
 
     bias: AttnBias | None
-    lowered: Lowered
+    terms: Terms
     # the call's query, key and value -> its output (flags and bias are fixed by the key)
     run: Prepared
 
 
 _ENTRIES: dict[Hashable, CachedPlan] = {}
 _LOCK = threading.Lock()
-
-
-def _part_key(part: AttnBias) -> Hashable | None:
-    cls = type(part)
-    if cls in _BY_VALUE:
-        return part
-    if cls is DocumentBias or cls is KeyRangeBias:
-        return (cls, id(part))
-    if cls is AlibiBias and part.slopes is None:  # type: ignore[attr-defined]
-        return (cls, part.num_heads)  # type: ignore[attr-defined]
-    return None
-
-
-class _HashedKey:
-    """A bias's key with its hash worked out once: a call hashes it on every lookup, and the
-    hash of a sum of frozen dataclasses is Python code, part by part."""
-
-    __slots__ = ("_hash", "parts")
-
-    def __init__(self, parts: tuple[Hashable, ...]) -> None:
-        self.parts = parts
-        self._hash = hash(parts)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _HashedKey and self._hash == other._hash and self.parts == other.parts
-
-
-# A sum of biases keeps its key under this attribute once worked out (biases are immutable);
-# False where it has none.
-_KEY_ATTRIBUTE = "_plan_cache_key"
-
-
-def _bias_key(bias: object) -> Hashable | None:
-    if type(bias) is CompositeBias:
-        found = bias.__dict__.get(_KEY_ATTRIBUTE)
-        if found is None:
-            keys = tuple(_part_key(part) for part in bias.parts)
-            found = False if None in keys else _HashedKey(keys)
-            object.__setattr__(bias, _KEY_ATTRIBUTE, found)
-        return found or None
-    if isinstance(bias, AttnBias):
-        return _part_key(bias)
-    return None
 
 
 # Flags of other types (tensors, numpy numbers) are not cached; each flag goes in the key
@@ -138,9 +83,9 @@ def call_key(
     policy: Hashable,
 ) -> Hashable | None:
     """The identity of an :func:`attnbias.sdpa` call, or ``None`` when it is not cached."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not isinstance(attn_mask, AttnBias):
         return None
-    bias_key = _bias_key(attn_mask)
+    bias_key = attn_mask.cache_key()
     if bias_key is None:
         return None
     if not (type(query) is Tensor and type(key) is Tensor and type(value) is Tensor):
@@ -193,7 +138,7 @@ def store(
         run = _by_capture(uncaptured=other.prepare(spec), captured=backend.prepare(spec))
     else:
         run = _by_capture(uncaptured=backend.prepare(spec), captured=other.prepare(spec))
-    entry = CachedPlan(spec.bias, spec.lowered, run)
+    entry = CachedPlan(spec.bias, spec.terms, run)
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:

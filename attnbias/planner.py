@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnbias.backends import BACKENDS, Backend
+from attnbias.backends import BACKENDS, ROUTES, Backend
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.spec import Spec, capturable
 
 __all__ = [
     "CAPTURED_FA4_FIRST",
+    "FORM_ROUTES",
     "PRIORITY",
     "Order",
     "Plan",
@@ -93,6 +94,18 @@ class CapturedFa4First:
 CAPTURED_FA4_FIRST = CapturedFa4First(
     kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
 )
+# The calls that are not a bias object lowering into the kernels' terms (``spec.FORMS``) have
+# one route each, whatever the GPU and whatever use_backends says: a plain tensor mask and no
+# mask go to stock SDPA unchanged, a bias that needs materialization to stock SDPA with its
+# mask, a bias class with its own dispatch to that dispatch, and a call with no output element
+# to no kernel at all.
+FORM_ROUTES: dict[str, str] = {
+    "empty": "empty",
+    "tensor": "sdpa",
+    "no mask": "sdpa",
+    "materialize": "sdpa+mask",
+    "dispatch": "dispatch",
+}
 _DEFAULT: dict[str, Order] = {
     "none": Order(("sdpa",)),
     "causal": Order(("sdpa", "triton-decode", "triton")),
@@ -193,6 +206,7 @@ class Plan:
     excluded: frozenset[str]  # by use_backends
     pinned: bool  # the order is use_backends' own
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reasons, in order
+    fixed: bool = False  # the call's form has one route (FORM_ROUTES): nothing was weighed
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.spec)
@@ -200,9 +214,10 @@ class Plan:
     def explain(self) -> str:
         """The route, the order, and every other backend's reasons (computed here)."""
         spec = self.spec
+        if self.fixed:
+            return self.backend.headline(spec)
         lines = [
-            f"{self.backend.label(spec)}: {spec.lowered.describe()} runs in "
-            f"{self.backend.how(spec)}",
+            self.backend.headline(spec),
             f"  order ({self.heading}): {' > '.join(self.order)}",
         ]
         for name, backend in BACKENDS.items():
@@ -228,8 +243,8 @@ def captured_fa4_first(gen: str, spec: Spec) -> bool:
     kernel (:data:`CAPTURED_FA4_FIRST`)."""
     if gen not in ("hopper", "blackwell") or spec.needs_grad:
         return False
-    lowered = spec.lowered
-    if lowered.kind not in CAPTURED_FA4_FIRST.kinds or lowered.has_key_range:
+    terms = spec.terms
+    if spec.kind not in CAPTURED_FA4_FIRST.kinds or terms.has_key_range:
         return False
     _, heads_q, length_q, length_kv = spec.shape
     heads_kv = spec.key.shape[1]
@@ -241,7 +256,7 @@ def captured_fa4_first(gen: str, spec: Spec) -> bool:
     # imported here, as the backends import the kernels, when a call gets this far
     from attnbias.kernels.decode import visited_key_blocks
 
-    keys = visited_key_blocks(length_q, length_kv, lowered.band_lo, lowered.band_hi, False, 1)
+    keys = visited_key_blocks(length_q, length_kv, terms.band_lo, terms.band_hi, False, 1)
     return keys <= CAPTURED_FA4_FIRST.max_keys
 
 
@@ -249,7 +264,8 @@ def capture_alternative(spec: Spec) -> Plan | None:
     """The plan of ``spec`` in the other capture state (captured in a CUDA graph, or not)
     where it may choose another backend (:func:`captured_fa4_first`), else ``None``."""
     if (
-        spec.compiling
+        spec.form != "bias"
+        or spec.compiling
         or not capturable(spec.query)
         or not captured_fa4_first(generation(spec.device), spec)
     ):
@@ -291,9 +307,13 @@ _cached_order = functools.lru_cache(maxsize=256)(_order)
 
 
 def plan(spec: Spec) -> Plan:
-    """Walk the priority list for ``spec`` and take the first backend with no reason against it."""
+    """Walk the priority list for ``spec`` and take the first backend with no reason against it
+    (a call of a form with one route takes that route, :data:`FORM_ROUTES`)."""
+    fixed = FORM_ROUTES.get(spec.form)
+    if fixed is not None:
+        return Plan(spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False, fixed=True)
     policy = current_policy()
-    kind = spec.lowered.kind
+    kind = spec.kind
     if spec.compiling:
         # Only traceable backends can run while torch.compile traces (not FlashAttention 4),
         # and neither the device query behind the generation nor the cache is traced: the
@@ -320,7 +340,7 @@ def plan(spec: Spec) -> Plan:
         skipped[name] = reasons
     detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())
     raise ValueError(
-        f"attnbias: no allowed backend can run {spec.lowered.describe()} with (B, Hq, L, S)="
+        f"attnbias: no allowed backend can run {spec.terms.describe()} with (B, Hq, L, S)="
         f"{spec.shape} in {spec.dtype} ({heading}). {detail}. Allow more backends in "
         f"use_backends(...)"
     )

@@ -16,28 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnbias.bias import (
-    AttnBias,
-    CompositeBias,
-    MaskedBias,
-    SoftcapBias,
-    _compute_dtype,
-    materialize_masked,
-    parts_of,
-)
+from attnbias.biases.base import AttnBias, materialize_masked
+from attnbias.materialize import MaskedBias, compute_dtype
 
-__all__ = ["FiniteInputs", "reference_attention", "split_softcap"]
-
-
-def split_softcap(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:
-    """``(cap, rest)``: the soft-cap of ``bias`` (if any) and the sum of its other parts."""
-    parts = parts_of(bias)
-    caps = [p.cap for p in parts if isinstance(p, SoftcapBias)]
-    rest = [p for p in parts if not isinstance(p, SoftcapBias)]
-    cap = caps[0] if caps else None
-    if not rest:
-        return cap, None
-    return cap, rest[0] if len(rest) == 1 else CompositeBias(tuple(rest))
+__all__ = ["FiniteInputs", "masked_reference_attention", "reference_attention"]
 
 
 def _zero_nonfinite(tensor: Tensor) -> Tensor:
@@ -154,16 +136,15 @@ def reference_attention(
         makes that row NaN.
     """
     batch, heads_q, length_q, _ = query.shape
-    cap, rest = split_softcap(bias)
     masked = materialize_masked(
-        rest, query.device, (batch, heads_q, length_q, key.shape[-2]), query.dtype
+        bias, query.device, (batch, heads_q, length_q, key.shape[-2]), query.dtype
     )
     return masked_reference_attention(
         query,
         key,
         value,
         masked,
-        cap=cap,
+        cap=masked.cap,
         scale=scale,
         dropout_p=dropout_p,
         enable_gqa=enable_gqa,
@@ -183,7 +164,7 @@ def masked_reference_attention(
 ) -> Tensor:
     """:func:`reference_attention` for a bias already materialized as ``masked``."""
     head_dim = query.shape[-1]
-    compute = _compute_dtype(query.dtype)
+    compute = compute_dtype(query.dtype)
     inputs = FiniteInputs.of(query, key, value)
     q, k, v = inputs.query.to(compute), inputs.key.to(compute), inputs.value.to(compute)
     heads_q, heads_kv = q.shape[1], k.shape[1]

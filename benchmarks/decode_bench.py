@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import attnbias
 from attnbias import AlibiBias, SlidingWindowBias, SoftcapBias, causal_lower_right
-from attnbias.bias import alibi_slopes
+from attnbias.biases import alibi_slopes
 
 # isort: split
 # A sibling, found through the folder of this script on sys.path.

@@ -33,7 +33,7 @@ def reference(q, k, v, bias, enable_gqa=False):  # type: ignore[no-untyped-def]
     """Float64 attention on the materialized bias; soft-cap, which has no materialized form,
     is applied to the scores by hand."""
     q, k, v = q.double(), k.double(), v.double()
-    parts = bias.parts if isinstance(bias, attnbias.bias.CompositeBias) else (bias,)
+    parts = bias.parts if isinstance(bias, attnbias.biases.CompositeBias) else (bias,)
     caps = [p.cap for p in parts if isinstance(p, SoftcapBias)]
     rest = [p for p in parts if not isinstance(p, SoftcapBias)]
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])

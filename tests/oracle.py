@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import AttnBias, CausalVariant, SoftcapBias, causal_upper_left
-from attnbias.bias import CompositeBias
+from attnbias.biases import CompositeBias
 
 
 def _split(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:

@@ -35,8 +35,9 @@ from attnbias import (
     sdpa,
 )
 from attnbias.backends import triton as triton_backend
-from attnbias.bias import CompositeBias, parts_of
+from attnbias.biases import CompositeBias, parts_of
 from attnbias.spec import lower
+from attnbias.terms import Call
 
 ROUTES = ("fallback", "reference", "sdpa+mask")
 SETTINGS = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -253,7 +254,7 @@ def test_summed_documents_never_overflow(
 ) -> None:
     first, second, batch, length_q, length_kv = case
     try:
-        (first + second)._validate_call(batch, 1, length_q, length_kv)
+        (first + second).validate_call(Call(batch, 1, length_q, length_kv))
     except ValueError:
         return  # a (B, L) layout whose rows do not match the batch: refused, as for one bias
     lowered = lower(first + second, length_q, length_kv, torch.device("cpu"))

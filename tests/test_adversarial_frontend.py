@@ -37,7 +37,7 @@ from attnbias import (
     patch_sdpa,
     sdpa,
 )
-from attnbias.bias import parts_of
+from attnbias.biases import parts_of
 
 # The unpatched function, taken before any test patches it.
 STOCK = F.scaled_dot_product_attention

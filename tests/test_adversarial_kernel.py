@@ -34,7 +34,7 @@ from attnbias import (
     causal_upper_left,
     sdpa,
 )
-from attnbias.bias import parts_of
+from attnbias.biases import parts_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dq", "dk", "dv")

@@ -23,7 +23,7 @@ from attnbias import (
     use_backends,
 )
 from attnbias.backends.fa4 import _installed as fa4_installed
-from attnbias.bias import parts_of
+from attnbias.biases import parts_of
 
 pytestmark = pytest.mark.gpu
 KERNEL_ROUTES = ("triton", "sdpa(is_causal=True)", "fa4")

@@ -31,7 +31,7 @@ from attnbias import (
     sdpa,
 )
 from attnbias.backends import triton as triton_backend
-from attnbias.bias import parts_of
+from attnbias.biases import parts_of
 from attnbias.spec import lower, make_spec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

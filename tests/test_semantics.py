@@ -28,7 +28,7 @@ from attnbias import (
     sdpa,
 )
 from attnbias.backends import triton as triton_backend
-from attnbias.bias import CompositeBias, alibi_slopes
+from attnbias.biases import CompositeBias, alibi_slopes
 
 LENGTHS = [(1, 1), (5, 5), (3, 8), (8, 3), (7, 16), (16, 7)]
 
@@ -203,10 +203,17 @@ def test_key_range_must_fit_the_call() -> None:
 
 def test_bias_docstring_examples() -> None:
     import doctest
+    import importlib
+    import pkgutil
 
-    import attnbias.bias
+    import attnbias.biases
 
-    assert doctest.testmod(attnbias.bias).failed == 0
+    attempted = 0
+    for module in pkgutil.iter_modules(attnbias.biases.__path__, "attnbias.biases."):
+        result = doctest.testmod(importlib.import_module(module.name))
+        assert result.failed == 0, module.name
+        attempted += result.attempted
+    assert attempted >= 7  # one example per bias kind at least
 
 
 def test_softcap_matches_eager_definition() -> None:

@@ -40,7 +40,7 @@ from attnbias import (
     SoftcapBias,
     TensorBias,
 )
-from attnbias.bias import parts_of
+from attnbias.biases import parts_of
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, AutoModelForCausalLM, masking_utils  # noqa: E402

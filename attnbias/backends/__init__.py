@@ -4,12 +4,13 @@ from attnbias.backends.base import Backend
 from attnbias.backends.decode import TritonDecode
 from attnbias.backends.fa4 import FlashAttention4
 from attnbias.backends.reference import Reference
-from attnbias.backends.registry import BACKENDS
+from attnbias.backends.registry import BACKENDS, ROUTES
 from attnbias.backends.stock import MaterializedSDPA, StockSDPA, stock_sdpa
 from attnbias.backends.triton import TritonKernel
 
 __all__ = [
     "BACKENDS",
+    "ROUTES",
     "Backend",
     "FlashAttention4",
     "MaterializedSDPA",

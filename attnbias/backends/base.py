@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -53,6 +53,10 @@ class Backend(ABC):
     name: ClassVar[str]
     #: The input dtypes it takes (checked by :meth:`not_supported_reasons`).
     dtypes: ClassVar[tuple[torch.dtype, ...]]
+    #: The call forms it runs (``attnbias.spec.FORMS``): "bias" for bias objects lowered into
+    #: terms (the backends the priority lists choose among), others for the one route of a
+    #: form (``attnbias.planner.FORM_ROUTES``).
+    forms: ClassVar[frozenset[str]] = frozenset({"bias"})
 
     def not_supported_reasons(self, spec: Spec) -> list[str]:
         """Every reason this backend cannot run ``spec`` (empty: it can)."""
@@ -78,16 +82,22 @@ class Backend(ABC):
         whatever depends only on the call's identity (shapes, flags, the lowered bias) can be
         worked out here once. The function must not keep ``spec``'s query, key or value alive.
         """
-        fields = (
-            spec.bias, spec.lowered, spec.scale, spec.dropout_p, spec.enable_gqa,
-            spec.needs_grad, spec.compiling,
-        )  # fmt: skip
+        fields: dict[str, Any] = {
+            name: getattr(spec, name)
+            for name in spec.__dataclass_fields__
+            # a prepared run is made for the call's tensors, and is never itself capturing
+            if name not in ("query", "key", "value", "capturing")
+        }
         run = self.run
 
         def run_call(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-            return run(Spec(query, key, value, *fields))
+            return run(Spec(query=query, key=key, value=value, **fields))
 
         return run_call
+
+    def headline(self, spec: Spec) -> str:
+        """The first line of ``explain``: the route, what runs and how."""
+        return f"{self.label(spec)}: {spec.terms.describe()} runs in {self.how(spec)}"
 
     def label(self, spec: Spec) -> str:
         """The route's name in ``explain`` (the backend's name unless a form is worth naming)."""

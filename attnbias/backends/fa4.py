@@ -22,14 +22,17 @@ import importlib.util
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared, refuse_double_backward
-from attnbias.bias import DocumentBias, parts_of
-from attnbias.spec import Lowered, Spec
+from attnbias.spec import Spec
+from attnbias.terms import Terms
+
+if TYPE_CHECKING:
+    from attnbias.biases import DocumentBias
 
 __all__ = ["FlashAttention4", "window_size"]
 
@@ -177,8 +180,9 @@ def varlen_layout(bias: DocumentBias, device: torch.device) -> _Varlen:
     return layout
 
 
-def _document_part(spec: Spec) -> DocumentBias | None:
-    parts = [p for p in parts_of(spec.bias) if isinstance(p, DocumentBias)]
+def _document_part(spec: Spec) -> Any:
+    """The one bias the call's documents come from (a ``DocumentBias``), or ``None``."""
+    parts = spec.terms.doc_parts
     return parts[0] if len(parts) == 1 else None
 
 
@@ -192,15 +196,15 @@ def _on_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def window_size(lowered: Lowered, offset: int) -> tuple[int | None, int | None]:
-    """FlashAttention's ``window_size`` for the band of ``lowered`` (``None``: open side).
+def window_size(terms: Terms, offset: int) -> tuple[int | None, int | None]:
+    """FlashAttention's ``window_size`` for the band of ``terms`` (``None``: open side).
 
     FlashAttention keeps ``i + offset - left <= j <= i + offset + right`` with
     ``offset = S - L`` (of each sequence of a variable-length batch), so
     ``left = offset - band_lo`` and ``right = band_hi - offset``.
     """
-    left = None if lowered.band_lo is None else offset - lowered.band_lo
-    right = None if lowered.band_hi is None else lowered.band_hi - offset
+    left = None if terms.band_lo is None else offset - terms.band_lo
+    right = None if terms.band_hi is None else terms.band_hi - offset
     return left, right
 
 
@@ -243,7 +247,7 @@ class FlashAttention4(Backend):
                 "Triton kernel"
             ]
         reasons = []
-        lowered = spec.lowered
+        terms = spec.terms
         if not _installed():
             reasons.append('flash_attn.cute is not installed (pip install "attnbias[fa4]")')
         if not _on_cuda(spec.device):
@@ -262,25 +266,25 @@ class FlashAttention4(Backend):
                 if (
                     major == 10
                     and spec.head_dim == 256
-                    and lowered.softcap is not None
+                    and terms.softcap is not None
                     and spec.needs_grad
                 ):
                     reasons.append("its backward at head dim 256 has no soft-cap on capability 10")
         if spec.dropout_p > 0.0:
             reasons.append(f"dropout_p={spec.dropout_p}: FlashAttention 4 has no dropout")
-        if lowered.q_doc is not None:
+        if terms.q_doc is not None:
             reasons += self._document_reasons(spec)
-        if lowered.slopes is not None:
-            if lowered.slopes.shape[0] != 1:
+        if terms.slopes is not None:
+            if terms.slopes.shape[0] != 1:
                 reasons.append("ALiBi slopes per batch row (its score modifier reads (Hq,))")
-            if lowered.softcap is not None:
+            if terms.softcap is not None:
                 reasons.append("ALiBi together with soft-cap")
             if spec.query.shape[1] != spec.key.shape[1]:
                 # its backward reads the slopes with another head index than its forward
                 reasons.append("ALiBi with grouped-query attention (Hq != Hkv)")
-            if lowered.slopes.requires_grad:
+            if terms.slopes.requires_grad:
                 reasons.append("ALiBi slopes that require grad (no gradient for them here)")
-        if lowered.has_key_range:
+        if terms.has_key_range:
             # FlashAttention 4's seqused_k (keys [0, seqused_k[b]) of each batch row) could
             # carry ranges that start at 0 (right padding, a cache's filled prefix) without a
             # band; with one it would also move the bottom-right alignment (and ALiBi's
@@ -290,12 +294,12 @@ class FlashAttention4(Backend):
                 "a key range (KeyRangeBias): its seqused_k form, for ranges from 0, is not "
                 "checked against the oracle"
             )
-        if lowered.others:
-            names = ", ".join(type(p).__name__ for p in lowered.others)
+        if terms.others:
+            names = ", ".join(type(p).__name__ for p in terms.others)
             reasons.append(f"{names} has no FlashAttention 4 form")
-        if lowered.band_is_empty:
+        if terms.band_is_empty:
             # FlashAttention reads a window whose sides are both negative as no window at all.
-            reasons.append(f"{lowered.describe()} keeps no pair")
+            reasons.append(f"{terms.describe()} keeps no pair")
         if not spec.resolved_scale > 0.0:
             reasons.append(f"scale={spec.resolved_scale} is not positive")
         if spec.has_empty_dim:
@@ -313,12 +317,12 @@ class FlashAttention4(Backend):
                 f"documents with batch size {spec.shape[0]} (its variable-length batch would "
                 f"copy q, k and v; batch size 1 is a view)"
             )
-        if spec.lowered.slopes is not None:
+        if spec.terms.slopes is not None:
             reasons.append("ALiBi with documents (its distances would restart per document)")
         layout = varlen_layout(documents, spec.device)
         if layout.problem is not None:
             reasons.append(layout.problem)
-        has_band = spec.lowered.band_lo is not None or spec.lowered.band_hi is not None
+        has_band = spec.terms.band_lo is not None or spec.terms.band_hi is not None
         if has_band and layout.problem is None and layout.end_offset is None:
             reasons.append(
                 "the documents' query and key ranges do not end at one offset, so the band is "
@@ -329,7 +333,7 @@ class FlashAttention4(Backend):
     @staticmethod
     def _layout(spec: Spec) -> _Varlen | None:
         """The variable-length layout of the call's documents (``None``: no documents)."""
-        if spec.lowered.q_doc is None:
+        if spec.terms.q_doc is None:
             return None
         documents = _document_part(spec)
         assert documents is not None  # reasons() refuses calls without exactly one
@@ -338,17 +342,17 @@ class FlashAttention4(Backend):
     @staticmethod
     def _window(spec: Spec, layout: _Varlen | None) -> tuple[int | None, int | None]:
         if layout is None:
-            return window_size(spec.lowered, spec.shape[3] - spec.shape[2])
-        return window_size(spec.lowered, layout.end_offset or 0)
+            return window_size(spec.terms, spec.shape[3] - spec.shape[2])
+        return window_size(spec.terms, layout.end_offset or 0)
 
     def how(self, spec: Spec) -> str:
         left, right = self._window(spec, self._layout(spec))
         terms = [f"window_size=({left}, {right})"]
-        if spec.lowered.softcap is not None:
-            terms.append(f"softcap={spec.lowered.softcap:g}")
-        if spec.lowered.slopes is not None:
+        if spec.terms.softcap is not None:
+            terms.append(f"softcap={spec.terms.softcap:g}")
+        if spec.terms.slopes is not None:
             terms.append("ALiBi score_mod")
-        if spec.lowered.q_doc is not None:
+        if spec.terms.q_doc is not None:
             terms.append("one variable-length sequence per document")
         return f"FlashAttention 4 ({', '.join(terms)})"
 
@@ -356,23 +360,23 @@ class FlashAttention4(Backend):
         return self.prepare(spec)(spec.query, spec.key, spec.value)
 
     def prepare(self, spec: Spec) -> Prepared:
-        lowered = spec.lowered
+        terms = spec.terms
         needs_grad = spec.needs_grad
         layout = self._layout(spec)
         options: dict[str, Any] = {
             "softmax_scale": spec.resolved_scale,
             "window_size": self._window(spec, layout),
         }
-        if lowered.softcap is not None:
-            score_mod, score_mod_bwd = _softcap_score_mods(lowered.softcap)
+        if terms.softcap is not None:
+            score_mod, score_mod_bwd = _softcap_score_mods(terms.softcap)
             options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd)
-        if lowered.slopes is not None:
+        if terms.slopes is not None:
             score_mod, score_mod_bwd = _alibi_score_mods()
             # Unpacked heads, so that the score modifier sees one query head per tile.
             options.update(
                 score_mod=score_mod,
                 score_mod_bwd=score_mod_bwd,
-                aux_tensors=[lowered.slopes[0]],
+                aux_tensors=[terms.slopes[0]],
                 pack_gqa=False,
             )
         if layout is None:

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias.backends.base import Backend
-from attnbias.bias import AttnBias, MaskedBias, materialize_masked
+from attnbias.biases import AttnBias
+from attnbias.biases.base import materialize_masked
+from attnbias.materialize import MaskedBias
 from attnbias.reference import FiniteInputs, masked_reference_attention
 from attnbias.spec import Spec
 
@@ -78,11 +80,12 @@ def materialized_attention(
     Ev)`` out.
 
     The bias is materialized once as a keep-mask and a float32 (or float64) additive part
-    (:func:`attnbias.bias.materialize_masked`, which checks a user class's result). Stock SDPA
-    runs on the inputs with non-finite entries zeroed, and the rows that attend one are set to
-    NaN after (:class:`attnbias.reference.FiniteInputs`): stock SDPA itself lets a masked NaN
-    key or value reach every row. An additive part that the inputs' half precision cannot hold
-    exactly runs in the float32 eager path instead, so the bias meets the scores in float32.
+    (:func:`attnbias.biases.base.materialize_masked`, which checks a user class's result).
+    Stock SDPA runs on the inputs with non-finite entries zeroed, and the rows that attend one
+    are set to NaN after (:class:`attnbias.reference.FiniteInputs`): stock SDPA itself lets a
+    masked NaN key or value reach every row. An additive part that the inputs' half precision
+    cannot hold exactly runs in the float32 eager path instead, so the bias meets the scores in
+    float32.
     """
     shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     masked = materialize_masked(bias, query.device, shape, query.dtype)
@@ -131,16 +134,18 @@ def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
 
 
 class StockSDPA(Backend):
-    """Stock SDPA with no mask, or with ``is_causal=True`` for plain upper-left causal."""
+    """Stock SDPA with no mask, or with ``is_causal=True`` for plain upper-left causal; and
+    the route of calls with a plain tensor mask or none, which it runs unchanged."""
 
     name = "sdpa"
     dtypes = _ALL_FLOATS
+    forms = frozenset({"bias", "tensor", "no mask"})
 
     def reasons(self, spec: Spec) -> list[str]:
-        lowered = spec.lowered
-        if lowered.is_empty or lowered.is_plain_causal:
+        terms = spec.terms
+        if terms.is_empty or terms.is_plain_causal:
             return []
-        if lowered.has_key_range:
+        if terms.has_key_range:
             # Its fused kernels would read the padded keys (no mask to select them away), and
             # a NaN there would reach every row.
             return [
@@ -148,22 +153,34 @@ class StockSDPA(Backend):
                 "plain upper-left causal"
             ]
         return [
-            f"{lowered.describe()} is neither no mask nor plain upper-left causal, the two "
+            f"{terms.describe()} is neither no mask nor plain upper-left causal, the two "
             f"forms stock SDPA fuses"
         ]
 
+    def headline(self, spec: Spec) -> str:
+        if spec.form == "tensor":
+            return (
+                "sdpa: a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, "
+                "or use a structured bias such as CausalBias, to silence the warning)"
+            )
+        if spec.form == "no mask":
+            return "sdpa: no mask: stock SDPA"
+        return super().headline(spec)
+
     def label(self, spec: Spec) -> str:
-        return "sdpa(is_causal=True)" if spec.lowered.is_plain_causal else "sdpa"
+        return "sdpa(is_causal=True)" if spec.terms.is_plain_causal else "sdpa"
 
     def how(self, spec: Spec) -> str:
-        if spec.lowered.is_plain_causal:
+        if spec.terms.is_plain_causal:
             return "stock SDPA with is_causal=True (cuDNN / FlashAttention on CUDA)"
         return "stock SDPA without a mask"
 
     def run(self, spec: Spec) -> Tensor:
+        if spec.form != "bias":  # a plain tensor mask or none, and the flag, as given
+            return _stock(spec, spec.mask, spec.is_causal)
         # Stock SDPA's fused kernels as they are, on the fastest path there is: what they do
         # with non-finite inputs in masked positions is stock SDPA's documented behaviour.
-        return _stock(spec, None, spec.lowered.is_plain_causal)
+        return _stock(spec, None, spec.terms.is_plain_causal)
 
 
 class MaterializedSDPA(Backend):
@@ -172,17 +189,26 @@ class MaterializedSDPA(Backend):
 
     name = "sdpa+mask"
     dtypes = _ALL_FLOATS
+    forms = frozenset({"bias", "materialize"})
 
     def reasons(self, spec: Spec) -> list[str]:
         reasons = []
-        if spec.lowered.softcap is not None:
+        if spec.terms.softcap is not None:
             reasons.append("soft-cap has no materialized form")
-        if spec.lowered.slopes is not None and spec.dtype in (torch.float16, torch.bfloat16):
+        if spec.terms.slopes is not None and spec.dtype in (torch.float16, torch.bfloat16):
             reasons.append(
                 f"ALiBi materialized in {spec.dtype} would lose precision (the reference path "
                 f"computes it in float32)"
             )
         return reasons
+
+    def headline(self, spec: Spec) -> str:
+        if spec.form == "materialize":
+            return (
+                f"sdpa+mask: {spec.bias!r} needs materialization, so stock SDPA runs with its "
+                f"materialized mask"
+            )
+        return super().headline(spec)
 
     def how(self, spec: Spec) -> str:
         return (

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnbias.bias import (
+from attnbias.biases import (
     AttnBias,
     DocumentBias,
     KeyRangeBias,

@@ -1,0 +1,34 @@
+"""The bias kinds, one module each, and the base class they derive from."""
+
+from attnbias.biases.alibi import AlibiBias, alibi_slopes
+from attnbias.biases.base import AttnBias, CompositeBias, KernelBias, KernelMask, parts_of
+from attnbias.biases.causal import (
+    CausalBias,
+    CausalVariant,
+    causal_lower_right,
+    causal_upper_left,
+)
+from attnbias.biases.documents import DocumentBias
+from attnbias.biases.key_range import KeyRangeBias
+from attnbias.biases.softcap import SoftcapBias
+from attnbias.biases.tensor import TensorBias
+from attnbias.biases.window import SlidingWindowBias
+
+__all__ = [
+    "AlibiBias",
+    "AttnBias",
+    "CausalBias",
+    "CausalVariant",
+    "CompositeBias",
+    "DocumentBias",
+    "KernelBias",
+    "KernelMask",
+    "KeyRangeBias",
+    "SlidingWindowBias",
+    "SoftcapBias",
+    "TensorBias",
+    "alibi_slopes",
+    "causal_lower_right",
+    "causal_upper_left",
+    "parts_of",
+]

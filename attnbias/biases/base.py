@@ -1,0 +1,413 @@
+"""The base class every bias derives from, and what each bias kind gives the library.
+
+A bias kind is one module of this package. It defines a frozen dataclass deriving from
+:class:`AttnBias` and, through public methods, everything the library asks of it:
+
+* ``__post_init__``: validation of its own fields (``TypeError`` / ``ValueError`` naming the
+  value and the fix);
+* :meth:`AttnBias.validate_call`: whether it fits a call of shape ``(B, Hq, L, S)``;
+* :meth:`AttnBias.lower`: its :class:`~attnbias.terms.Terms` for a call (band limits,
+  documents, key ranges, score terms; a part with no kernel form lowers to itself, to be
+  materialized);
+* :meth:`AttnBias.masked`: its materialized form as a keep-mask and an additive part;
+* :meth:`AttnBias.cache_key`: its identity in the plan cache (``None``: not cached);
+* :meth:`AttnBias.parameters`: the tensors whose gradient it may need.
+
+The sum of biases (:class:`~attnbias.biases.composite.CompositeBias`) merges its parts' terms
+and masked forms without knowing their kinds.
+
+Shape legend used throughout:
+
+    B   batch size              L   query sequence length
+    Hq  query heads             S   key/value sequence length
+    Hkv key/value heads         E   head dimension
+
+``materialize`` returns the additive float form of a bias: ``0`` where attended, ``-inf`` where
+masked, finite values for score biases such as ALiBi. It returns the fewest dimensions it needs
+(a causal mask is ``(L, S)``), broadcastable to ``(B, H, L, S)``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from attnbias.materialize import MaskedBias, check_materialized, compute_dtype
+from attnbias.terms import Call, Terms
+
+__all__ = [
+    "AttnBias",
+    "CompositeBias",
+    "Device",
+    "HashedKey",
+    "KernelBias",
+    "KernelMask",
+    "Shape",
+    "band_keep",
+    "cached_on",
+    "device_key",
+    "keep_to_additive",
+    "materialize_masked",
+    "parts_of",
+    "resolve_lengths",
+    "set_router",
+]
+
+Device = torch.device | str | int | None
+Shape = Sequence[int] | torch.Size | None
+
+
+def resolve_lengths(
+    shape: Shape, seq_len_q: int | None, seq_len_kv: int | None, owner: str
+) -> tuple[int, int]:
+    """Return ``(L, S)`` from ``shape=(..., L, S)`` and/or lengths the bias carries itself."""
+    shape_l = shape_s = None
+    if shape is not None:
+        shape = tuple(shape)
+        if len(shape) < 2:
+            raise ValueError(f"{owner}.materialize: shape must end with (L, S), got shape={shape}")
+        shape_l, shape_s = int(shape[-2]), int(shape[-1])
+    length_q = seq_len_q if seq_len_q is not None else shape_l
+    length_kv = seq_len_kv if seq_len_kv is not None else shape_s
+    if length_q is None or length_kv is None:
+        raise ValueError(
+            f"{owner}.materialize needs the sequence lengths: pass shape=(B, H, L, S) or build "
+            f"the bias with its lengths (e.g. causal_lower_right(L, S))"
+        )
+    if shape_l is not None and (shape_l, shape_s) != (length_q, length_kv):
+        raise ValueError(
+            f"{owner} was built for L={length_q}, S={length_kv} but shape={shape} asks for "
+            f"L={shape_l}, S={shape_s}; build the bias with the lengths of this call"
+        )
+    return length_q, length_kv
+
+
+def cached_on(cache: dict[Any, Tensor], key: Any, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, kept in ``cache`` under ``key`` (not while torch.compile traces).
+
+    Built-in biases copy their small tensors (slopes, document ids) to the inputs' device once:
+    a copy from host memory on every call would synchronise the device with the host each time.
+    """
+    if torch.compiler.is_compiling():
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def device_key(device: Device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def keep_to_additive(keep: Tensor, dtype: torch.dtype) -> Tensor:
+    zeros = torch.zeros((), dtype=dtype, device=keep.device)
+    return torch.where(keep, zeros, torch.full((), -math.inf, dtype=dtype, device=keep.device))
+
+
+def band_keep(
+    length_q: int, length_kv: int, lo: int | None, hi: int | None, device: Device
+) -> Tensor:
+    """``(L, S)`` bool: ``lo <= j - i <= hi`` (``None`` = unbounded side)."""
+    rows = torch.arange(length_q, device=device)[:, None]
+    cols = torch.arange(length_kv, device=device)[None, :]
+    offset = cols - rows
+    keep = torch.ones(length_q, length_kv, dtype=torch.bool, device=device)
+    if lo is not None:
+        keep &= offset >= lo
+    if hi is not None:
+        keep &= offset <= hi
+    return keep
+
+
+class AttnBias(ABC):
+    """Base class of every bias object accepted as ``attn_mask`` by :func:`attnbias.sdpa`.
+
+    A subclass provides at least one of two paths:
+
+    * ``materialize`` (and ``needs_materialization() -> True``): the bias becomes a bool
+      keep-mask or an additive float tensor and stock SDPA runs with it. This is all a custom
+      bias needs.
+    * ``dispatch`` (and ``needs_materialization() -> False``): the bias runs attention itself,
+      e.g. through a fused kernel.
+
+    Biases compose with ``+``: ``a + b`` adds the additive parts and intersects the masks.
+
+    Example, a prefix-LM mask (the first ``prefix`` keys are visible to every query)::
+
+        @dataclass(frozen=True)
+        class PrefixLMBias(AttnBias):
+            prefix: int
+
+            def materialize(self, device=None, *, shape=None, dtype=None):
+                L, S = shape[-2], shape[-1]
+                i = torch.arange(L, device=device)[:, None]
+                j = torch.arange(S, device=device)[None, :]
+                keep = (j <= i) | (j < self.prefix)
+                return torch.zeros(L, S, dtype=dtype, device=device).masked_fill(~keep, -inf)
+
+            def needs_materialization(self):
+                return True
+
+    Beyond these, a subclass may override the public methods below (the built-in kinds do):
+    :meth:`validate_call`, :meth:`lower`, :meth:`masked`, :meth:`cache_key` and
+    :meth:`parameters`.
+    """
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """The bias as a tensor broadcastable to ``shape=(B, H, L, S)``, on ``device``.
+
+        Either a bool keep-mask (``True`` = attend) or an additive float tensor (``0`` where
+        attended, ``-inf`` where masked, finite values for score biases; never NaN or
+        ``+inf``). A bool result is read as a keep-mask everywhere, sums included. The routes
+        ask for ``dtype=torch.float32`` (``float64`` for float64 inputs) and check the result.
+        """
+        raise TypeError(
+            f"{type(self).__name__} has no materialized form; it can only run through its "
+            f"dispatch (its needs_materialization() must return False)"
+        )
+
+    @abstractmethod
+    def needs_materialization(self) -> bool:
+        """True when ``sdpa`` should call stock SDPA with ``materialize(...)``."""
+
+    @staticmethod
+    def dispatch(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: AttnBias,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        """Compute attention with this bias without materializing it: ``(B, Hq, L, Ev)`` in
+        the dtype and on the device of ``query`` (checked)."""
+        raise TypeError(
+            f"{type(attn_bias).__name__}.needs_materialization() returned False but the class "
+            f"does not implement dispatch(); implement dispatch() or return True from "
+            f"needs_materialization() and implement materialize()"
+        )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.materialize is AttnBias.materialize and cls.dispatch is AttnBias.dispatch:
+            raise TypeError(
+                f"{cls.__name__} implements neither materialize() nor dispatch(); an AttnBias "
+                f"subclass must implement at least one of them"
+            )
+
+    def __add__(self, other: object) -> CompositeBias:
+        if not isinstance(other, AttnBias):
+            return NotImplemented
+        return CompositeBias((*parts_of(self), *parts_of(other)))
+
+    def __radd__(self, other: object) -> AttnBias:
+        # sum([a, b]) starts from 0
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+    # -- what the library asks of a bias kind (override in a subclass) -----------------------
+
+    def validate_call(self, call: Call) -> None:
+        """Raise ``ValueError`` naming the values when the bias cannot apply to ``call``."""
+        return None
+
+    def lower(self, call: Call) -> Terms:
+        """The bias's terms for ``call``. By default it has no kernel form: the term is the
+        bias itself, materialized by the routes that take it."""
+        return Terms(others=(self,))
+
+    def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
+        """The bias materialized for scores of ``shape=(B, H, L, S)`` as a keep-mask and an
+        additive part (in :func:`~attnbias.materialize.compute_dtype` of ``dtype``).
+
+        By default from :meth:`materialize`, checked: a bool result is the keep-mask, a float
+        result is additive with ``-inf`` meaning masked."""
+        compute = compute_dtype(dtype)
+        shape = None if shape is None else tuple(int(n) for n in shape)
+        result = check_materialized(
+            self, self.materialize(device, shape=shape, dtype=compute), shape, device
+        )
+        return MaskedBias.of_tensor(result, compute)
+
+    def cache_key(self) -> Hashable | None:
+        """What identifies this bias in the plan cache, or ``None`` to keep its calls out of
+        it (the default: a bias of unknown kind may change what it lowers to)."""
+        return None
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        """The tensors of this bias that may require grad (a call then records gradients)."""
+        return ()
+
+
+# The library's dispatcher, which runs a bias that lowers into the kernels' terms. Set by
+# ``attnbias.dispatch`` when it is imported: the biases sit below the dispatcher and do not
+# import it (``import attnbias`` imports both).
+_router: list[Callable[..., Tensor]] = []
+
+
+def set_router(route: Callable[..., Tensor]) -> None:
+    """Install the function :meth:`KernelBias.dispatch` calls (``attnbias.dispatch.route``)."""
+    _router[:] = [route]
+
+
+class KernelBias(AttnBias):
+    """A bias that lowers into the kernels' terms (every built-in kind): it needs no
+    materialization and its ``dispatch`` is the library's dispatcher."""
+
+    #: False for a kind with no materialized form (soft-cap): a sum holding one never
+    #: materializes, it always dispatches.
+    materializable: ClassVar[bool] = True
+    #: True for a kind a sum may hold at most once (soft-cap: capping twice is ambiguous).
+    unique: ClassVar[bool] = False
+
+    def needs_materialization(self) -> bool:
+        return False
+
+    @staticmethod
+    def dispatch(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_bias: AttnBias,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        return _router[0](query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+
+
+@dataclass(frozen=True, eq=False)
+class CompositeBias(AttnBias):
+    """The sum of several biases (``a + b``): additive parts add up, masks intersect.
+
+    It merges its parts' terms (:meth:`lower`) and materialized forms (:meth:`masked`) without
+    knowing their kinds."""
+
+    parts: tuple[AttnBias, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("CompositeBias needs at least one part")
+        for part in self.parts:
+            if not isinstance(part, AttnBias) or isinstance(part, CompositeBias):
+                raise TypeError(f"CompositeBias parts must be flat AttnBias objects, got {part!r}")
+        for kind in {type(p) for p in self.parts if getattr(p, "unique", False)}:
+            same = [p for p in self.parts if type(p) is kind]
+            if len(same) > 1:
+                raise ValueError(
+                    f"a bias can hold at most one {kind.__name__}, got {same}; applying it "
+                    f"twice is ambiguous, keep the one you mean"
+                )
+
+    def needs_materialization(self) -> bool:
+        kernel_parts = [p for p in self.parts if isinstance(p, KernelBias)]
+        if any(not p.materializable for p in kernel_parts):
+            return False
+        return len(kernel_parts) < len(self.parts)
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        dtype = dtype or torch.float32
+        return self.masked(device, shape, dtype).tensor(dtype)
+
+    # A sum of biases that lower runs as one; parts with no kernel form are materialized.
+    dispatch = staticmethod(KernelBias.dispatch)
+
+    def validate_call(self, call: Call) -> None:
+        for part in self.parts:
+            part.validate_call(call)
+
+    def lower(self, call: Call) -> Terms:
+        terms = Terms()
+        for part in self.parts:
+            terms = terms.merge(part.lower(call))
+        return terms
+
+    def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
+        masked = MaskedBias(None, None)
+        for part in self.parts:
+            masked = masked.merge(part.masked(device, shape, dtype))
+        return masked
+
+    def cache_key(self) -> Hashable | None:
+        # worked out once (biases are immutable); False where a part has none
+        found = self.__dict__.get("_cache_key")
+        if found is None:
+            keys = tuple(part.cache_key() for part in self.parts)
+            found = False if None in keys else HashedKey(keys)
+            object.__setattr__(self, "_cache_key", found)
+        return found or None
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        return tuple(t for part in self.parts for t in part.parameters())
+
+    def __repr__(self) -> str:
+        return " + ".join(repr(p) for p in self.parts)
+
+
+class HashedKey:
+    """A sum's cache key with its hash worked out once: a call hashes it on every lookup, and
+    the hash of a tuple of frozen dataclasses is Python code, part by part."""
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is HashedKey and self._hash == other._hash and self.parts == other.parts
+
+
+def parts_of(bias: AttnBias | None) -> tuple[AttnBias, ...]:
+    """The flat parts of a bias: those of a sum, the bias itself, or none for ``None``."""
+    if bias is None:
+        return ()
+    return bias.parts if isinstance(bias, CompositeBias) else (bias,)
+
+
+class KernelMask(KernelBias):
+    """A :class:`KernelBias` that only masks: its materialized form is its bool keep-mask
+    (:meth:`keep`), ``0`` / ``-inf`` as a float tensor."""
+
+    @abstractmethod
+    def keep(self, device: Device = None, shape: Shape = None) -> Tensor:
+        """The bool keep-mask (``True`` = attend) for scores of ``shape=(B, H, L, S)``,
+        broadcastable to it."""
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        return keep_to_additive(self.keep(device, shape), dtype or torch.float32)
+
+    def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
+        return MaskedBias(self.keep(device, shape), None)
+
+
+def materialize_masked(
+    bias: AttnBias | None, device: Device, shape: Shape, dtype: torch.dtype
+) -> MaskedBias:
+    """``bias`` materialized for a call with scores of ``shape=(B, H, L, S)``, as
+    :class:`~attnbias.materialize.MaskedBias` (its additive part in
+    :func:`~attnbias.materialize.compute_dtype` of ``dtype``): each part's
+    :meth:`AttnBias.masked`, the keep-masks intersected and the additive parts added up."""
+    if bias is None:
+        return MaskedBias(None, None)
+    shape = None if shape is None else tuple(int(n) for n in shape)
+    return bias.masked(device, shape, dtype)

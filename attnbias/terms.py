@@ -1,0 +1,269 @@
+"""The open value a bias lowers to: :class:`Terms`, merged by a sum without knowing bias
+kinds, and turned once into the kernels' :class:`~attnbias.kernels.program.MaskProgram`.
+
+Every built-in mask and every sum of them is a diagonal band intersected with documents and
+with each batch row's valid key range::
+
+    keep(b, i, j) = band_lo <= j - i <= band_hi  and  doc_q[b, i] == doc_kv[b, j]
+                    and  kv_start[b] <= j < kv_end[b]
+
+plus two score terms (soft-cap, ALiBi). A part with no such form is carried as itself
+(``others``) and materialized by the routes that take it.
+
+Shape legend: B batch, Hq query heads, L query length, S key length.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from attnbias.kernels.program import MaskProgram
+
+__all__ = ["Call", "Terms"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a bias sees of a call when it validates and lowers itself: ``(B, Hq, L, S)`` and
+    the device. ``batch`` is ``None`` when lowered without a batch size (key ranges then keep
+    their own rows, 1 or B)."""
+
+    batch: int | None
+    heads: int
+    length_q: int
+    length_kv: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def batch_size(self) -> int:
+        """``B``, or 1 when lowered without a batch size."""
+        return 1 if self.batch is None else self.batch
+
+
+def _dense_ranks(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each id replaced by its position in the sorted ids of both sides, ``[0, N)`` for the
+    ``N`` ids in all: equal ids get equal ranks and the order is kept, so non-decreasing ids
+    stay non-decreasing and whatever the ids' magnitude, the ranks are small."""
+    everything = torch.cat([query_ids.flatten(), key_ids.flatten()]).sort().values
+    return (
+        torch.searchsorted(everything, query_ids.contiguous()),
+        torch.searchsorted(everything, key_ids.contiguous()),
+    )
+
+
+def _merge_docs(
+    first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Ids whose equality means equality under both document layouts (still non-decreasing).
+
+    The pair ``(first id, second id)`` of each position, numbered in lexicographic order: both
+    layouts are relabelled to their ranks among the ``N`` ids of the query and key sides
+    (``[0, N)``), and ``rank1 * N + rank2`` is then exact in int64 for any ids (the product of
+    the raw ids overflowed), non-decreasing where both layouts are, and the same on the query
+    and key sides. ``(1 or B, L)`` and ``(1 or B, S)`` in, the same shapes out.
+    """
+    rows = max(t.shape[0] for t in first + second)  # 1 or B
+    first = (first[0].expand(rows, -1), first[1].expand(rows, -1))
+    second = (second[0].expand(rows, -1), second[1].expand(rows, -1))
+    q1, kv1 = _dense_ranks(*first)
+    q2, kv2 = _dense_ranks(*second)
+    count = q1.numel() + kv1.numel()
+    if count >= 2**31:
+        raise ValueError(
+            f"DocumentBias: merging two document layouts needs fewer than 2**31 ids in all, got "
+            f"{count}; pass one DocumentBias with the combined ids"
+        )
+    return _dense_ranks(q1 * count + q2, kv1 * count + kv2)
+
+
+def _tighter(a: int | None, b: int | None, pick: type[max] | type[min]) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else pick(a, b)
+
+
+@dataclass(frozen=True, eq=False)
+class Terms:
+    """A bias in the kernels' terms for one call of shape ``(B, Hq, L, S)``.
+
+    Each bias kind gives its terms (:meth:`attnbias.AttnBias.lower`); :meth:`merge` combines
+    two (masks intersect, additive terms add up) and :meth:`finish` normalises the merged
+    terms for the call. ``doc_parts`` are the biases the documents came from (a backend that
+    takes one layout of documents reads their ids on the host, once per bias).
+    """
+
+    band_lo: int | None = None
+    band_hi: int | None = None
+    q_doc: Tensor | None = None  # (1 or B, L) int64
+    kv_doc: Tensor | None = None  # (1 or B, S) int64
+    slopes: Tensor | None = None  # (1 or B, Hq) float32
+    softcap: float | None = None
+    # bias parts with no kernel form (materialized by the routes that take them)
+    others: tuple[object, ...] = ()
+    # Each batch row's valid keys [kv_start[b], kv_end[b]) (padding, a cache's filled part):
+    # (B,) int32 on the inputs' device ((1 or B,) when lowered without the batch size), both
+    # or neither; a start past its end keeps no key.
+    kv_start: Tensor | None = None
+    kv_end: Tensor | None = None
+    doc_parts: tuple[object, ...] = ()  # the bias parts the documents come from
+
+    def merge(self, other: Terms) -> Terms:
+        """Both terms at once: bands and key ranges intersect, documents combine, ALiBi slopes
+        add up; the soft-cap is the one that is set (a sum holds at most one)."""
+        if other.q_doc is None or other.kv_doc is None:
+            docs = (self.q_doc, self.kv_doc)
+        elif self.q_doc is None or self.kv_doc is None:
+            docs = (other.q_doc, other.kv_doc)
+        else:
+            docs = _merge_docs((self.q_doc, self.kv_doc), (other.q_doc, other.kv_doc))
+        key_range = (self.kv_start, self.kv_end)
+        if other.kv_start is not None and other.kv_end is not None:
+            if self.kv_start is None or self.kv_end is None:
+                key_range = (other.kv_start, other.kv_end)
+            else:  # on the device, no host sync: the largest start and the smallest end
+                key_range = (
+                    torch.maximum(self.kv_start, other.kv_start),
+                    torch.minimum(self.kv_end, other.kv_end),
+                )
+        slopes = self.slopes
+        if other.slopes is not None:
+            slopes = other.slopes if slopes is None else slopes + other.slopes
+        return Terms(
+            band_lo=_tighter(self.band_lo, other.band_lo, max),
+            band_hi=_tighter(self.band_hi, other.band_hi, min),
+            q_doc=docs[0],
+            kv_doc=docs[1],
+            slopes=slopes,
+            softcap=self.softcap if other.softcap is None else other.softcap,
+            others=self.others + other.others,
+            kv_start=key_range[0],
+            kv_end=key_range[1],
+            doc_parts=self.doc_parts + other.doc_parts,
+        )
+
+    def finish(self, length_q: int, length_kv: int) -> Terms:
+        """These terms for a call with ``(L, S)``: a side of the band that every ``(i, j)``
+        satisfies is no constraint at all, and the tensors are contiguous."""
+        band_lo, band_hi = self.band_lo, self.band_hi
+        if band_lo is not None and band_lo <= -(length_q - 1):
+            band_lo = None
+        if band_hi is not None and band_hi >= length_kv - 1:
+            band_hi = None
+        return Terms(
+            band_lo=band_lo,
+            band_hi=band_hi,
+            q_doc=None if self.q_doc is None else self.q_doc.contiguous(),
+            kv_doc=None if self.kv_doc is None else self.kv_doc.contiguous(),
+            slopes=None if self.slopes is None else self.slopes.contiguous(),
+            softcap=self.softcap,
+            others=self.others,
+            kv_start=self.kv_start,
+            kv_end=self.kv_end,
+            doc_parts=self.doc_parts,
+        )
+
+    @functools.cached_property
+    def program(self) -> MaskProgram:
+        """The kernels' form of these terms, built once and passed unchanged to the
+        launchers."""
+        return MaskProgram(
+            band_lo=self.band_lo,
+            band_hi=self.band_hi,
+            q_doc=self.q_doc,
+            kv_doc=self.kv_doc,
+            kv_start=self.kv_start,
+            kv_end=self.kv_end,
+            alibi_slopes=self.slopes,
+            softcap=self.softcap,
+        )
+
+    def kernel_args(self) -> dict:  # TEMPORARY until the launchers take the program
+        return {
+            "band_lo": self.band_lo,
+            "band_hi": self.band_hi,
+            "q_doc": self.q_doc,
+            "kv_doc": self.kv_doc,
+            "alibi_slopes": self.slopes,
+            "softcap": self.softcap,
+            "kv_start": self.kv_start,
+            "kv_end": self.kv_end,
+        }
+
+    @property
+    def has_key_range(self) -> bool:
+        return self.kv_start is not None
+
+    @property
+    def _band_only(self) -> bool:
+        """Nothing but a band, a key range aside."""
+        return (
+            self.q_doc is None and self.slopes is None and self.softcap is None and not self.others
+        )
+
+    @property
+    def is_plain_causal(self) -> bool:
+        return (
+            self._band_only
+            and not self.has_key_range
+            and self.band_lo is None
+            and self.band_hi == 0
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return (
+            self._band_only
+            and not self.has_key_range
+            and self.band_lo is None
+            and self.band_hi is None
+        )
+
+    @property
+    def band_is_empty(self) -> bool:
+        """True when the band keeps no ``(i, j)`` at all (``band_lo > band_hi``)."""
+        return self.band_lo is not None and self.band_hi is not None and self.band_lo > self.band_hi
+
+    @property
+    def kind(self) -> str:
+        """The one word the priority tables are keyed by: the costliest feature present.
+
+        A key range adds no kind of its own: it only narrows the key loop of the kernel that
+        runs the other features (fewer blocks, bounded loads in the blocks at its ends), so
+        the order measured for those features stands; the backends that cannot take a key
+        range (FlashAttention 4, stock SDPA's fused routes) give their reason and the planner
+        moves on. A kind needs measurements of its own to earn a row in the tables.
+        """
+        if self.others:
+            return "materialized"
+        if self.slopes is not None:
+            return "alibi"
+        if self.softcap is not None:
+            return "softcap"
+        if self.q_doc is not None:
+            return "documents"
+        if self.band_lo is None and self.band_hi is None:
+            return "none"
+        if self.band_lo is None and self.band_hi == 0:
+            return "causal"
+        return "band"
+
+    def describe(self) -> str:
+        terms = []
+        if self.band_lo is not None or self.band_hi is not None:
+            lo = "-inf" if self.band_lo is None else str(self.band_lo)
+            hi = "+inf" if self.band_hi is None else str(self.band_hi)
+            terms.append(f"band {lo} <= j - i <= {hi}")
+        if self.q_doc is not None:
+            terms.append("documents")
+        if self.has_key_range:
+            terms.append("key range kv_start[b] <= j < kv_end[b]")
+        if self.slopes is not None:
+            terms.append("ALiBi")
+        if self.softcap is not None:
+            terms.append(f"soft-cap {self.softcap:g}")
+        terms += [f"{type(p).__name__} (materialized)" for p in self.others]
+        return ", ".join(terms) if terms else "no mask"
