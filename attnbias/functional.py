@@ -25,7 +25,7 @@ from torch import Tensor
 from attnbias import plan_cache
 from attnbias.biases import AttnBias
 from attnbias.biases.base import set_router
-from attnbias.planner import capture_alternative, current_policy, plan
+from attnbias.planner import current_policy, plan
 from attnbias.spec import call_form, make_spec
 from attnbias.terms import Call
 
@@ -188,9 +188,7 @@ def _decide(
         make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form)
     )
     if call is not None:
-        alternative = capture_alternative(chosen.spec)
-        other = None if alternative is None else alternative.backend
-        entry = plan_cache.store(call, chosen.spec, chosen.backend, other)
+        entry = plan_cache.store(call, chosen)
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
     return chosen.explain, chosen.run

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnbias.backends import Backend
 from attnbias.backends.base import Prepared
 from attnbias.biases import AttnBias
-from attnbias.spec import Spec, capturing
+from attnbias.planner import Plan, capture_alternative
+from attnbias.spec import capturing
 from attnbias.terms import Terms
 
 __all__ = ["CachedPlan", "call_key", "clear", "lookup", "store"]
@@ -121,17 +121,20 @@ def call_key(
 lookup: Callable[[Hashable], CachedPlan | None] = _ENTRIES.get
 
 
-def store(
-    key: Hashable, spec: Spec, backend: Backend, other: Backend | None = None
-) -> CachedPlan | None:
-    """Remember the decision for ``spec``; the caller checked that ``key`` identifies it.
-    ``other`` is the backend the planner chooses for the same call in the other capture
-    state (captured in a CUDA graph, or not), where it may differ. Returns the entry, whose
-    prepared run also serves the call that made it, or ``None`` for a call with an empty
-    dimension, which is not kept (rare, and validation adjusts some of them: the scale at
-    E = 0): its key is never found, and it runs unprepared."""
+def store(key: Hashable, chosen: Plan) -> CachedPlan | None:
+    """Remember the decision ``chosen``; the caller checked that ``key`` identifies its call.
+
+    Where the planner routes the same call to another backend in the other capture state
+    (captured in a CUDA graph, or not: :func:`attnbias.planner.capture_alternative`), the
+    entry's run takes the backend of each call's state. Returns the entry, whose prepared run
+    also serves the call that made it, or ``None`` for a call with an empty dimension, which
+    is not kept (rare, and validation adjusts some of them: the scale at E = 0): its key is
+    never found, and it runs unprepared."""
+    spec, backend = chosen.spec, chosen.backend
     if 0 in spec.query.shape or 0 in spec.key.shape or 0 in spec.value.shape:
         return None
+    alternative = capture_alternative(spec)
+    other = None if alternative is None else alternative.backend
     if other is None or other is backend:
         run = backend.prepare(spec)
     elif spec.capturing:

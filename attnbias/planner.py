@@ -1,4 +1,5 @@
-"""Choosing the backend of a call: a priority list per GPU generation, walked in order.
+"""Choosing the backend of a call: the policy's priority list for it (``attnbias.policy``),
+walked in order.
 
 The first backend in the list that gives no reason against the call runs it; ``explain`` shows
 the list and every other backend's reasons. The lists come from the measurements in
@@ -18,6 +19,7 @@ import torch
 
 from attnbias.backends import BACKENDS, ROUTES, Backend
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
+from attnbias.policy import CAPTURED_FA4_FIRST, FALLBACK, FORM_ROUTES, PRIORITY, Order
 from attnbias.spec import Spec, capturable
 
 __all__ = [
@@ -33,90 +35,6 @@ __all__ = [
     "plan",
     "use_backends",
 ]
-
-
-@dataclass(frozen=True)
-class Order:
-    """Backends to try first, for calls without and with gradients (``training``)."""
-
-    inference: tuple[str, ...]
-    training: tuple[str, ...] | None = None
-
-    def pick(self, needs_grad: bool) -> tuple[str, ...]:
-        return self.training if needs_grad and self.training is not None else self.inference
-
-
-# Per generation, per kind of bias (``Lowered.kind``), the backends to try first; every
-# backend the list leaves out follows in ``_FALLBACK`` order. Hopper's lists are set from the
-# H100 benchmark (benchmarks/RESULTS.md, bf16, E=128): FlashAttention 4 is fastest on every
-# kind it takes, except ALiBi without gradients, where the Triton kernel is as fast (its
-# forward within 3% either way) and FlashAttention 4's backward is what wins (1.2x). Documents
-# reach FlashAttention 4 only at batch size 1; larger batches stay on the Triton kernel.
-# The decode kernel comes first everywhere on Hopper: it takes only short queries (L <= 64)
-# without gradients, and refuses everything else, which then goes down the list. On those
-# (an H100, bf16, B=8, Hq=32, Hkv=8, L in 1/4/16, S 8192/32768, CUDA-graph replays) it matched
-# FlashAttention 4 on causal (0.352 against 0.357 ms at S=32768), was 1.33x faster on
-# soft-cap (0.353 against 0.47) and 3.5x on ALiBi, and 3-6% slower on a 4096-key window at
-# L >= 4 (0.053-0.056 against 0.052-0.053 ms); called eagerly, each FlashAttention 4 call
-# costs ~180 µs of host time, far more than these kernels' GPU time, so only calls captured
-# in a CUDA graph take FlashAttention 4 on the decodes where it is faster (CAPTURED_FA4_FIRST).
-# Blackwell's lists follow Hopper's, unmeasured.
-_HOPPER: dict[str, Order] = {
-    "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
-    "causal": Order(("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")),
-    "band": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    "documents": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
-}
-
-
-@dataclass(frozen=True)
-class CapturedFa4First:
-    """Decodes that, captured in a CUDA graph, try FlashAttention 4 before the decode kernel:
-    masks of these ``kinds``, without gradients, with at least ``min_rows`` packed rows
-    (``Hq / Hkv * L``) whose queries keep keys from a range of at most ``max_keys``."""
-
-    kinds: frozenset[str]
-    min_rows: int
-    max_keys: int
-
-
-# A call captured in a CUDA graph pays its host time once, at capture; each replay costs its
-# GPU time alone. On those decodes FlashAttention 4 was faster than the decode kernel in
-# CUDA-graph replays (H100, bf16, B=8, Hq=32, Hkv=8, E=128, benchmarks/DECODE_RESULTS.md):
-# a 4096-key window at L=4 and 16 (3-6%: the decode kernel splits the keys, or idles half the
-# GPU, where FlashAttention 4 streams them at full speed in one program per tile), causal at
-# L=16 over 8192 keys (3%) and L=4 (equal). At L=1 (4 packed rows) and over 32768 keys and
-# more, the decode kernel is as fast or faster, and it is on ALiBi and soft-cap everywhere.
-# Called eagerly, FlashAttention 4's host time (~180 µs a call) is far above these kernels'
-# GPU time, so uncaptured calls keep the decode kernel.
-CAPTURED_FA4_FIRST = CapturedFa4First(
-    kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
-)
-# The calls that are not a bias object lowering into the kernels' terms (``spec.FORMS``) have
-# one route each, whatever the GPU and whatever use_backends says: a plain tensor mask and no
-# mask go to stock SDPA unchanged, a bias that needs materialization to stock SDPA with its
-# mask, a bias class with its own dispatch to that dispatch, and a call with no output element
-# to no kernel at all.
-FORM_ROUTES: dict[str, str] = {
-    "empty": "empty",
-    "tensor": "sdpa",
-    "no mask": "sdpa",
-    "materialize": "sdpa+mask",
-    "dispatch": "dispatch",
-}
-_DEFAULT: dict[str, Order] = {
-    "none": Order(("sdpa",)),
-    "causal": Order(("sdpa", "triton-decode", "triton")),
-}
-PRIORITY: dict[str, dict[str, Order]] = {
-    "hopper": _HOPPER,
-    "blackwell": _HOPPER,
-    "cuda": _DEFAULT,
-    "cpu": _DEFAULT,
-}
-_FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 
 
 def generation(device: torch.device) -> str:
@@ -283,7 +201,7 @@ def _order(
         heading = "pinned by use_backends"
     else:
         preferred = PRIORITY[gen].get(kind, Order(())).pick(needs_grad)
-        order = tuple(dict.fromkeys(preferred + _FALLBACK))
+        order = tuple(dict.fromkeys(preferred + FALLBACK))
         heading = f"{gen}, {kind}, {'training' if needs_grad else 'inference'}"
         if fa4_first and "fa4" in order:
             decode = order.index("triton-decode")

@@ -1,0 +1,89 @@
+"""The routing policy, as data: which backends a call tries, in what order.
+
+Mechanism lives in the backends (each states what it can run, ``attnbias.backends``) and in the
+walk (``attnbias.planner``); this module holds only the tables, set from the measurements in
+``benchmarks/RESULTS.md`` and ``benchmarks/DECODE_RESULTS.md`` (the reasoning behind each entry
+is in ``benchmarks/NOTES.md``). Adding a backend touches its own module and these tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CAPTURED_FA4_FIRST",
+    "FALLBACK",
+    "FORM_ROUTES",
+    "PRIORITY",
+    "CapturedFa4First",
+    "Order",
+]
+
+
+@dataclass(frozen=True)
+class Order:
+    """Backends to try first, for calls without and with gradients (``training``)."""
+
+    inference: tuple[str, ...]
+    training: tuple[str, ...] | None = None
+
+    def pick(self, needs_grad: bool) -> tuple[str, ...]:
+        return self.training if needs_grad and self.training is not None else self.inference
+
+
+@dataclass(frozen=True)
+class CapturedFa4First:
+    """Decodes that, captured in a CUDA graph, try FlashAttention 4 before the decode kernel:
+    masks of these ``kinds``, without gradients, with at least ``min_rows`` packed rows
+    (``Hq / Hkv * L``) whose queries keep keys from a range of at most ``max_keys``."""
+
+    kinds: frozenset[str]
+    min_rows: int
+    max_keys: int
+
+
+# Per kind of bias (``Terms.kind``), the backends to try first; every backend a list leaves
+# out follows in FALLBACK order. On Hopper FlashAttention 4 is the fastest on every kind it
+# takes but ALiBi without gradients (the Triton kernel is as fast there); the decode kernel
+# comes first because it takes only short queries without gradients, where it is fastest
+# when called eagerly (FlashAttention 4's host time is far above their GPU time).
+_HOPPER: dict[str, Order] = {
+    "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
+    "causal": Order(("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")),
+    "band": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    "documents": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
+}
+# Other GPUs and the CPU: stock SDPA where it fuses the mask, then the library's kernels.
+_DEFAULT: dict[str, Order] = {
+    "none": Order(("sdpa",)),
+    "causal": Order(("sdpa", "triton-decode", "triton")),
+}
+# Per GPU generation (``planner.generation``); Blackwell follows Hopper, unmeasured.
+PRIORITY: dict[str, dict[str, Order]] = {
+    "hopper": _HOPPER,
+    "blackwell": _HOPPER,
+    "cuda": _DEFAULT,
+    "cpu": _DEFAULT,
+}
+FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
+
+# A call captured in a CUDA graph pays its host time once, at capture: on these decodes
+# FlashAttention 4's GPU time was lower than the decode kernel's in CUDA-graph replays.
+CAPTURED_FA4_FIRST = CapturedFa4First(
+    kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
+)
+
+# The calls that are not a bias object lowering into the kernels' terms (``spec.FORMS``) have
+# one route each, whatever the GPU and whatever use_backends says: a plain tensor mask and no
+# mask go to stock SDPA unchanged, a bias that needs materialization to stock SDPA with its
+# mask, a bias class with its own dispatch to that dispatch, and a call with no output element
+# to no kernel at all.
+FORM_ROUTES: dict[str, str] = {
+    "empty": "empty",
+    "tensor": "sdpa",
+    "no mask": "sdpa",
+    "materialize": "sdpa+mask",
+    "dispatch": "dispatch",
+}
