@@ -103,10 +103,6 @@ class Spec:
         return self.terms.program
 
     @property
-    def lowered(self) -> Terms:  # TEMPORARY alias while the backends move to ``terms``
-        return self.terms
-
-    @property
     def kind(self) -> str:
         """What the priority tables are keyed by: the terms' kind for a "bias" call, the
         form otherwise."""

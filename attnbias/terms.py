@@ -15,7 +15,7 @@ Shape legend: B batch, Hq query heads, L query length, S key length.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +80,7 @@ def _merge_docs(
     return _dense_ranks(q1 * count + q2, kv1 * count + kv2)
 
 
-def _tighter(a: int | None, b: int | None, pick: type[max] | type[min]) -> int | None:
+def _tighter(a: int | None, b: int | None, pick: Callable[[int, int], int]) -> int | None:
     if a is None:
         return b
     return a if b is None else pick(a, b)
@@ -110,6 +110,22 @@ class Terms:
     kv_start: Tensor | None = None
     kv_end: Tensor | None = None
     doc_parts: tuple[object, ...] = ()  # the bias parts the documents come from
+    # The kernels' form of these terms, built with them and passed unchanged to the
+    # launchers (a field rather than a cached property: torch.compile traces its reads).
+    program: MaskProgram = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        program = MaskProgram(
+            band_lo=self.band_lo,
+            band_hi=self.band_hi,
+            q_doc=self.q_doc,
+            kv_doc=self.kv_doc,
+            kv_start=self.kv_start,
+            kv_end=self.kv_end,
+            alibi_slopes=self.slopes,
+            softcap=self.softcap,
+        )
+        object.__setattr__(self, "program", program)
 
     def merge(self, other: Terms) -> Terms:
         """Both terms at once: bands and key ranges intersect, documents combine, ALiBi slopes
@@ -165,33 +181,6 @@ class Terms:
             kv_end=self.kv_end,
             doc_parts=self.doc_parts,
         )
-
-    @functools.cached_property
-    def program(self) -> MaskProgram:
-        """The kernels' form of these terms, built once and passed unchanged to the
-        launchers."""
-        return MaskProgram(
-            band_lo=self.band_lo,
-            band_hi=self.band_hi,
-            q_doc=self.q_doc,
-            kv_doc=self.kv_doc,
-            kv_start=self.kv_start,
-            kv_end=self.kv_end,
-            alibi_slopes=self.slopes,
-            softcap=self.softcap,
-        )
-
-    def kernel_args(self) -> dict:  # TEMPORARY until the launchers take the program
-        return {
-            "band_lo": self.band_lo,
-            "band_hi": self.band_hi,
-            "q_doc": self.q_doc,
-            "kv_doc": self.kv_doc,
-            "alibi_slopes": self.slopes,
-            "softcap": self.softcap,
-            "kv_start": self.kv_start,
-            "kv_end": self.kv_end,
-        }
 
     @property
     def has_key_range(self) -> bool:

@@ -271,7 +271,7 @@ def host_table() -> None:
             ("training (L=128)", q, plan_forward, "triton"),
         ):
             lowered = lower(bias, query.shape[2], q.shape[2], q.device)
-            plan = planner(query, q, q, scale=0.125, **lowered.kernel_args())
+            plan = planner(query, q, q, lowered.program, scale=0.125)
             plan.launch(query, q, q)
             plan_cache.clear()
 

@@ -99,7 +99,7 @@ def main() -> None:
         for bias_name, bias in biases.items():
             with torch.no_grad(), attnbias.use_backends(backend):
                 lowered = attnbias.spec.lower(bias, length_q, S, q.device, batch=B)
-                kwargs = dict(scale=E**-0.5, **lowered.kernel_args())
+                kwargs = dict(program=lowered.program, scale=E**-0.5)
                 direct = decode.decode_forward if name == "decode" else forward.attention_forward
                 launcher_us = per_call_us(lambda: direct(q, k, v, **kwargs))  # noqa: B023
                 sdpa_us = per_call_us(lambda: attnbias.sdpa(q, k, v, attn_mask=bias))  # noqa: B023

@@ -36,7 +36,7 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
     bias = causal_lower_right()
     if window:
         bias = bias + SlidingWindowBias(WINDOW - 1)
-    kwargs = lower(bias, length_q, length_kv, q.device, batch=q.shape[0]).kernel_args()
+    kwargs = {"program": lower(bias, length_q, length_kv, q.device, batch=q.shape[0]).program}
     share = min(WINDOW + length_q, length_kv) / length_kv if window else 1.0
     floor = floor_ms(k, v) * share
     layout_now = decode.plan_decode(q, k, v, scale=0.1, **kwargs).layout

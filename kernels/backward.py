@@ -21,6 +21,7 @@ from .common import (
     _dot,
     _key_block_range,
     _key_range,
+    _list_row,
     _load_key_tile,
     _load_tile,
     _log2_scores,
@@ -31,6 +32,7 @@ from .common import (
 from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config
 from .launch import launcher
 from .masks import doc_stride, late_cols_first, late_rows_first, mask_args
+from .program import MaskProgram
 
 __all__ = ["attention_backward"]
 
@@ -122,6 +124,35 @@ def _attn_bwd_dkdv_inner(
 
 
 @triton.jit
+def _attn_bwd_dkdv_listed(
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qm, stride_qk, stride_dom,
+    stride_dok, offs_n, col_lo, col_hi, entries, seq_q, shift, qk_scale, softcap_in,
+    softcap_out, alibi_coef,
+    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr,
+):  # fmt: skip
+    """The query blocks of one list (``entries``: a count, then list blocks of ``SPARSE_M``
+    queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``) or all full."""
+    TILES: tl.constexpr = SPARSE_M // BLOCK_M
+    last_tile = tl.cdiv(seq_q, BLOCK_M)
+    count = tl.load(entries)
+    for i in range(0, count):
+        first = tl.load(entries + 1 + i) * TILES
+        dk, dv = _attn_bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+            stride_qm, stride_qk, stride_dom, stride_dok,
+            offs_n, col_lo, col_hi, first, tl.minimum(first + TILES, last_tile), seq_q, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv(
     Q,
     K,
@@ -136,6 +167,7 @@ def _attn_bwd_dkdv(
     Slopes,
     KvStart,
     KvEnd,
+    Lists,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -169,6 +201,11 @@ def _attn_bwd_dkdv(
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_M: tl.constexpr,
+    HAS_BLOCK_LISTS: tl.constexpr,
+    LISTS_PER_BATCH: tl.constexpr,
+    LISTS_PER_HEAD: tl.constexpr,
+    SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr,
 ):  # fmt: skip
     """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads.
 
@@ -208,11 +245,18 @@ def _attn_bwd_dkdv(
     )  # fmt: skip
 
     doc_off = off_b * stride_db
-    block_first, full_first, full_end, block_end = _query_block_range(
-        start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+    if HAS_BLOCK_LISTS:
+        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        # the query blocks listed for this tile's list column, per query head below
+        list_width = tl.cdiv(seq_q, SPARSE_M) + 1
+        list_col = start_n // SPARSE_N
+        list_cols = tl.cdiv(seq_k, SPARSE_N)
+    else:
+        block_first, full_first, full_end, block_end = _query_block_range(
+            start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
+            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
     col_lo, col_hi = _col_bounds(
         offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
@@ -229,33 +273,57 @@ def _attn_bwd_dkdv(
         lse_head = Lse + (off_b * num_heads + off_h) * seq_q
         delta_head = Delta + (off_b * num_heads + off_h) * seq_q
         alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            stride_qm, stride_qk, stride_dom, stride_dok,
-            offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
-            MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            stride_qm, stride_qk, stride_dom, stride_dok,
-            offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
-            MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            stride_qm, stride_qk, stride_dom, stride_dok,
-            offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
-            MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
+        if HAS_BLOCK_LISTS:
+            entries = _list_row(
+                Lists, off_b, off_h, num_heads, list_col, list_cols, list_width,
+                LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
+            )  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_listed(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                stride_qm, stride_qk, stride_dom, stride_dok,
+                offs_n, col_lo, col_hi, entries, seq_q, shift,
+                qk_scale, softcap_in, softcap_out, alibi_coef,
+                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+            )  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_listed(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                stride_qm, stride_qk, stride_dom, stride_dok,
+                offs_n, col_lo, col_hi, entries + list_width, seq_q, shift,
+                qk_scale, softcap_in, softcap_out, alibi_coef,
+                MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+            )  # fmt: skip
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                stride_qm, stride_qk, stride_dom, stride_dok,
+                offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
+                qk_scale, softcap_in, softcap_out, alibi_coef,
+                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                stride_qm, stride_qk, stride_dom, stride_dok,
+                offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
+                qk_scale, softcap_in, softcap_out, alibi_coef,
+                MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _attn_bwd_dkdv_inner(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                stride_qm, stride_qk, stride_dom, stride_dok,
+                offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
+                qk_scale, softcap_in, softcap_out, alibi_coef,
+                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
 
     dk *= sm_scale
     if HAS_KV_RANGE:
@@ -380,6 +448,35 @@ def _attn_bwd_dq_inner(
 
 
 @triton.jit
+def _attn_bwd_dq_listed(
+    dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta, k_head, v_head, stride_kn,
+    stride_kk, stride_vn, stride_vk, offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi,
+    shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DSLOPE: tl.constexpr,
+    SPARSE_N: tl.constexpr,
+):  # fmt: skip
+    """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
+    TILES: tl.constexpr = SPARSE_N // BLOCK_N
+    last_tile = tl.cdiv(seq_k, BLOCK_N)
+    count = tl.load(entries)
+    for i in range(0, count):
+        first = tl.load(entries + 1 + i) * TILES
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
+            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        )  # fmt: skip
+    return dq, slope_pdr, slope_pr, slope_pd
+
+
+@triton.jit
 def _attn_bwd_dq(
     Q,
     K,
@@ -396,6 +493,7 @@ def _attn_bwd_dq(
     DSlope,
     KvStart,
     KvEnd,
+    Lists,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -431,6 +529,11 @@ def _attn_bwd_dq(
     HAS_DLSE: tl.constexpr,
     EVEN_N: tl.constexpr,
     HAS_DSLOPE: tl.constexpr,
+    HAS_BLOCK_LISTS: tl.constexpr,
+    LISTS_PER_BATCH: tl.constexpr,
+    LISTS_PER_HEAD: tl.constexpr,
+    SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr,
 ):  # fmt: skip
     """``dQ`` of one query tile of one query head.
 
@@ -484,11 +587,6 @@ def _attn_bwd_dq(
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
-    block_first, full_first, full_end, block_end = _key_block_range(
-        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
@@ -500,33 +598,67 @@ def _attn_bwd_dq(
     slope_pdr = tl.zeros([BLOCK_M], dtype=tl.float32)
     slope_pr = tl.zeros([BLOCK_M], dtype=tl.float32)
     slope_pd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
-        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
-        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-    )  # fmt: skip
-    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
-        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
-        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-    )  # fmt: skip
-    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
-        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
-        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
-        MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-    )  # fmt: skip
+    if HAS_BLOCK_LISTS:
+        # the listed key blocks of this tile's list row, partial then full (as the forward)
+        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        width = tl.cdiv(seq_k, SPARSE_N) + 1
+        entries = _list_row(
+            Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
+            LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
+        )  # fmt: skip
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            SPARSE_N=SPARSE_N,
+        )  # fmt: skip
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            SPARSE_N=SPARSE_N,
+        )  # fmt: skip
+    else:
+        block_first, full_first, full_end, block_end = _key_block_range(
+            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        )  # fmt: skip
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        )  # fmt: skip
+        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
+            qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        )  # fmt: skip
 
     if HAS_DSLOPE:
         # ALiBi's term is -slope * |i + (S - L) - j|
@@ -549,16 +681,9 @@ def attention_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    program: MaskProgram,
     *,
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
     grad_lse: Tensor | None = None,
     slopes_grad: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -567,13 +692,14 @@ def attention_backward(
 
     ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
     ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
-    ``dslopes``, the gradient of ``alibi_slopes`` (same shape), is computed only when
+    ``dslopes``, the gradient of ``program.alibi_slopes`` (same shape), is computed only when
     ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise.
     Rows that kept no key contribute nothing; keys that no row keeps get zero gradients, and
     keys and values outside a row's key range ``[kv_start[b], kv_end[b])`` are never read.
     """
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    alibi_slopes = program.alibi_slopes
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -583,11 +709,7 @@ def attention_backward(
         if slopes_grad and alibi_slopes is not None:
             dslopes = torch.zeros_like(alibi_slopes)
         return dq.zero_(), dk.zero_(), dv.zero_(), dslopes
-    mask = mask_args(
-        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        rows=True, cols=True,
-    )  # fmt: skip
+    mask = mask_args(q, k, program, scale=scale, rows=True, cols=True)
     lse = lse.to(torch.float32).contiguous()
     block_e = padded_head_dim(head_dim)
     group_size = num_heads // num_kv_heads
@@ -595,6 +717,7 @@ def attention_backward(
         HEAD_DIM=head_dim,
         BLOCK_E=block_e,
         **mask.flags(q),
+        **mask.list_flags(),
     )
 
     delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
@@ -603,7 +726,8 @@ def attention_backward(
 
     # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
     cfg = pick_config(DQ_CONFIGS, q, block_e)
-    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
+    grid = (triton.cdiv(seq_q, block_m), num_heads, batch)
     dslope_parts = (
         torch.empty((batch, num_heads, grid[0]), dtype=torch.float32, device=q.device)
         if slopes_grad
@@ -612,6 +736,7 @@ def attention_backward(
     launcher(_attn_bwd_dq)[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
         mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
+        mask.kv_lists,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -622,11 +747,11 @@ def attention_backward(
         mask.stride_sb, mask.stride_sh,
         num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
         scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
         HAS_DLSE=grad_lse is not None,
-        EVEN_N=seq_k % cfg.block_n == 0,
+        EVEN_N=seq_k % block_n == 0,
         HAS_DSLOPE=dslope_parts is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -635,10 +760,11 @@ def attention_backward(
     if dslope_parts is not None and alibi_slopes is not None:
         dslopes = _reduce_to(dslope_parts.sum(-1), alibi_slopes)
     cfg = pick_config(DKDV_CONFIGS, q, block_e)
-    grid = (triton.cdiv(seq_k, cfg.block_n), num_kv_heads, batch)
+    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
+    grid = (triton.cdiv(seq_k, block_n), num_kv_heads, batch)
     launcher(_attn_bwd_dkdv)[grid](
         q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
-        mask.kv_start, mask.kv_end,
+        mask.kv_start, mask.kv_end, mask.q_lists,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -649,10 +775,10 @@ def attention_backward(
         mask.stride_sb, mask.stride_sh,
         num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
         scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         REVERSE=late_cols_first(seq_q, seq_k, mask),
-        EVEN_M=seq_q % cfg.block_m == 0,
+        EVEN_M=seq_q % block_m == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **common,

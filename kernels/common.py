@@ -486,3 +486,24 @@ def _col_bounds(
     if HAS_KV_RANGE:
         col_hi = tl.where((offs_n >= kv_lo) & (offs_n < kv_hi), col_hi, 0)
     return col_lo, col_hi
+
+
+@triton.jit
+def _list_row(
+    Lists,
+    off_b,
+    off_h,
+    num_heads,
+    row,
+    num_rows,
+    width,
+    LISTS_PER_BATCH: tl.constexpr,
+    LISTS_PER_HEAD: tl.constexpr,
+):
+    """Where block row ``row`` of batch row ``off_b`` and query head ``off_h`` starts in a
+    ``(Bl, Hl, num_rows, 2, width)`` list tensor (see ``program.BlockLists``): its partial
+    blocks ``[count, block, ...]``, then at ``+ width`` its full blocks."""
+    lb = off_b if LISTS_PER_BATCH else off_b * 0
+    lh = off_h if LISTS_PER_HEAD else off_h * 0
+    heads = num_heads if LISTS_PER_HEAD else 1
+    return Lists + ((lb * heads + lh) * num_rows + row).to(tl.int64) * (2 * width)

@@ -59,6 +59,7 @@ from .forward import _attn_fwd_runs, check_identity, identity_of
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
+from .program import MaskProgram
 
 __all__ = [
     "MAX_DECODE_QUERIES",
@@ -746,30 +747,24 @@ def plan_decode(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    program: MaskProgram,
     *,
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
     num_splits: int | None = None,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of :func:`decode_forward` with these arguments; ``q``, ``k``,
     ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    if program.blocks is not None:
+        raise ValueError(
+            "the decode kernel iterates the analytic band only; a mask program with block "
+            "lists runs in the training kernel (attention_forward)"
+        )
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
         return DecodePlan(identity, None, (), (), None, 0, 0)
-    mask = mask_args(
-        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        rows=True, cols=False,
-    )  # fmt: skip
+    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
     layout = decode_layout(
         q.shape,
         k.shape,
@@ -844,16 +839,9 @@ def decode_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    program: MaskProgram,
     *,
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
     num_splits: int | None = None,
 ) -> Tensor:
     """Attention forward for short queries, the arguments of ``attention_forward``:
@@ -862,14 +850,9 @@ def decode_forward(
     Args:
         q: ``(B, Hq, L, E)`` with ``L <= MAX_DECODE_QUERIES``; k, v: ``(B, Hkv, S, E)``, same
             dtype (fp16, bf16 or fp32) and device, any strides.
+        program: the mask and score terms (:class:`~.program.MaskProgram`, the analytic band
+            source only); no key outside a batch row's key range is read.
         scale: multiplies ``q @ k^T`` (any finite value).
-        band_lo, band_hi: keep ``band_lo <= j - i <= band_hi``; ``None`` leaves a side open.
-        q_doc, kv_doc: non-decreasing integer document ids ``(1 | B, L)`` and ``(1 | B, S)``
-            (both or neither); a pair is kept only within one document.
-        alibi_slopes: fp32 ``(1 | B, Hq)`` or ``(Hq,)``; adds ``-slope * |i + (S - L) - j|``.
-        softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
-        kv_start, kv_end: ``(1 | B,)`` integers, both or neither: batch row ``b`` keeps only
-            keys ``kv_start[b] <= j < kv_end[b]``, and no other key is read.
         num_splits: programs per tile of packed rows over its keys; ``None`` picks it from
             the shapes, the band and the GPU (:func:`num_splits`).
 
@@ -879,9 +862,4 @@ def decode_forward(
     No host synchronisation: everything on the host depends on shapes, dtypes and the band,
     so a call can be captured in a CUDA graph. Inputs are assumed valid.
     """
-    plan = plan_decode(
-        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        num_splits=num_splits,
-    )  # fmt: skip
-    return plan.launch(q, k, v)
+    return plan_decode(q, k, v, program, scale=scale, num_splits=num_splits).launch(q, k, v)

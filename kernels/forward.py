@@ -19,6 +19,7 @@ from .common import (
     _dot,
     _key_block_range,
     _key_range,
+    _list_row,
     _load_key_tile,
     _load_tile,
     _log2_scores,
@@ -28,6 +29,7 @@ from .common import (
 from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config
 from .launch import PreparedLaunch, empty_contiguous, empty_rows
 from .masks import doc_stride, late_rows_first, mask_args
+from .program import MaskProgram
 
 __all__ = ["ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward"]
 
@@ -174,6 +176,36 @@ def _attn_fwd_runs(
 
 
 @triton.jit
+def _attn_fwd_listed(
+    acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+    offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in,
+    softcap_out, alibi_coef,
+    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
+    TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    SPARSE_N: tl.constexpr,
+):  # fmt: skip
+    """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
+    keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full."""
+    TILES: tl.constexpr = SPARSE_N // BLOCK_N
+    last_tile = tl.cdiv(seq_k, BLOCK_N)
+    count = tl.load(entries)
+    for i in range(0, count):
+        first = tl.load(entries + 1 + i) * TILES
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
+            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+            MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            POSITIVE_SCALE=POSITIVE_SCALE,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd(
     Q,
     K,
@@ -185,6 +217,7 @@ def _attn_fwd(
     Slopes,
     KvStart,
     KvEnd,
+    Lists,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
@@ -216,6 +249,11 @@ def _attn_fwd(
     DOT_PRECISION: tl.constexpr,
     EVEN_N: tl.constexpr,
     POSITIVE_SCALE: tl.constexpr,
+    HAS_BLOCK_LISTS: tl.constexpr,
+    LISTS_PER_BATCH: tl.constexpr,
+    LISTS_PER_HEAD: tl.constexpr,
+    SPARSE_M: tl.constexpr,
+    SPARSE_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -243,11 +281,6 @@ def _attn_fwd(
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
-    block_first, full_first, full_end, block_end = _key_block_range(
-        start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
@@ -258,14 +291,48 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
-    acc, l_i, m_i = _attn_fwd_runs(
-        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-        offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end, block_end,
-        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
-        EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-    )  # fmt: skip
+    if HAS_BLOCK_LISTS:
+        # the listed key blocks of this tile's list row, partial then full
+        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        width = tl.cdiv(seq_k, SPARSE_N) + 1
+        entries = _list_row(
+            Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
+            LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_fwd_listed(
+            acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale,
+            softcap_in, softcap_out, alibi_coef,
+            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_fwd_listed(
+            acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift, qk_scale,
+            softcap_in, softcap_out, alibi_coef,
+            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N,
+        )  # fmt: skip
+    else:
+        block_first, full_first, full_end, block_end = _key_block_range(
+            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _attn_fwd_runs(
+            acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+            offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end,
+            block_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out,
+            alibi_coef,
+            EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            POSITIVE_SCALE=POSITIVE_SCALE,
+        )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
@@ -309,7 +376,8 @@ class ForwardPlan:
     """
 
     identity: tuple[object, ...]
-    mask_tensors: tuple[Tensor | None, ...]  # row_lo, row_hi, slopes, kv_start, kv_end
+    # row_lo, row_hi, slopes, kv_start, kv_end, the key-block lists
+    mask_tensors: tuple[Tensor | None, ...]
     scalars: tuple[int | float, ...]  # the runtime scalars after the strides
     kernel: PreparedLaunch | None  # None: an empty output, nothing to launch
 
@@ -351,16 +419,9 @@ def plan_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    program: MaskProgram,
     *,
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
 ) -> ForwardPlan:
     """The :class:`ForwardPlan` of :func:`attention_forward` with these arguments; ``q``,
     ``k``, ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
@@ -369,29 +430,27 @@ def plan_forward(
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q == 0:
         return ForwardPlan(identity, (), (), None)
-    mask = mask_args(
-        q, k, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        rows=True, cols=False,
-    )  # fmt: skip
+    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
     block_e = padded_head_dim(head_dim)
     cfg = pick_config(FORWARD_CONFIGS, q, block_e)
-    grid = (triton.cdiv(seq_q, cfg.block_m), num_heads, batch)
+    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
+    grid = (triton.cdiv(seq_q, block_m), num_heads, batch)
     options = dict(
         HEAD_DIM=head_dim,
         BLOCK_E=block_e,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
         **mask.flags(q),
-        EVEN_N=seq_k % cfg.block_n == 0,
+        **mask.list_flags(),
+        EVEN_N=seq_k % block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return ForwardPlan(
         identity,
-        (mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end),
+        (mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end, mask.kv_lists),
         (
             doc_stride(mask, seq_q),
             mask.stride_sb,
@@ -414,30 +473,18 @@ def attention_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    program: MaskProgram,
     *,
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward: :func:`plan_forward`, then its launch.
 
     Args:
         q: ``(B, Hq, L, E)``; k, v: ``(B, Hkv, S, E)``, same dtype (fp16, bf16 or fp32) and
             device, any strides.
+        program: the mask and score terms (:class:`~.program.MaskProgram`); keys and values
+            outside a batch row's key range are never read.
         scale: multiplies ``q @ k^T``.
-        band_lo, band_hi: keep ``band_lo <= j - i <= band_hi``; ``None`` leaves a side open.
-        q_doc, kv_doc: non-decreasing integer document ids ``(1 | B, L)`` and ``(1 | B, S)``
-            (both or neither); a pair is kept only within one document.
-        alibi_slopes: fp32 ``(1 | B, Hq)``; adds ``-slope * |i + (S - L) - j|``.
-        softcap: ``cap > 0`` turns a score ``s`` into ``cap * tanh(s / cap)`` before ALiBi.
-        kv_start, kv_end: integer ``(B,)`` or ``(1,)`` (both or neither): batch row ``b`` keeps
-            only keys ``kv_start[b] <= j < kv_end[b]`` and reads no key or value outside them.
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
@@ -445,8 +492,4 @@ def attention_forward(
 
     Inputs are assumed valid (the caller validates them).
     """
-    plan = plan_forward(
-        q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-        alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-    )  # fmt: skip
-    return plan.launch(q, k, v)
+    return plan_forward(q, k, v, program, scale=scale).launch(q, k, v)

@@ -14,6 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .common import LOG2E
 from .configs import tanh_mode
 from .launch import launches_traceable
+from .program import BlockLists, MaskProgram
 
 __all__ = ["MaskArgs", "doc_stride", "late_cols_first", "late_rows_first", "mask_args"]
 
@@ -41,6 +42,7 @@ class MaskArgs:
     has_softcap: bool
     softcap_in: float
     softcap_out: float
+    blocks: BlockLists | None = None  # the block-list iteration source, if the program has one
 
     def flags(self, q: Tensor) -> dict[str, Any]:
         """The ``tl.constexpr`` flags every attention kernel takes for this mask and for
@@ -56,6 +58,35 @@ class MaskArgs:
             TANH_MODE=tanh_mode(q),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
+
+    def list_flags(self) -> dict[str, Any]:
+        """The ``tl.constexpr`` flags of the block-list source, for the training kernels.
+        Without lists they are fixed values, so those calls compile one kernel."""
+        blocks = self.blocks
+        return dict(
+            HAS_BLOCK_LISTS=blocks is not None,
+            LISTS_PER_BATCH=blocks is not None and blocks.per_batch,
+            LISTS_PER_HEAD=blocks is not None and blocks.per_head,
+            SPARSE_M=128 if blocks is None else blocks.block_m,
+            SPARSE_N=128 if blocks is None else blocks.block_n,
+        )
+
+    @property
+    def kv_lists(self) -> Tensor | None:
+        """The key blocks per query block (forward, dQ), or ``None``."""
+        return None if self.blocks is None else self.blocks.kv_lists
+
+    @property
+    def q_lists(self) -> Tensor | None:
+        """The query blocks per key block (dK/dV), or ``None``."""
+        return None if self.blocks is None else self.blocks.q_lists
+
+    def tiles(self, block_m: int, block_n: int) -> tuple[int, int]:
+        """A kernel's tile sizes ``(block_m, block_n)``, no larger than the list blocks they
+        must divide (both are powers of two)."""
+        if self.blocks is None:
+            return block_m, block_n
+        return min(block_m, self.blocks.block_m), min(block_n, self.blocks.block_n)
 
 
 def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,21 +150,15 @@ def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -
 
 
 def mask_args(
-    q: Tensor,
-    k: Tensor,
-    *,
-    scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
-    rows: bool,
-    cols: bool,
+    q: Tensor, k: Tensor, program: MaskProgram, *, scale: float, rows: bool, cols: bool
 ) -> MaskArgs:
+    """The one place a :class:`~.program.MaskProgram` becomes kernel arguments, for a call
+    with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``; ``rows`` / ``cols``: whether
+    the kernels to launch need the document ranges per query row / per key column."""
+    band_lo, band_hi = program.band_lo, program.band_hi
+    q_doc, kv_doc = program.q_doc, program.kv_doc
+    kv_start, kv_end = program.kv_start, program.kv_end
+    alibi_slopes, softcap = program.alibi_slopes, program.softcap
     seq_q, seq_k = q.shape[2], k.shape[2]
     # Every pair has 1 - L <= j - i <= S - 1: a bound outside that range keeps everything and is
     # dropped; a bound beyond the other end keeps nothing and is clamped to stay in int32.
@@ -180,6 +205,14 @@ def mask_args(
         softcap_in, softcap_out = scale / softcap, softcap * LOG2E
     else:
         softcap_in = softcap_out = 0.0
+    blocks = program.blocks
+    if blocks is not None:
+        for name, size in (("block_m", blocks.block_m), ("block_n", blocks.block_n)):
+            if size < 16 or size & (size - 1):
+                raise ValueError(
+                    f"BlockLists {name}={size}: list blocks are powers of two of at least 16 "
+                    f"(the kernels' tiles divide them)"
+                )
     return MaskArgs(
         has_lo=has_lo,
         has_hi=has_hi,
@@ -200,6 +233,7 @@ def mask_args(
         has_softcap=softcap is not None,
         softcap_in=softcap_in,
         softcap_out=softcap_out,
+        blocks=blocks,
     )
 
 

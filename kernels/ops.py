@@ -22,6 +22,7 @@ from .backward import attention_backward
 from .decode import decode_forward
 from .forward import attention_forward
 from .launch import traceable_launches
+from .program import MaskProgram
 
 __all__ = ["block_sparse_attention", "decode_attention"]
 
@@ -31,21 +32,15 @@ def _attention_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    tensors: list[Tensor | None],
+    ints: list[int],
+    floats: list[float],
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`attention_forward`; the mask program packed
+    (:meth:`MaskProgram.pack`)."""
     with traceable_launches():
-        return attention_forward(
-            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        )  # fmt: skip
+        return attention_forward(q, k, v, MaskProgram.unpack(tensors, ints, floats), scale=scale)
 
 
 @triton_op("attnbias::attention_bwd", mutates_args=())
@@ -57,23 +52,18 @@ def _attention_bwd(
     out: Tensor,
     lse: Tensor,
     grad_lse: Tensor | None,
+    tensors: list[Tensor | None],
+    ints: list[int],
+    floats: list[float],
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``. The ALiBi slopes' gradient is computed on the eager path only (an
     empty placeholder output broke inductor's compilation of the backward)."""
+    program = MaskProgram.unpack(tensors, ints, floats)
     with traceable_launches():
         dq, dk, dv, _ = attention_backward(
-            grad_out, q, k, v, out, lse, scale=scale, band_lo=band_lo, band_hi=band_hi,
-            q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap,
-            kv_start=kv_start, kv_end=kv_end, grad_lse=grad_lse, slopes_grad=False,
+            grad_out, q, k, v, out, lse, program, scale=scale, grad_lse=grad_lse,
+            slopes_grad=False,
         )  # fmt: skip
     return dq, dk, dv
 
@@ -83,32 +73,22 @@ def _decode_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    tensors: list[Tensor | None],
+    ints: list[int],
+    floats: list[float],
     scale: float,
-    band_lo: int | None,
-    band_hi: int | None,
-    q_doc: Tensor | None,
-    kv_doc: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
 ) -> Tensor:
     with traceable_launches():
-        return decode_forward(
-            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        )  # fmt: skip
+        return decode_forward(q, k, v, MaskProgram.unpack(tensors, ints, floats), scale=scale)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, **mask: Any) -> Tensor:
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, program: MaskProgram, *, scale: float
+) -> Tensor:
     """:func:`~attnbias.kernels.decode.decode_forward` as the ``attnbias::decode_fwd`` op, which
-    ``torch.compile`` traces without a graph break (no gradients: forward only). ``mask``: the
-    keywords of :meth:`attnbias.spec.Lowered.kernel_args`."""
-    return _decode_fwd(q, k, v, scale, **mask)
+    ``torch.compile`` traces without a graph break (no gradients: forward only)."""
+    return _decode_fwd(q, k, v, *program.pack(), scale)
 
-
-# Position of ``alibi_slopes`` among the inputs of the forward (both paths).
-_SLOPES = 8
 
 SECOND_ORDER_MESSAGE = (
     "attnbias: the gradients of the Triton attention kernel cannot be differentiated again "
@@ -133,73 +113,86 @@ class _FirstOrderGradients(torch.autograd.Function):
         raise NotImplementedError(SECOND_ORDER_MESSAGE)
 
 
-def _setup_context(
+def _save(
     ctx: Any,
-    inputs: tuple[Any, ...],
-    output: tuple[Tensor, Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    program: MaskProgram,
+    scale: float,
+    out: Tensor,
+    lse: Tensor,
     *,
-    traceable: bool = True,
+    traceable: bool,
 ) -> None:
-    q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start, kv_end = (
-        inputs
-    )
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_doc, kv_doc, alibi_slopes, kv_start, kv_end)
+    """What both backwards need: the tensors saved for backward, the program's other parts
+    kept packed beside them."""
+    tensors, ints, floats = program.pack()
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.ints = ints
+    ctx.floats = floats
     ctx.scale = scale
-    ctx.band_lo = band_lo
-    ctx.band_hi = band_hi
-    ctx.softcap = softcap
     ctx.traceable = traceable  # False: eager, launch the kernels without the op boundary
 
 
-def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The backward of both paths: gradients of q, k, v and the ALiBi slopes.
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, tensors, ints, floats, scale = inputs
+    out, lse = output
+    _save(ctx, q, k, v, MaskProgram.unpack(tensors, ints, floats), scale, out, lse, traceable=True)
+
+
+def _backward_both(
+    ctx: Any, grad_out: Tensor, grad_lse: Tensor | None, slopes_grad: bool
+) -> tuple[Tensor | None, ...]:
+    """``(dq, dk, dv, dslopes)`` for both paths.
 
     Under ``create_graph=True`` (grad mode on here) the gradients come back attached to what
     they were computed from, through :class:`_FirstOrderGradients`, so that a second backward
     through them raises.
     """
-    q, k, v, out, lse, q_doc, kv_doc, alibi_slopes, kv_start, kv_end = ctx.saved_tensors
-    slopes_grad = alibi_slopes is not None and bool(ctx.needs_input_grad[_SLOPES])
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    program = MaskProgram.unpack(tensors, ctx.ints, ctx.floats)
 
     def compute() -> tuple[Tensor | None, ...]:
         if ctx.traceable:
-            if slopes_grad:
-                raise NotImplementedError(
-                    "attnbias: gradients of ALiBi slopes through the Triton kernel are computed "
-                    "in eager mode only, not under torch.compile; run the compiled call under "
-                    'attnbias.use_backends("reference") or keep the slopes fixed'
-                )
             dq, dk, dv = torch.ops.attnbias.attention_bwd(
-                grad_out, q, k, v, out, lse, grad_lse, ctx.scale, ctx.band_lo, ctx.band_hi,
-                q_doc, kv_doc, alibi_slopes, ctx.softcap, kv_start, kv_end,
-            )  # fmt: skip
-            dslopes = None
-        else:
-            dq, dk, dv, dslopes = attention_backward(
-                grad_out, q, k, v, out, lse, scale=ctx.scale, band_lo=ctx.band_lo,
-                band_hi=ctx.band_hi, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=alibi_slopes,
-                softcap=ctx.softcap, kv_start=kv_start, kv_end=kv_end, grad_lse=grad_lse,
-                slopes_grad=slopes_grad,
-            )  # fmt: skip
-        return dq, dk, dv, dslopes if slopes_grad else None
+                grad_out, q, k, v, out, lse, grad_lse, tensors, ctx.ints, ctx.floats, ctx.scale
+            )
+            return dq, dk, dv, None
+        return attention_backward(
+            grad_out, q, k, v, out, lse, program, scale=ctx.scale, grad_lse=grad_lse,
+            slopes_grad=slopes_grad,
+        )  # fmt: skip
 
     sources = [
-        t for t in (grad_out, grad_lse, q, k, v, alibi_slopes) if t is not None and t.requires_grad
+        t
+        for t in (grad_out, grad_lse, q, k, v, program.alibi_slopes)
+        if t is not None and t.requires_grad
     ]
     if torch.is_grad_enabled() and sources and not torch.compiler.is_compiling():
-        dq, dk, dv, dslopes = _FirstOrderGradients.apply(compute, *sources)
-    else:
-        dq, dk, dv, dslopes = compute()
-    # No gradient for the scale, the band, the document ids, the cap or the key range.
-    return dq, dk, dv, None, None, None, None, None, dslopes, None, None, None
+        return _FirstOrderGradients.apply(compute, *sources)
+    return compute()
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The registered op's backward: gradients of q, k, v (none for the packed program)."""
+    slopes = MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats).alibi_slopes
+    if slopes is not None and slopes.requires_grad:
+        raise NotImplementedError(
+            "attnbias: gradients of ALiBi slopes through the Triton kernel are computed "
+            "in eager mode only, not under torch.compile; run the compiled call under "
+            'attnbias.use_backends("reference") or keep the slopes fixed'
+        )
+    dq, dk, dv, _ = _backward_both(ctx, grad_out, grad_lse, slopes_grad=False)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The same launchers without the custom-op boundary (eager mode, interpreter)."""
+    """The same launchers without the custom-op boundary (eager mode, interpreter). The ALiBi
+    slopes are an input of their own, so that autograd sees them and they get a gradient."""
 
     @staticmethod
     def forward(
@@ -207,32 +200,48 @@ class _EagerAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        scale: float,
-        band_lo: int | None,
-        band_hi: int | None,
-        q_doc: Tensor | None,
-        kv_doc: Tensor | None,
         alibi_slopes: Tensor | None,
-        softcap: float | None,
-        kv_start: Tensor | None,
-        kv_end: Tensor | None,
+        program: MaskProgram,
+        scale: float,
     ) -> Tensor:
-        out, lse = attention_forward(
-            q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc,
-            alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start, kv_end=kv_end,
-        )  # fmt: skip
-        _setup_context(
-            ctx,
-            (q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start,
-             kv_end),
-            (out, lse),
-            traceable=False,
-        )  # fmt: skip
+        out, lse = attention_forward(q, k, v, program, scale=scale)
+        _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        return _backward(ctx, grad_out, None)
+        slopes_grad = bool(ctx.needs_input_grad[3])
+        dq, dk, dv, dslopes = _backward_both(ctx, grad_out, None, slopes_grad)
+        # no gradient for the program (a tensor of it that needs one is an input of its own)
+        return dq, dk, dv, dslopes if slopes_grad else None, None, None
+
+
+def block_sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, program: MaskProgram, *, scale: float
+) -> Tensor:
+    """Attention over the pairs a mask program keeps (:class:`~.program.MaskProgram`: a band,
+    packed documents, per-row key ranges, ALiBi, soft-cap, block lists).
+
+    Shapes: ``q`` ``(B, Hq, L, E)``, ``k``/``v`` ``(B, Hkv, S, E)`` with ``Hq % Hkv == 0``;
+    returns ``(B, Hq, L, E)`` in ``q.dtype``. Batch row ``b`` reads no key or value outside
+    its key range, so nothing there (NaN included) reaches any output or gradient, and their
+    gradients are 0. Rows that keep nothing give 0 and zero gradients.
+
+    Differentiable in ``q``, ``k``, ``v`` and ``program.alibi_slopes``, once: differentiating
+    the gradients again (``create_graph=True``, then a backward through them) raises
+    ``NotImplementedError``. Any finite ``scale`` works (0 and negative ones too). A NaN or Inf
+    in a key, value, query or output gradient reaches only the pairs that keep it.
+
+    Inputs are not validated here; the ``attnbias`` front-end does that.
+    """
+    slopes = program.alibi_slopes
+    if not torch.compiler.is_compiling():
+        if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, slopes)):
+            # nothing to record: no autograd node, just the launch
+            return attention_forward(q, k, v, program, scale=scale)[0]
+        return _EagerAttention.apply(q, k, v, slopes, program, scale)
+    out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), scale)
+    return out
 
 
 def _any_requires_grad(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None) -> bool:
@@ -242,58 +251,3 @@ def _any_requires_grad(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None) -
         or v.requires_grad
         or bool(slopes is not None and slopes.requires_grad)
     )
-
-
-def block_sparse_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float,
-    band_lo: int | None = None,
-    band_hi: int | None = None,
-    q_doc: Tensor | None = None,
-    kv_doc: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float | None = None,
-    kv_start: Tensor | None = None,
-    kv_end: Tensor | None = None,
-) -> Tensor:
-    """Attention over the pairs kept by a band, packed documents and per-row key ranges.
-
-    Shapes: ``q`` ``(B, Hq, L, E)``, ``k``/``v`` ``(B, Hkv, S, E)`` with ``Hq % Hkv == 0``;
-    returns ``(B, Hq, L, E)`` in ``q.dtype``. A pair ``(i, j)`` is kept when
-    ``band_lo <= j - i <= band_hi`` (``None`` leaves a side open) and, given document ids
-    ``q_doc`` ``(1 | B, L)`` / ``kv_doc`` ``(1 | B, S)`` (non-decreasing), when
-    ``q_doc[i] == kv_doc[j]``; given integer ``kv_start`` and ``kv_end`` ``(B,)`` (or ``(1,)``,
-    both or neither), batch row ``b`` keeps only keys ``kv_start[b] <= j < kv_end[b]`` and
-    reads no key or value outside them, so nothing there (NaN included) reaches any output or
-    gradient, and their gradients are 0. Scores are ``scale * q.k``, then
-    ``softcap * tanh(s / softcap)`` if ``softcap`` is set, then
-    ``- slope[b, h] * |i + S - L - j|`` if ``alibi_slopes`` ``(1 | B, Hq)`` is set. Rows
-    that keep nothing give 0 and zero gradients.
-
-    Differentiable in ``q``, ``k``, ``v`` and ``alibi_slopes``, once: differentiating the
-    gradients again (``create_graph=True``, then a backward through them) raises
-    ``NotImplementedError``. Any finite ``scale`` works (0 and negative ones too). A NaN or Inf
-    in a key, value, query or output gradient reaches only the pairs that keep it.
-
-    Inputs are not validated here; the ``attnbias`` front-end does that.
-    """
-    if not torch.compiler.is_compiling():
-        if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, alibi_slopes)):
-            # nothing to record: no autograd node, just the launch
-            out, _ = attention_forward(
-                q, k, v, scale=scale, band_lo=band_lo, band_hi=band_hi, q_doc=q_doc,
-                kv_doc=kv_doc, alibi_slopes=alibi_slopes, softcap=softcap, kv_start=kv_start,
-                kv_end=kv_end,
-            )  # fmt: skip
-            return out
-        return _EagerAttention.apply(
-            q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start,
-            kv_end,
-        )  # fmt: skip
-    out, _ = torch.ops.attnbias.attention_fwd(
-        q, k, v, scale, band_lo, band_hi, q_doc, kv_doc, alibi_slopes, softcap, kv_start, kv_end
-    )
-    return out

@@ -35,48 +35,42 @@ __all__ = ["BlockLists", "MaskProgram"]
 _KIND = "packed_as"
 
 
-def _tensor(doc: str) -> Any:
-    return field(default=None, metadata={_KIND: "tensor", "doc": doc})
-
-
 @dataclass(frozen=True, eq=False)
 class BlockLists:
-    """Per query block, the key blocks to visit (and, transposed, per key block the query
-    blocks), each list split into *partial* blocks (the element terms are evaluated) and
-    *full* blocks (every pair kept: no element mask).
+    """Per query block, the key blocks to visit, and per key block the query blocks (the
+    transpose, for the dK/dV kernel), each split into *partial* blocks (the element terms
+    are evaluated) and *full* blocks (every pair kept: no element mask).
 
-    Blocks are ``block_m`` queries by ``block_n`` keys; a kernel's own tiles divide them (the
-    kernels' tiles are powers of two of at most 128). The leading dimensions ``Bl`` and ``Hl``
-    are 1 (shared by every batch row or head) or ``B`` and ``Hq``. A block holding a kept pair
-    must be listed; a block listed as full must keep every pair of it that lies inside
-    ``[0, L) x [0, S)`` under the program's element terms, which are applied on partial blocks
-    only. Indices past a row's count are never read. All tensors are int32 and contiguous.
+    Blocks are ``block_m`` queries by ``block_n`` keys; the kernels' own tiles divide them
+    (their tiles are powers of two of at most 128, 16 under the interpreter). ``kv_lists``
+    is ``(Bl, Hl, Mb, 2, Nb + 1)`` int32: for query block ``m``, ``[..., m, 0, 0]`` partial
+    key blocks listed in ``[..., m, 0, 1:]``, and ``[..., m, 1, 0]`` full ones in
+    ``[..., m, 1, 1:]`` (entries past a count are never read). ``q_lists`` is the same for
+    key blocks, ``(Bl, Hl, Nb, 2, Mb + 1)``. ``Bl`` and ``Hl`` are 1 (shared by every batch
+    row or head) or ``B`` and ``Hq``; both tensors are contiguous.
+
+    A block that holds a kept pair must be listed; a block listed as full must keep every
+    pair of it (so it lies inside ``[0, L) x [0, S)`` and inside every key range) under the
+    program's element terms, which are applied to partial blocks only.
     """
 
     block_m: int
     block_n: int
-    kv_partial_count: Tensor  # (Bl, Hl, Mb)
-    kv_partial_index: Tensor  # (Bl, Hl, Mb, Nb)
-    kv_full_count: Tensor  # (Bl, Hl, Mb)
-    kv_full_index: Tensor  # (Bl, Hl, Mb, Nb)
-    q_partial_count: Tensor  # (Bl, Hl, Nb)
-    q_partial_index: Tensor  # (Bl, Hl, Nb, Mb)
-    q_full_count: Tensor  # (Bl, Hl, Nb)
-    q_full_index: Tensor  # (Bl, Hl, Nb, Mb)
+    kv_lists: Tensor  # (Bl, Hl, Mb, 2, Nb + 1) int32
+    q_lists: Tensor  # (Bl, Hl, Nb, 2, Mb + 1) int32
 
-    TENSORS = (
-        "kv_partial_count",
-        "kv_partial_index",
-        "kv_full_count",
-        "kv_full_index",
-        "q_partial_count",
-        "q_partial_index",
-        "q_full_count",
-        "q_full_index",
-    )
+    TENSORS = ("kv_lists", "q_lists")
 
     def tensors(self) -> list[Tensor]:
-        return [getattr(self, name) for name in self.TENSORS]
+        return [self.kv_lists, self.q_lists]
+
+    @property
+    def per_batch(self) -> bool:
+        return self.kv_lists.shape[0] > 1
+
+    @property
+    def per_head(self) -> bool:
+        return self.kv_lists.shape[1] > 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,11 +88,11 @@ class MaskProgram:
 
     band_lo: int | None = field(default=None, metadata={_KIND: "int"})
     band_hi: int | None = field(default=None, metadata={_KIND: "int"})
-    q_doc: Tensor | None = _tensor("(1 | B, L) integer document ids")
-    kv_doc: Tensor | None = _tensor("(1 | B, S) integer document ids")
-    kv_start: Tensor | None = _tensor("(B,) or (1,) first valid key of each batch row")
-    kv_end: Tensor | None = _tensor("(B,) or (1,) one past the last valid key")
-    alibi_slopes: Tensor | None = _tensor("(1 | B, Hq) float32 ALiBi slopes")
+    q_doc: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (1 | B, L) ids
+    kv_doc: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (1 | B, S) ids
+    kv_start: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (B,) or (1,)
+    kv_end: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (B,) or (1,)
+    alibi_slopes: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (1|B, Hq)
     softcap: float | None = field(default=None, metadata={_KIND: "float"})
     blocks: BlockLists | None = field(default=None, metadata={_KIND: "lists"})
 
@@ -154,8 +148,8 @@ class MaskProgram:
                 is_set, number = next(int_it), next(int_it)
                 values[f.name] = number if is_set else None
             elif kind == "float":
-                is_set, number = next(int_it), next(float_it)
-                values[f.name] = number if is_set else None
+                is_set, real = next(int_it), next(float_it)
+                values[f.name] = real if is_set else None
             else:
                 is_set, block_m, block_n = next(int_it), next(int_it), next(int_it)
                 lists = [next(tensor_it) for _ in BlockLists.TENSORS]

@@ -35,6 +35,7 @@ from attnbias import (
     sdpa,
 )
 from attnbias.biases import parts_of
+from attnbias.kernels.program import MaskProgram
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dq", "dk", "dv")
@@ -456,14 +457,15 @@ def test_double_backward_is_refused_on_the_registered_op() -> None:
 
     q, k, v = (torch.randn(1, 1, 8, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     slopes = torch.rand(1, 1, device=DEVICE)
-    out, _ = torch.ops.attnbias.attention_fwd(q, k, v, 0.25, None, 0, None, None, slopes, None)
+    program = MaskProgram(band_hi=0, alibi_slopes=slopes)
+    out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), 0.25)
     grads = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
     assert all(g.requires_grad for g in grads)
     with pytest.raises(NotImplementedError, match="double backward"):
         grads[0].sum().backward()
     # slopes that require grad get their gradient on the eager path only: the op refuses them
     slopes.requires_grad_(True)
-    out, _ = torch.ops.attnbias.attention_fwd(q, k, v, 0.25, None, 0, None, None, slopes, None)
+    out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), 0.25)
     with pytest.raises(NotImplementedError, match="ALiBi slopes.*eager mode only"):
         torch.autograd.grad(out.sum(), (q, slopes))
 
@@ -527,7 +529,7 @@ def test_empty_heads_on_the_kernel() -> None:
     from attnbias.kernels import block_sparse_attention
 
     q, k, v = (torch.randn(2, 0, 6, 16, device=DEVICE, requires_grad=True) for _ in range(3))
-    out = block_sparse_attention(q, k, v, scale=0.25, band_hi=0)
+    out = block_sparse_attention(q, k, v, MaskProgram(band_hi=0), scale=0.25)
     assert out.shape == (2, 0, 6, 16)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

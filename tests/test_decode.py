@@ -43,6 +43,7 @@ from attnbias.backends import BACKENDS
 from attnbias.kernels import decode
 from attnbias.kernels.decode import decode_forward, num_splits, visited_key_blocks
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
+from attnbias.kernels.program import MaskProgram
 from attnbias.planner import plan
 from attnbias.spec import lower, make_spec
 
@@ -109,7 +110,8 @@ def kernel_args(bias: AttnBias, length_q: int, length_kv: int) -> dict[str, Any]
     """The keyword arguments ``bias`` lowers to (it must have a kernel form)."""
     lowered = lower(bias, length_q, length_kv, torch.device(DEVICE))
     assert not lowered.others
-    return lowered.kernel_args()
+    program = lowered.program
+    return {f.name: getattr(program, f.name) for f in dataclasses.fields(program)}
 
 
 def band_bias(length_q: int, length_kv: int, lo: int | None, hi: int | None) -> TensorBias:
@@ -146,7 +148,7 @@ def check(
     """Run the kernel and hold its output to the oracle's budget; rows that keep nothing
     must be exactly 0."""
     resolved = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = decode_forward(q, k, v, scale=resolved, **args, num_splits=splits)
+    out = decode_forward(q, k, v, MaskProgram(**args), scale=resolved, num_splits=splits)
     assert out.dtype == q.dtype and out.shape == q.shape and out.is_contiguous()
     gqa = q.shape[1] != k.shape[1]
     expected = attention(q, k, v, oracle_bias, scale=scale, enable_gqa=gqa)
@@ -370,7 +372,7 @@ def test_the_last_share_merges_and_leaves_the_counters_at_zero(
     batch, heads_q, heads_kv, length_q, length_kv = 2, 6, 2, 3, 77
     q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, 16, FP32)
     args = kernel_args(bias, length_q, length_kv)
-    plan = decode.plan_decode(q, k, v, scale=0.25, **args, num_splits=3)
+    plan = decode.plan_decode(q, k, v, MaskProgram(**args), scale=0.25, num_splits=3)
     assert plan.layout is not None and plan.layout.splits == 3
     tiles = batch * heads_kv * plan.layout.row_tiles
     counters = torch.zeros(tiles + 1, dtype=torch.int32, device=DEVICE)
@@ -459,8 +461,10 @@ def test_a_window_reads_only_its_keys() -> None:
     dirty_v[:, :, :unread] = math.nan
     args = kernel_args(bias, length_q, length_kv)
     for splits in (None, 1, 3, 8):
-        clean = decode_forward(q, k, v, scale=0.25, **args, num_splits=splits)
-        dirty = decode_forward(q, dirty_k, dirty_v, scale=0.25, **args, num_splits=splits)
+        clean = decode_forward(q, k, v, MaskProgram(**args), scale=0.25, num_splits=splits)
+        dirty = decode_forward(
+            q, dirty_k, dirty_v, MaskProgram(**args), scale=0.25, num_splits=splits
+        )
         assert torch.equal(clean, dirty)
     check(q, dirty_k.nan_to_num(), dirty_v.nan_to_num(), bias, args)
 
@@ -481,8 +485,12 @@ def test_keys_outside_the_key_range_are_never_read() -> None:
     zero_v = v.masked_fill(outside[:, None, :, None], 0.0)
     args = kernel_args(bias, length_q, length_kv)
     for splits in (None, 1, 3, 9):
-        clean = decode_forward(q, zero_k, zero_v, scale=0.25, **args, num_splits=splits)
-        dirty = decode_forward(q, dirty_k, dirty_v, scale=0.25, **args, num_splits=splits)
+        clean = decode_forward(
+            q, zero_k, zero_v, MaskProgram(**args), scale=0.25, num_splits=splits
+        )
+        dirty = decode_forward(
+            q, dirty_k, dirty_v, MaskProgram(**args), scale=0.25, num_splits=splits
+        )
         assert torch.equal(clean, dirty)
     check(q, zero_k, zero_v, bias, args)
 
@@ -608,9 +616,11 @@ def test_empty_dimensions() -> None:
         band_lo=None, band_hi=None, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None
     )
     q, k, v = make_qkv(1, 4, 2, 3, 0, 16, FP32)  # no keys: every row is 0
-    assert torch.equal(decode_forward(q, k, v, scale=0.25, **args), torch.zeros_like(q))
+    assert torch.equal(
+        decode_forward(q, k, v, MaskProgram(**args), scale=0.25), torch.zeros_like(q)
+    )
     q, k, v = make_qkv(1, 4, 2, 0, 20, 16, FP32)  # no queries
-    assert decode_forward(q, k, v, scale=0.25, **args).shape == (1, 4, 0, 16)
+    assert decode_forward(q, k, v, MaskProgram(**args), scale=0.25).shape == (1, 4, 0, 16)
 
 
 @given(scale=finite_scales(), seed=st.integers(0, 2**16))
@@ -1003,7 +1013,9 @@ def test_split_launches_share_counters_per_stream() -> None:
     and leave every stream's counters at 0."""
     q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
     bias = gpu_bias("window", 32, 4, 8192)
-    plan = decode.plan_decode(q, k, v, scale=0.1, **kernel_args(bias, 4, 8192), num_splits=8)
+    plan = decode.plan_decode(
+        q, k, v, MaskProgram(**kernel_args(bias, 4, 8192)), scale=0.1, num_splits=8
+    )
     first = plan.launch(q, k, v)
     expected = attention(q, k, v, bias, scale=0.1, enable_gqa=True)
     low = attention(q, k, v, bias, scale=0.1, enable_gqa=True, dtype=BF16)
@@ -1029,7 +1041,9 @@ def test_the_merge_kernel_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     compiled kernels' own launchers) give what the last share's merge gives, bit for bit."""
     q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
     bias = gpu_bias("window", 32, 4, 8192)
-    plan = decode.plan_decode(q, k, v, scale=0.1, **kernel_args(bias, 4, 8192), num_splits=8)
+    plan = decode.plan_decode(
+        q, k, v, MaskProgram(**kernel_args(bias, 4, 8192)), scale=0.1, num_splits=8
+    )
     merged_last = plan.launch(q, k, v)
     assert plan.merge is not None and not plan.merge.runners
     # what a launch sees while its stream is capturing a CUDA graph

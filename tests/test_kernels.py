@@ -30,6 +30,7 @@ from oracle import flash_rounding_sizes
 from torch import Tensor
 
 from attnbias.kernels import attention_backward, attention_forward, block_sparse_attention
+from attnbias.kernels.program import MaskProgram
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -55,17 +56,19 @@ class Mask:
     kv_end: Tensor | None = None
 
     def kwargs(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "band_lo": self.band_lo,
-            "band_hi": self.band_hi,
-            "q_doc": self.q_doc,
-            "kv_doc": self.kv_doc,
-            "alibi_slopes": self.alibi_slopes,
-            "softcap": self.softcap,
-            "kv_start": self.kv_start,
-            "kv_end": self.kv_end,
-        }
+        return {"program": self.program(), "scale": self.scale}
+
+    def program(self) -> MaskProgram:
+        return MaskProgram(
+            band_lo=self.band_lo,
+            band_hi=self.band_hi,
+            q_doc=self.q_doc,
+            kv_doc=self.kv_doc,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
+            kv_start=self.kv_start,
+            kv_end=self.kv_end,
+        )
 
 
 def keep_mask(mask: Mask, batch: int, seq_q: int, seq_k: int, device: Any) -> Tensor:
@@ -611,14 +614,11 @@ def test_the_registered_ops_pass_key_ranges_on() -> None:
     q, k, v = make_qkv(2, 2, 1, 20, 40, 16, FP32)
     k[0, :, 35] = float("nan")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, _ = torch.ops.attnbias.attention_fwd(
-        *leaves, 0.25, None, 20, None, None, None, None, start, end
-    )
+    program = MaskProgram(band_hi=20, kv_start=start, kv_end=end)
+    out, _ = torch.ops.attnbias.attention_fwd(*leaves, *program.pack(), 0.25)
     grads = torch.autograd.grad(out.square().sum(), leaves)
     eager_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    eager = block_sparse_attention(
-        *eager_leaves, scale=0.25, band_hi=20, kv_start=start, kv_end=end
-    )
+    eager = block_sparse_attention(*eager_leaves, program, scale=0.25)
     eager_grads = torch.autograd.grad(eager.square().sum(), eager_leaves)
     assert torch.equal(out, eager) and torch.isfinite(out).all()
     for got, want in zip(grads, eager_grads, strict=True):

@@ -221,22 +221,22 @@ def test_lowering_intersects_ranges_on_the_device() -> None:
         + KeyRangeBias(start=[6, 1], end=[30, 38])
         + KeyRangeBias(end=torch.tensor([35]))
     )
-    lowered = make_spec(q, k, v, bias, False, None, 0.0, True).lowered
+    lowered = make_spec(q, k, v, bias, False, None, 0.0, True).terms
     assert lowered.kv_start is not None and lowered.kv_end is not None
     assert lowered.kv_start.dtype == lowered.kv_end.dtype == torch.int32
     assert lowered.kv_start.device == q.device
     assert lowered.kv_start.tolist() == [6, 9] and lowered.kv_end.tolist() == [30, 35]
     # the range adds no kind of its own, and stock SDPA's fused forms no longer apply
-    upper_left = make_spec(q, k, v, bias + causal_upper_left(), False, None, 0.0, True).lowered
+    upper_left = make_spec(q, k, v, bias + causal_upper_left(), False, None, 0.0, True).terms
     assert lowered.kind == "band" and upper_left.kind == "causal"
     assert upper_left.band_hi == 0 and not upper_left.is_plain_causal
-    alone = make_spec(q, k, v, KeyRangeBias(end=[3, 5]), False, None, 0.0, True).lowered
+    alone = make_spec(q, k, v, KeyRangeBias(end=[3, 5]), False, None, 0.0, True).terms
     assert alone.kind == "none" and not alone.is_empty
     # lowered without the batch size, a range keeps its own rows (the kernels broadcast one)
     shared = lower(KeyRangeBias(end=[3]), LENGTH_Q, LENGTH_KV, q.device)
     assert shared.kv_end is not None and shared.kv_end.tolist() == [3]
     # a range with no bound is no range
-    open_range = make_spec(q, k, v, KeyRangeBias(), False, None, 0.0, True).lowered
+    open_range = make_spec(q, k, v, KeyRangeBias(), False, None, 0.0, True).terms
     assert open_range.kv_start is None and open_range.is_empty
 
 

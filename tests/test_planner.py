@@ -106,7 +106,7 @@ KIND_BIASES: dict[str, Callable[[], AttnBias | None]] = {
 
 def test_kind_biases_cover_every_kind_of_the_priority_tables() -> None:
     for kind, make in KIND_BIASES.items():
-        assert spec_of(make()).lowered.kind == kind
+        assert spec_of(make()).terms.kind == kind
     listed = {kind for table in PRIORITY.values() for kind in table}
     assert listed <= set(KIND_BIASES)
 
@@ -659,7 +659,7 @@ def test_choice_on_a_faked_gpu(
         needs_grad=needs_grad,
         **case.shape,
     )
-    assert spec.lowered.kind == case.kind
+    assert spec.terms.kind == case.kind
     assert spec.needs_grad == needs_grad
     expected = (case.with_fa4 if fa4_installed else case.without_fa4)[needs_grad]
     chosen = plan(spec)
@@ -894,8 +894,8 @@ def test_the_empty_band_is_empty_and_would_be_unmasked_on_fa4() -> None:
     bias = causal_upper_left() + SlidingWindowBias(0, None)
     assert torch.isneginf(bias.materialize(shape=(4, 8))).all()
     spec = spec_of(bias, length_q=4, length_kv=8)
-    assert spec.lowered.band_is_empty
-    assert fa4.window_size(spec.lowered, 8 - 4) == (0, -4)
+    assert spec.terms.band_is_empty
+    assert fa4.window_size(spec.terms, 8 - 4) == (0, -4)
     q, k, v = (x.transpose(1, 2) for x in qkv(length_q=4, length_kv=8))
     out, _ = fa4_standin(q, k, v, window_size=(0, -4))
     assert out.abs().sum() > 0  # not the zeros the bias asks for

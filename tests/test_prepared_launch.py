@@ -23,6 +23,7 @@ from attnbias import (
 )
 from attnbias.kernels import decode, forward, launch
 from attnbias.kernels.ops import block_sparse_attention
+from attnbias.kernels.program import MaskProgram
 from tests.oracle import assert_close_to_oracle, attention
 
 # the kernels run on the GPU where there is one, under the interpreter otherwise
@@ -96,9 +97,7 @@ def test_a_prepared_plan_gives_what_a_fresh_call_gives(
         outs = [attnbias.sdpa(q, k, v, attn_mask=bias) for _ in range(3)]
         assert len(made) == 1  # planned once, then launched
         lowered = attnbias.spec.lower(bias, length_q, k.shape[2], q.device, batch=q.shape[0])
-        fresh = getattr(module, name)(q, k, v, scale=16**-0.5, **lowered.kernel_args()).launch(
-            q, k, v
-        )
+        fresh = getattr(module, name)(q, k, v, lowered.program, scale=16**-0.5).launch(q, k, v)
     fresh_out = fresh[0] if kernel == "training" else fresh
     for out in outs:
         assert torch.equal(out, fresh_out)
@@ -160,10 +159,7 @@ def test_another_bias_gets_another_plan(monkeypatch: pytest.MonkeyPatch, kernel:
 def test_a_plan_refuses_other_inputs(kernel: str) -> None:
     _, module, name, length_q = KERNELS[kernel]
     q, k, v = inputs(length_q)
-    plan = getattr(module, name)(
-        q, k, v, scale=0.25, band_lo=None, band_hi=0, q_doc=None, kv_doc=None,
-        alibi_slopes=None, softcap=None,
-    )  # fmt: skip
+    plan = getattr(module, name)(q, k, v, MaskProgram(band_hi=0), scale=0.25)
     with pytest.raises(ValueError, match="plan was made for q, k, v of shapes"):
         plan.launch(q[:, :, :-1], k, v)
     with pytest.raises(ValueError, match="make a new plan"):
@@ -172,11 +168,12 @@ def test_a_plan_refuses_other_inputs(kernel: str) -> None:
 
 def test_no_autograd_node_without_gradients() -> None:
     q, k, v = inputs(8)
+    causal = MaskProgram(band_hi=0)
     with torch.no_grad():
         q.requires_grad_()
-        assert block_sparse_attention(q, k, v, scale=0.25, band_hi=0).grad_fn is None
-    assert block_sparse_attention(q.detach(), k, v, scale=0.25, band_hi=0).grad_fn is None
-    out = block_sparse_attention(q, k, v, scale=0.25, band_hi=0)
+        assert block_sparse_attention(q, k, v, causal, scale=0.25).grad_fn is None
+    assert block_sparse_attention(q.detach(), k, v, causal, scale=0.25).grad_fn is None
+    out = block_sparse_attention(q, k, v, causal, scale=0.25)
     assert out.grad_fn is not None
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()

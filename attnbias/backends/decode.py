@@ -37,20 +37,22 @@ class TritonDecode(Backend):
             )
         if spec.needs_grad:
             reasons.append("gradients are required: the training kernel runs")
+        if spec.program.blocks is not None:
+            reasons.append("block lists are iterated by the training kernel only")
         return reasons
 
     def how(self, spec: Spec) -> str:
         from attnbias.kernels.decode import decode_layout
 
-        lowered = spec.lowered
+        terms = spec.terms
         layout = decode_layout(
             spec.query.shape,
             spec.key.shape,
             spec.device,
             itemsize=spec.query.element_size(),
-            band_lo=lowered.band_lo,
-            band_hi=lowered.band_hi,
-            has_docs=lowered.q_doc is not None or lowered.kv_start is not None,
+            band_lo=terms.band_lo,
+            band_hi=terms.band_hi,
+            has_docs=terms.q_doc is not None or terms.kv_start is not None,
         )
         length_q = spec.shape[2]
         tiles = "1 tile" if layout.row_tiles == 1 else f"{layout.row_tiles} tiles"
@@ -71,18 +73,10 @@ class TritonDecode(Backend):
             from attnbias.kernels.ops import decode_attention
 
             return decode_attention(
-                spec.query,
-                spec.key,
-                spec.value,
-                scale=spec.resolved_scale,
-                **spec.lowered.kernel_args(),
+                spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
             )
         return decode_forward(
-            spec.query,
-            spec.key,
-            spec.value,
-            scale=spec.resolved_scale,
-            **spec.lowered.kernel_args(),
+            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
 
     def prepare(self, spec: Spec) -> Prepared:
@@ -94,10 +88,6 @@ class TritonDecode(Backend):
         # this function keeps the bias, and biases are not written in place. The plan cache's
         # key already holds the shapes, dtypes and devices: no identity check per call.
         plan = plan_decode(
-            spec.query,
-            spec.key,
-            spec.value,
-            scale=spec.resolved_scale,
-            **spec.lowered.kernel_args(),
+            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
         return plan.run

@@ -29,8 +29,8 @@ def kernel_reasons(spec: Spec, kernel: str) -> list[str]:
         reasons.append(f"{kernel} needs CUDA tensors and these are on {device}")
     if spec.dropout_p > 0.0:
         reasons.append(f"dropout_p={spec.dropout_p} is not fused in {kernel}")
-    if spec.lowered.others:
-        names = ", ".join(type(p).__name__ for p in spec.lowered.others)
+    if spec.terms.others:
+        names = ", ".join(type(p).__name__ for p in spec.terms.others)
         reasons.append(f"{names} has no kernel form")
     if spec.head_dim_v != spec.head_dim:
         reasons.append(
@@ -40,7 +40,7 @@ def kernel_reasons(spec: Spec, kernel: str) -> list[str]:
     if spec.head_dim > MAX_HEAD_DIM:
         reasons.append(f"head dim {spec.head_dim} is above the kernel's {MAX_HEAD_DIM}")
     _, _, length_q, length_kv = spec.shape
-    if spec.lowered.slopes is not None and max(length_q, length_kv) > MAX_ALIBI_LENGTH:
+    if spec.terms.slopes is not None and max(length_q, length_kv) > MAX_ALIBI_LENGTH:
         reasons.append(
             f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
             f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
@@ -67,7 +67,7 @@ class TritonKernel(Backend):
 
     def reasons(self, spec: Spec) -> list[str]:
         reasons = kernel_reasons(spec, "the Triton kernel")
-        slopes = spec.lowered.slopes
+        slopes = spec.terms.slopes
         if spec.compiling and spec.needs_grad and slopes is not None and slopes.requires_grad:
             reasons.append(
                 "ALiBi slopes that require grad while torch.compile traces (the kernel computes "
@@ -76,7 +76,7 @@ class TritonKernel(Backend):
         return reasons
 
     def how(self, spec: Spec) -> str:
-        if spec.lowered.has_key_range:
+        if spec.terms.has_key_range:
             return (
                 "the block-sparse Triton kernel, skipping masked blocks and reading no key "
                 "outside each batch row's key range"
@@ -87,11 +87,7 @@ class TritonKernel(Backend):
         from attnbias.kernels import block_sparse_attention
 
         return block_sparse_attention(
-            spec.query,
-            spec.key,
-            spec.value,
-            scale=spec.resolved_scale,
-            **spec.lowered.kernel_args(),
+            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
 
     def prepare(self, spec: Spec) -> Prepared:
@@ -104,11 +100,7 @@ class TritonKernel(Backend):
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
         # this function keeps the bias, and biases are not written in place.
         plan = plan_forward(
-            spec.query,
-            spec.key,
-            spec.value,
-            scale=spec.resolved_scale,
-            **spec.lowered.kernel_args(),
+            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
         launch = plan.launch
 

@@ -1,0 +1,242 @@
+"""The training kernels' second iteration source: per-block lists of partial and full blocks
+(``attnbias.kernels.program.BlockLists``), built on the device (``attnbias.kernels.blocks``).
+
+1. Every built-in bias run through block lists built from its materialized keep-mask gives
+   the band path's result: output, log-sum-exp and every gradient (ALiBi slopes' included).
+2. A block pattern no band describes (two separate key ranges per query block, a
+   checkerboard, a query block that keeps nothing) against the fp64 oracle on the dense mask
+   the pattern implies.
+3. The builders against small examples worked out by hand, and the packed form of a program
+   with lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import assert_close_to_oracle, attention, flash_rounding, run_with_grads
+from torch import Tensor
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    KeyRangeBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+)
+from attnbias.backends import BACKENDS
+from attnbias.biases import parts_of
+from attnbias.kernels import attention_forward, block_sparse_attention, decode
+from attnbias.kernels.blocks import FULL, PARTIAL, block_lists, block_lists_of_keep, tile_states
+from attnbias.kernels.program import MaskProgram
+from attnbias.spec import lower
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# list blocks: multiples of the 16 x 16 tiles of the interpreter, and of the GPU's tiles at 128
+BLOCKS = [(16, 16), (32, 64), (64, 32)] if DEVICE == "cpu" else [(128, 128), (256, 128)]
+
+
+def make_qkv(
+    batch: int, heads: int, heads_kv: int, length_q: int, length_kv: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(batch * 1000 + length_q * 7 + length_kv)
+    shapes = ((batch, heads, length_q, 16), (batch, heads_kv, length_kv, 16))
+    q = torch.randn(*shapes[0], generator=generator)
+    k, v = (torch.randn(*shapes[1], generator=generator) for _ in range(2))
+    return q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+
+
+def keep_of(bias: AttnBias, batch: int, heads: int, length_q: int, length_kv: int) -> Tensor:
+    """``(1 | B, 1, L, S)`` bool: the pairs the masks of ``bias`` keep (its score terms and
+    soft-cap aside), from the materialized form."""
+    keep = torch.ones(1, 1, length_q, length_kv, dtype=torch.bool, device=DEVICE)
+    shape = (batch, heads, length_q, length_kv)
+    for part in parts_of(bias):
+        if isinstance(part, (SoftcapBias, AlibiBias)):
+            continue
+        part_keep = part.materialize(DEVICE, shape=shape) == 0
+        part_keep = part_keep.reshape((1,) * (4 - part_keep.dim()) + tuple(part_keep.shape))
+        keep = keep & part_keep
+    return keep
+
+
+def builtin_cases() -> dict[str, tuple[AttnBias, tuple[int, int, int, int, int]]]:
+    """name -> (bias, (B, Hq, Hkv, L, S))."""
+    docs_shared = DocumentBias.from_seqlens([20, 30, 23], device=DEVICE)
+    q_ids = torch.tensor([[0] * 40 + [1] * 33, [0] * 10 + [1] * 50 + [2] * 13], device=DEVICE)
+    docs_batch = DocumentBias(q_ids)
+    return {
+        "causal": (causal_upper_left(), (2, 2, 1, 73, 73)),
+        "lower_right": (causal_lower_right(), (1, 2, 2, 50, 90)),
+        "window": (causal_lower_right() + SlidingWindowBias(20), (2, 2, 1, 70, 90)),
+        "documents": (docs_shared + causal_upper_left(), (2, 2, 1, 73, 73)),
+        "documents_per_batch": (docs_batch, (2, 2, 2, 73, 73)),
+        "key_range": (
+            KeyRangeBias(start=[5, 0], end=[70, 33]) + causal_lower_right(),
+            (2, 2, 1, 40, 80),
+        ),
+        "alibi": (AlibiBias(num_heads=4) + causal_upper_left(), (1, 4, 2, 64, 64)),
+        "softcap": (SoftcapBias(3.0) + SlidingWindowBias(30, 10), (2, 2, 1, 60, 60)),
+    }
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, program: MaskProgram, grad_out: Tensor) -> list[Tensor]:
+    """``[out, lse, dq, dk, dv, dslopes]`` (``dslopes`` empty without ALiBi)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    slopes = program.alibi_slopes
+    if slopes is not None:
+        slopes = slopes.detach().clone().requires_grad_()
+        program = program.replace(alibi_slopes=slopes)
+    _, lse = attention_forward(q, k, v, program, scale=0.3)
+    out = block_sparse_attention(*leaves, program, scale=0.3)
+    sources = [*leaves] + ([slopes] if slopes is not None else [])
+    grads = torch.autograd.grad(out, sources, grad_out)
+    return [out.detach(), lse, *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(builtin_cases()))
+def test_builtins_through_block_lists_match_the_band_path(name: str, dtype: torch.dtype) -> None:
+    bias, (batch, heads, heads_kv, length_q, length_kv) = builtin_cases()[name]
+    q, k, v = make_qkv(batch, heads, heads_kv, length_q, length_kv, dtype)
+    grad_out = torch.randn_like(q)
+    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
+    assert program.blocks is None
+    band = run(q, k, v, program, grad_out)
+    keep = keep_of(bias, batch, heads, length_q, length_kv)
+    tolerance = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for block_m, block_n in BLOCKS:
+        lists = block_lists_of_keep(keep, block_m, block_n)
+        listed = run(q, k, v, program.replace(blocks=lists), grad_out)
+        names = ["out", "lse", "dq", "dk", "dv", "dslopes"]
+        for what, got, want in zip(names, listed, band, strict=False):
+            scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+            torch.testing.assert_close(
+                got.float(), want.float(), rtol=0, atol=tolerance * scale, msg=what
+            )
+
+
+def pattern_keep(
+    states: Tensor, block_m: int, block_n: int, length_q: int, length_kv: int
+) -> Tensor:
+    """The dense ``(1, 1, L, S)`` keep-mask of a block pattern whose partial blocks keep every
+    pair (no element terms): the listed blocks, cut to ``[0, L) x [0, S)``."""
+    listed = (states > 0).repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)
+    return listed[..., :length_q, :length_kv]
+
+
+def patterns(blocks_m: int, blocks_n: int) -> dict[str, Tensor]:
+    """Block states ``(1, 1, Mb, Nb)`` no band describes."""
+    rows = torch.arange(blocks_m)[:, None]
+    cols = torch.arange(blocks_n)[None, :]
+    two_ranges = (cols == 0) | (cols == rows + 2)  # a prefix block and one far to the right
+    checker = (rows + cols) % 2 == 0
+    hole = checker.clone()
+    hole[1] = False  # query block 1 keeps nothing
+    made = {}
+    for name, listed in (("two_ranges", two_ranges), ("checkerboard", checker), ("hole", hole)):
+        # full where listed, partial in the last column (cut by S), empty elsewhere
+        states = torch.where(listed, FULL, 0)
+        states[:, -1] = torch.where(listed[:, -1], PARTIAL, 0)
+        states[-1] = torch.where(listed[-1], PARTIAL, 0)
+        made[name] = states.to(torch.int8)[None, None]
+    return made
+
+
+@pytest.mark.parametrize("name", ["two_ranges", "checkerboard", "hole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_block_pattern_no_band_describes(name: str, dtype: torch.dtype) -> None:
+    block_m, block_n = BLOCKS[0]
+    blocks_m, blocks_n = 5, 6
+    length_q, length_kv = blocks_m * block_m - 3, blocks_n * block_n - 5
+    states = patterns(blocks_m, blocks_n)[name].to(DEVICE)
+    keep = pattern_keep(states, block_m, block_n, length_q, length_kv)
+    program = MaskProgram(blocks=block_lists(states, block_m, block_n))
+    q, k, v = make_qkv(2, 2, 1, length_q, length_kv, dtype)
+    grad_out = torch.randn_like(q)
+    oracle_bias = TensorBias(keep)
+    got = run_with_grads(
+        lambda *t: block_sparse_attention(*t, program, scale=0.3), (q, k, v), grad_out
+    )
+    expected = run_with_grads(
+        lambda *t: attention(*t, oracle_bias, scale=0.3, enable_gqa=True), (q, k, v), grad_out
+    )
+    stock = run_with_grads(
+        lambda *t: attention(*t, oracle_bias, scale=0.3, enable_gqa=True, dtype=dtype),
+        (q, k, v),
+        grad_out,
+    )
+    rounding = flash_rounding(q, k, v, oracle_bias, grad_out, scale=0.3)
+    assert_close_to_oracle(got, expected, stock, dtype, ("out", "dq", "dk", "dv"), rounding)
+    if name == "hole":  # rows that keep nothing: output 0, and no gradient from them
+        rows = slice(block_m, 2 * block_m)
+        assert (got[0][:, :, rows] == 0).all()
+        assert all(torch.isfinite(g).all() for g in got[1:])
+        assert (got[1][:, :, rows] == 0).all()
+
+
+def test_tile_states_and_lists_by_hand() -> None:
+    # L = 5, S = 6 in blocks of 2 x 4: query blocks {0,1}, {2,3}, {4}; key blocks {0-3}, {4,5}
+    keep = torch.zeros(1, 1, 5, 6, dtype=torch.bool)
+    keep[0, 0, 0:2, 0:4] = True  # block (0, 0) whole: full
+    keep[0, 0, 2, 1] = True  # block (1, 0) in part
+    keep[0, 0, 4, 4:6] = True  # block (2, 1): every pair, but cut by L: partial
+    states = tile_states(keep, 2, 4)
+    assert states[0, 0].tolist() == [[FULL, 0], [PARTIAL, 0], [0, PARTIAL]]
+    lists = block_lists(states, 2, 4)
+    # (1, 1, Mb=3, 2, Nb + 1 = 3): [partial count, blocks...], [full count, blocks...]
+    kv = lists.kv_lists[0, 0]
+    assert [row[0][0].item() for row in kv] == [0, 1, 1]
+    assert kv[1, 0, 1].item() == 0 and kv[2, 0, 1].item() == 1
+    assert [row[1][0].item() for row in kv] == [1, 0, 0] and kv[0, 1, 1].item() == 0
+    qv = lists.q_lists[0, 0]  # (Nb=2, 2, Mb + 1 = 4)
+    assert qv[0, 0, 0].item() == 1 and qv[0, 0, 1].item() == 1  # key block 0: partial in 1
+    assert qv[0, 1, 0].item() == 1 and qv[0, 1, 1].item() == 0  # and full in 0
+    assert qv[1, 0, 0].item() == 1 and qv[1, 0, 1].item() == 2
+    assert lists.kv_lists.dtype == lists.q_lists.dtype == torch.int32
+    with pytest.raises(ValueError, match=r"\(Bl, Hl, L, S\) bool"):
+        tile_states(keep[0], 2, 4)
+
+
+def test_a_program_with_lists_packs_and_unpacks() -> None:
+    states = patterns(3, 4)["checkerboard"]
+    lists = block_lists(states, 32, 16)
+    slopes = torch.rand(1, 2)
+    program = MaskProgram(band_lo=-5, band_hi=None, alibi_slopes=slopes, softcap=2.5, blocks=lists)
+    tensors, ints, floats = program.pack()
+    again = MaskProgram.unpack(tensors, ints, floats)
+    assert (again.band_lo, again.band_hi, again.softcap) == (-5, None, 2.5)
+    assert again.alibi_slopes is slopes and again.q_doc is None and again.kv_start is None
+    assert again.blocks is not None
+    assert (again.blocks.block_m, again.blocks.block_n) == (32, 16)
+    assert again.blocks.kv_lists is lists.kv_lists and again.blocks.q_lists is lists.q_lists
+    assert tensors[MaskProgram.tensor_slot("alibi_slopes")] is slopes
+    assert MaskProgram.unpack(*MaskProgram().pack()).blocks is None
+
+
+def test_list_blocks_must_be_powers_of_two_the_tiles_divide() -> None:
+    q, k, v = make_qkv(1, 1, 1, 20, 20, torch.float32)
+    states = torch.full((1, 1, 1, 1), PARTIAL, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="block_m=24"):
+        attention_forward(q, k, v, MaskProgram(blocks=block_lists(states, 24, 32)), scale=1.0)
+
+
+def test_the_decode_kernel_refuses_block_lists() -> None:
+    q, k, v = make_qkv(1, 2, 1, 4, 40, torch.float32)
+    states = torch.full((1, 1, 1, 3), PARTIAL, dtype=torch.int8, device=DEVICE)
+    program = MaskProgram(blocks=block_lists(states, 16, 16))
+    with pytest.raises(ValueError, match="block lists"):
+        decode.plan_decode(q, k, v, program, scale=1.0)
+    spec = attnbias.spec.make_spec(q, k, v, None, False, None, 0.0, True)
+
+    class Listed:  # a spec whose program carries lists, as a bias lowering to lists will
+        def __getattr__(self, name: str) -> object:
+            return program if name == "program" else getattr(spec, name)
+
+    reasons = BACKENDS["triton-decode"].not_supported_reasons(Listed())  # type: ignore[arg-type]
+    assert any("block lists" in reason for reason in reasons)
