@@ -36,10 +36,10 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
     bias = causal_lower_right()
     if window:
         bias = bias + SlidingWindowBias(WINDOW - 1)
-    kwargs = {"program": lower(bias, length_q, length_kv, q.device, batch=q.shape[0]).program}
+    program = lower(bias, length_q, length_kv, q.device, batch=q.shape[0]).program
     share = min(WINDOW + length_q, length_kv) / length_kv if window else 1.0
     floor = floor_ms(k, v) * share
-    layout_now = decode.plan_decode(q, k, v, scale=0.1, **kwargs).layout
+    layout_now = decode.plan_decode(q, k, v, program, scale=0.1).layout
     assert layout_now is not None
     splits_now, now_config = layout_now.splits, layout_now.config
     print(f"\n## {name}: floor {floor:.4f} ms; now {now_config}, {splits_now} splits\n")
@@ -51,7 +51,7 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
         decode._GPU_CONFIGS[128] = decode._GPU_SMALL_TILE_CONFIGS[128] = swept
         for splits in SPLITS:
             try:
-                plan = decode.plan_decode(q, k, v, scale=0.1, num_splits=splits, **kwargs)
+                plan = decode.plan_decode(q, k, v, program, scale=0.1, num_splits=splits)
                 ms = graph_ms(lambda plan=plan: plan.launch(q, k, v))
             except Exception as exc:  # out of shared memory, ...
                 print(f"  {block_n}/{warps}/{stages}/{splits}: {type(exc).__name__}")

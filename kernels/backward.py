@@ -587,6 +587,13 @@ def _attn_bwd_dq(
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    if not HAS_BLOCK_LISTS:
+        # before the row bounds: in another order the band path compiles to other code
+        block_first, full_first, full_end, block_end = _key_block_range(
+            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
@@ -627,11 +634,6 @@ def _attn_bwd_dq(
             SPARSE_N=SPARSE_N,
         )  # fmt: skip
     else:
-        block_first, full_first, full_end, block_end = _key_block_range(
-            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,

@@ -549,18 +549,19 @@ def decode_layout(
     q_shape: tuple[int, ...] | torch.Size,
     k_shape: tuple[int, ...] | torch.Size,
     device: torch.device,
+    program: MaskProgram,
     *,
     itemsize: int,
-    band_lo: int | None,
-    band_hi: int | None,
-    has_docs: bool,
     splits: int | None = None,
 ) -> DecodeLayout:
     """The layout of a call with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)`` of
-    ``itemsize``-byte elements, from shapes and the band only (``splits`` forces the split
-    count)."""
+    ``itemsize``-byte elements, from shapes and the program's band only (``splits`` forces
+    the split count)."""
     batch, num_heads, seq_q, head_dim = q_shape
     num_kv_heads, seq_k = k_shape[1], k_shape[2]
+    band_lo, band_hi = program.band_lo, program.band_hi
+    # the extent of documents and key ranges is on the device: count every key
+    has_docs = program.has_docs or program.has_key_range
     group_size = num_heads // num_kv_heads if num_kv_heads else 1
     rows = group_size * seq_q
     keys = visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, 1)
@@ -766,15 +767,7 @@ def plan_decode(
         return DecodePlan(identity, None, (), (), None, 0, 0)
     mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
     layout = decode_layout(
-        q.shape,
-        k.shape,
-        q.device,
-        itemsize=q.element_size(),
-        band_lo=mask.band_lo if mask.has_lo else None,
-        band_hi=mask.band_hi if mask.has_hi else None,
-        # the extent of documents and key ranges is on the device: count every key
-        has_docs=mask.row_lo is not None or mask.kv_start is not None,
-        splits=num_splits,
+        q.shape, k.shape, q.device, program, itemsize=q.element_size(), splits=num_splits
     )
     cfg = layout.config
     block_e = padded_head_dim(head_dim)

@@ -281,6 +281,13 @@ def _attn_fwd(
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    if not HAS_BLOCK_LISTS:
+        # before the row bounds: in another order the band path compiles to other code
+        block_first, full_first, full_end, block_end = _key_block_range(
+            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
+            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
     row_lo, row_hi = _row_bounds(
         offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
@@ -318,11 +325,6 @@ def _attn_fwd(
             POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N,
         )  # fmt: skip
     else:
-        block_first, full_first, full_end, block_end = _key_block_range(
-            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_runs(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end,

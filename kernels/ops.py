@@ -133,6 +133,9 @@ def _save(
     ctx.floats = floats
     ctx.scale = scale
     ctx.traceable = traceable  # False: eager, launch the kernels without the op boundary
+    # Autograd looks into a list argument of a registered op only when it holds no None: the
+    # registered backward answers a gradient per tensor then, and one for the list otherwise.
+    ctx.tensor_grads = [None] * len(tensors) if all(t is not None for t in tensors) else None
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
@@ -174,8 +177,10 @@ def _backward_both(
     return compute()
 
 
-def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The registered op's backward: gradients of q, k, v (none for the packed program)."""
+def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
+    """The registered op's backward: gradients of ``(q, k, v, tensors, ints, floats,
+    scale)``; those of the packed tensors are ``None`` (the ALiBi slopes' gradient, at
+    ``MaskProgram.tensor_slot("alibi_slopes")``, is computed on the eager path only)."""
     slopes = MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats).alibi_slopes
     if slopes is not None and slopes.requires_grad:
         raise NotImplementedError(
@@ -184,7 +189,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tens
             'attnbias.use_backends("reference") or keep the slopes fixed'
         )
     dq, dk, dv, _ = _backward_both(ctx, grad_out, grad_lse, slopes_grad=False)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, ctx.tensor_grads, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)

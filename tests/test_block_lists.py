@@ -4,10 +4,10 @@
 1. Every built-in bias run through block lists built from its materialized keep-mask gives
    the band path's result: output, log-sum-exp and every gradient (ALiBi slopes' included).
 2. A block pattern no band describes (two separate key ranges per query block, a
-   checkerboard, a query block that keeps nothing) against the fp64 oracle on the dense mask
-   the pattern implies.
-3. The builders against small examples worked out by hand, and the packed form of a program
-   with lists.
+   checkerboard, a query block that keeps nothing; lists shared or per batch row and head)
+   against the fp64 oracle on the dense mask the pattern implies.
+3. The builders against small examples worked out by hand, the packed form of a program with
+   lists, and the registered op's autograd with every packed tensor present.
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ from attnbias import (
     causal_upper_left,
 )
 from attnbias.backends import BACKENDS
-from attnbias.biases import parts_of
 from attnbias.kernels import attention_forward, block_sparse_attention, decode
-from attnbias.kernels.blocks import FULL, PARTIAL, block_lists, block_lists_of_keep, tile_states
+from attnbias.kernels.blocks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    block_lists,
+    block_lists_of_keep,
+    tile_states,
+)
 from attnbias.kernels.program import MaskProgram
 from attnbias.spec import lower
 
@@ -51,17 +57,24 @@ def make_qkv(
     return q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype)
 
 
-def keep_of(bias: AttnBias, batch: int, heads: int, length_q: int, length_kv: int) -> Tensor:
-    """``(1 | B, 1, L, S)`` bool: the pairs the masks of ``bias`` keep (its score terms and
-    soft-cap aside), from the materialized form."""
+def program_keep(program: MaskProgram, length_q: int, length_kv: int) -> Tensor:
+    """``(1 | B, 1, L, S)`` bool: the pairs a program's element terms keep (band, documents,
+    key range), straight from their definitions."""
+    i = torch.arange(length_q, device=DEVICE)[:, None]
+    j = torch.arange(length_kv, device=DEVICE)[None, :]
     keep = torch.ones(1, 1, length_q, length_kv, dtype=torch.bool, device=DEVICE)
-    shape = (batch, heads, length_q, length_kv)
-    for part in parts_of(bias):
-        if isinstance(part, (SoftcapBias, AlibiBias)):
-            continue
-        part_keep = part.materialize(DEVICE, shape=shape) == 0
-        part_keep = part_keep.reshape((1,) * (4 - part_keep.dim()) + tuple(part_keep.shape))
-        keep = keep & part_keep
+    if program.band_lo is not None:
+        keep = keep & (j - i >= program.band_lo)
+    if program.band_hi is not None:
+        keep = keep & (j - i <= program.band_hi)
+    if program.q_doc is not None and program.kv_doc is not None:
+        q_doc = program.q_doc.reshape(-1, length_q)[:, None, :, None]
+        kv_doc = program.kv_doc.reshape(-1, length_kv)[:, None, None, :]
+        keep = keep & (q_doc == kv_doc)
+    if program.kv_start is not None and program.kv_end is not None:
+        start = program.kv_start.reshape(-1, 1, 1, 1)
+        end = program.kv_end.reshape(-1, 1, 1, 1)
+        keep = keep & (j >= start) & (j < end)
     return keep
 
 
@@ -108,7 +121,7 @@ def test_builtins_through_block_lists_match_the_band_path(name: str, dtype: torc
     program = lower(bias, length_q, length_kv, q.device, batch=batch).program
     assert program.blocks is None
     band = run(q, k, v, program, grad_out)
-    keep = keep_of(bias, batch, heads, length_q, length_kv)
+    keep = program_keep(program, length_q, length_kv)
     tolerance = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
     for block_m, block_n in BLOCKS:
         lists = block_lists_of_keep(keep, block_m, block_n)
@@ -124,10 +137,19 @@ def test_builtins_through_block_lists_match_the_band_path(name: str, dtype: torc
 def pattern_keep(
     states: Tensor, block_m: int, block_n: int, length_q: int, length_kv: int
 ) -> Tensor:
-    """The dense ``(1, 1, L, S)`` keep-mask of a block pattern whose partial blocks keep every
-    pair (no element terms): the listed blocks, cut to ``[0, L) x [0, S)``."""
+    """The dense ``(Bl, Hl, L, S)`` keep-mask of a block pattern whose partial blocks keep
+    every pair (no element terms): the listed blocks, cut to ``[0, L) x [0, S)``."""
     listed = (states > 0).repeat_interleave(block_m, -2).repeat_interleave(block_n, -1)
     return listed[..., :length_q, :length_kv]
+
+
+def cut_edges(states: Tensor) -> Tensor:
+    """``states`` with the blocks of the last block row and column (cut by L and S) at most
+    partial, as a full block must lie inside the sequences."""
+    states = states.clone()
+    states[..., -1, :] = states[..., -1, :].clamp(max=PARTIAL)
+    states[..., :, -1] = states[..., :, -1].clamp(max=PARTIAL)
+    return states
 
 
 def patterns(blocks_m: int, blocks_n: int) -> dict[str, Tensor]:
@@ -140,24 +162,24 @@ def patterns(blocks_m: int, blocks_n: int) -> dict[str, Tensor]:
     hole[1] = False  # query block 1 keeps nothing
     made = {}
     for name, listed in (("two_ranges", two_ranges), ("checkerboard", checker), ("hole", hole)):
-        # full where listed, partial in the last column (cut by S), empty elsewhere
-        states = torch.where(listed, FULL, 0)
-        states[:, -1] = torch.where(listed[:, -1], PARTIAL, 0)
-        states[-1] = torch.where(listed[-1], PARTIAL, 0)
-        made[name] = states.to(torch.int8)[None, None]
+        states = torch.where(listed, FULL, EMPTY).to(torch.int8)
+        made[name] = cut_edges(states)[None, None]
     return made
 
 
-@pytest.mark.parametrize("name", ["two_ranges", "checkerboard", "hole"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_block_pattern_no_band_describes(name: str, dtype: torch.dtype) -> None:
-    block_m, block_n = BLOCKS[0]
-    blocks_m, blocks_n = 5, 6
-    length_q, length_kv = blocks_m * block_m - 3, blocks_n * block_n - 5
-    states = patterns(blocks_m, blocks_n)[name].to(DEVICE)
+def check_pattern(
+    states: Tensor,
+    block_m: int,
+    block_n: int,
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """Run the lists of ``states`` on ``(B, Hq, Hkv, L, S)`` inputs against the fp64 oracle
+    on the dense mask they imply; returns ``[out, dq, dk, dv]``."""
+    batch, heads, heads_kv, length_q, length_kv = shape
     keep = pattern_keep(states, block_m, block_n, length_q, length_kv)
     program = MaskProgram(blocks=block_lists(states, block_m, block_n))
-    q, k, v = make_qkv(2, 2, 1, length_q, length_kv, dtype)
+    q, k, v = make_qkv(batch, heads, heads_kv, length_q, length_kv, dtype)
     grad_out = torch.randn_like(q)
     oracle_bias = TensorBias(keep)
     got = run_with_grads(
@@ -173,11 +195,45 @@ def test_a_block_pattern_no_band_describes(name: str, dtype: torch.dtype) -> Non
     )
     rounding = flash_rounding(q, k, v, oracle_bias, grad_out, scale=0.3)
     assert_close_to_oracle(got, expected, stock, dtype, ("out", "dq", "dk", "dv"), rounding)
+    assert all(torch.isfinite(g).all() for g in got)
+    return got
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=[f"{m}x{n}" for m, n in BLOCKS])
+@pytest.mark.parametrize("name", ["two_ranges", "checkerboard", "hole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_block_pattern_no_band_describes(
+    name: str, dtype: torch.dtype, blocks: tuple[int, int]
+) -> None:
+    block_m, block_n = blocks
+    blocks_m, blocks_n = 5, 6
+    length_q, length_kv = blocks_m * block_m - 3, blocks_n * block_n - 5
+    states = patterns(blocks_m, blocks_n)[name].to(DEVICE)
+    got = check_pattern(states, block_m, block_n, (2, 2, 1, length_q, length_kv), dtype)
     if name == "hole":  # rows that keep nothing: output 0, and no gradient from them
         rows = slice(block_m, 2 * block_m)
         assert (got[0][:, :, rows] == 0).all()
-        assert all(torch.isfinite(g).all() for g in got[1:])
         assert (got[1][:, :, rows] == 0).all()
+
+
+@pytest.mark.parametrize("lists", ["per_batch", "per_head", "per_batch_and_head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lists_per_batch_row_and_head(lists: str, dtype: torch.dtype) -> None:
+    """Each batch row or query head its own pattern (random partial, full and empty blocks),
+    with two query heads per key/value head: the dK/dV kernel reads a list per query head."""
+    block_m, block_n = BLOCKS[0]
+    batch, heads, heads_kv, blocks_m, blocks_n = 2, 4, 2, 4, 5
+    rows = batch if lists != "per_head" else 1
+    cols = heads if lists != "per_batch" else 1
+    generator = torch.Generator().manual_seed(11)
+    states = torch.randint(0, 3, (rows, cols, blocks_m, blocks_n), generator=generator)
+    states[-1, -1, 1] = EMPTY  # a query block that keeps nothing in the last (row, head)
+    states = cut_edges(states.to(torch.int8)).to(DEVICE)
+    length_q, length_kv = blocks_m * block_m - 5, blocks_n * block_n - 2
+    shape = (batch, heads, heads_kv, length_q, length_kv)
+    got = check_pattern(states, block_m, block_n, shape, dtype)
+    hole = slice(block_m, 2 * block_m)
+    assert (got[0][-1, -1, hole] == 0).all() and (got[1][-1, -1, hole] == 0).all()
 
 
 def test_tile_states_and_lists_by_hand() -> None:
@@ -240,3 +296,38 @@ def test_the_decode_kernel_refuses_block_lists() -> None:
 
     reasons = BACKENDS["triton-decode"].not_supported_reasons(Listed())  # type: ignore[arg-type]
     assert any("block lists" in reason for reason in reasons)
+
+
+def test_the_registered_op_with_every_packed_tensor_present() -> None:
+    """Autograd looks into the op's tensor list only when it holds no None: the backward must
+    then answer a gradient per tensor, and with a None in the list one for the whole list."""
+    batch, heads, length_q, length_kv = 2, 2, 32, 48
+    q, k, v = make_qkv(batch, heads, heads, length_q, length_kv, torch.float32)
+    ids_q = torch.tensor([0] * 10 + [1] * 22, device=DEVICE)[None]
+    ids_kv = torch.tensor([0] * 20 + [1] * 28, device=DEVICE)[None]
+    keep = torch.ones(1, 1, length_q, length_kv, dtype=torch.bool, device=DEVICE)
+    program = MaskProgram(
+        band_hi=length_kv - length_q,
+        q_doc=ids_q,
+        kv_doc=ids_kv,
+        kv_start=torch.tensor([0, 3], device=DEVICE),
+        kv_end=torch.tensor([48, 40], device=DEVICE),
+        alibi_slopes=torch.rand(1, heads, device=DEVICE),
+        softcap=4.0,
+        blocks=block_lists_of_keep(keep, 16, 16),
+    )
+    grad_out = torch.randn_like(q)
+    for each in (program, program.replace(blocks=None)):
+        tensors, ints, floats = each.pack()
+        assert all(t is not None for t in tensors) == (each.blocks is not None)
+
+        def through_op(*qkv: Tensor, packed: tuple = (tensors, ints, floats)) -> Tensor:
+            return torch.ops.attnbias.attention_fwd(*qkv, *packed, 0.3)[0]
+
+        def eager(*qkv: Tensor, program: MaskProgram = each) -> Tensor:
+            return block_sparse_attention(*qkv, program, scale=0.3)
+
+        got = run_with_grads(through_op, (q, k, v), grad_out)
+        expected = run_with_grads(eager, (q, k, v), grad_out)
+        for mine, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

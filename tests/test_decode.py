@@ -106,12 +106,11 @@ def make_qkv(
     return q, k, v
 
 
-def kernel_args(bias: AttnBias, length_q: int, length_kv: int) -> dict[str, Any]:
-    """The keyword arguments ``bias`` lowers to (it must have a kernel form)."""
+def program_of(bias: AttnBias, length_q: int, length_kv: int) -> MaskProgram:
+    """The mask program ``bias`` lowers to (it must have a kernel form)."""
     lowered = lower(bias, length_q, length_kv, torch.device(DEVICE))
     assert not lowered.others
-    program = lowered.program
-    return {f.name: getattr(program, f.name) for f in dataclasses.fields(program)}
+    return lowered.program
 
 
 def band_bias(length_q: int, length_kv: int, lo: int | None, hi: int | None) -> TensorBias:
@@ -140,7 +139,7 @@ def check(
     k: Tensor,
     v: Tensor,
     oracle_bias: AttnBias,
-    args: dict[str, Any],
+    program: MaskProgram,
     *,
     splits: int | None = None,
     scale: float | None = None,
@@ -148,7 +147,7 @@ def check(
     """Run the kernel and hold its output to the oracle's budget; rows that keep nothing
     must be exactly 0."""
     resolved = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = decode_forward(q, k, v, MaskProgram(**args), scale=resolved, num_splits=splits)
+    out = decode_forward(q, k, v, program, scale=resolved, num_splits=splits)
     assert out.dtype == q.dtype and out.shape == q.shape and out.is_contiguous()
     gqa = q.shape[1] != k.shape[1]
     expected = attention(q, k, v, oracle_bias, scale=scale, enable_gqa=gqa)
@@ -174,7 +173,7 @@ def check_bias(
     seed: int = 0,
 ) -> Tensor:
     q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, head_dim, dtype, seed)
-    return check(q, k, v, bias, kernel_args(bias, length_q, length_kv), splits=splits)
+    return check(q, k, v, bias, program_of(bias, length_q, length_kv), splits=splits)
 
 
 # --------------------------------------------------------------------------------------
@@ -205,8 +204,8 @@ def test_bands(band: str, length_q: int) -> None:
     length_kv = 93  # not a multiple of the key block
     lo, hi = BANDS[band](length_q, length_kv)
     q, k, v = make_qkv(1, 4, 2, length_q, length_kv, 16, BF16)
-    args = dict(band_lo=lo, band_hi=hi, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None)
-    check(q, k, v, band_bias(length_q, length_kv, lo, hi), args)
+    program = MaskProgram(band_lo=lo, band_hi=hi)
+    check(q, k, v, band_bias(length_q, length_kv, lo, hi), program)
 
 
 # A bias per kind and sums of them, each on its own shape: (bias, B, Hq, Hkv, L, S).
@@ -301,8 +300,8 @@ def test_alibi_slope_shapes(rows: int | None, band: str) -> None:
     slopes = torch.rand((6,) if rows is None else (rows, 6), generator=generator)
     alibi = AlibiBias(slopes=slopes.to(DEVICE))
     q, k, v = make_qkv(2, 6, 2, 4, 70, 16, FP32)
-    args = kernel_args(alibi, 4, 70) | {"band_lo": lo, "band_hi": hi}
-    check(q, k, v, alibi + band_bias(4, 70, lo, hi), args)
+    program = program_of(alibi, 4, 70).replace(band_lo=lo, band_hi=hi)
+    check(q, k, v, alibi + band_bias(4, 70, lo, hi), program)
 
 
 @pytest.mark.parametrize("head_dim", [24, 80, 96, 256])
@@ -314,9 +313,9 @@ def test_fully_masked_rows_are_zero() -> None:
     # row i keeps keys i - 6 .. i - 4: rows 0..3 keep nothing, rows 4..6 one to three keys
     lo, hi = -6, -4
     q, k, v = make_qkv(1, 4, 2, 7, 5, 16, FP32)
-    args = dict(band_lo=lo, band_hi=hi, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None)
+    program = MaskProgram(band_lo=lo, band_hi=hi)
     for splits in (1, 3):
-        out = check(q, k, v, band_bias(7, 5, lo, hi), args, splits=splits)
+        out = check(q, k, v, band_bias(7, 5, lo, hi), program, splits=splits)
         assert (out[:, :, :4] == 0).all()
         assert (out[:, :, 4:] != 0).all()
 
@@ -333,7 +332,7 @@ def test_forced_splits_agree(name: str, poison_empty: list[Tensor]) -> None:
     agree with each other."""
     bias, batch, heads_q, heads_kv, length_q, length_kv = BIASES[name]()
     q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, 16, FP32)
-    args = kernel_args(bias, length_q, length_kv)
+    program = program_of(bias, length_q, length_kv)
     blocks = -(-length_kv // BLOCK_N)
     results = {}
     for splits in (1, 3, blocks + 3):
@@ -344,7 +343,7 @@ def test_forced_splits_agree(name: str, poison_empty: list[Tensor]) -> None:
             assert scratch is not None
             scratch[1].fill_(float("nan"))
         poison_empty.clear()
-        results[splits] = check(q, k, v, bias, args, splits=splits)
+        results[splits] = check(q, k, v, bias, program, splits=splits)
         partials = [t for t in poison_empty if t.dim() == 1]
         # on the CPU the partial outputs and log-sum-exps come from the poisoned torch.empty
         assert len(partials) == (1 if splits > 1 and DEVICE == "cpu" else 0)
@@ -371,8 +370,8 @@ def test_the_last_share_merges_and_leaves_the_counters_at_zero(
     bias = causal_lower_right() + SlidingWindowBias(40) + SoftcapBias(20.0)
     batch, heads_q, heads_kv, length_q, length_kv = 2, 6, 2, 3, 77
     q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, 16, FP32)
-    args = kernel_args(bias, length_q, length_kv)
-    plan = decode.plan_decode(q, k, v, MaskProgram(**args), scale=0.25, num_splits=3)
+    program = program_of(bias, length_q, length_kv)
+    plan = decode.plan_decode(q, k, v, program, scale=0.25, num_splits=3)
     assert plan.layout is not None and plan.layout.splits == 3
     tiles = batch * heads_kv * plan.layout.row_tiles
     counters = torch.zeros(tiles + 1, dtype=torch.int32, device=DEVICE)
@@ -399,12 +398,12 @@ def test_the_merge_kernel_gives_what_the_last_share_gives(
     a second kernel: the same output, bit for bit, also with shares that see no key."""
     bias, batch, heads_q, heads_kv, length_q, length_kv = BIASES[name]()
     q, k, v = make_qkv(batch, heads_q, heads_kv, length_q, length_kv, 16, FP32)
-    args = kernel_args(bias, length_q, length_kv)
+    program = program_of(bias, length_q, length_kv)
     for splits in (3, -(-length_kv // BLOCK_N) + 3):
-        merged_last = check(q, k, v, bias, args, splits=splits)
+        merged_last = check(q, k, v, bias, program, splits=splits)
         with monkeypatch.context() as patch:
             patch.setattr(decode, "merges_in_kernel", lambda device: False)
-            apart = check(q, k, v, bias, args, splits=splits)
+            apart = check(q, k, v, bias, program, splits=splits)
         assert torch.equal(apart, merged_last)
 
 
@@ -459,14 +458,12 @@ def test_a_window_reads_only_its_keys() -> None:
     dirty_k, dirty_v = k.clone(), v.clone()
     dirty_k[:, :, :unread] = math.nan
     dirty_v[:, :, :unread] = math.nan
-    args = kernel_args(bias, length_q, length_kv)
+    program = program_of(bias, length_q, length_kv)
     for splits in (None, 1, 3, 8):
-        clean = decode_forward(q, k, v, MaskProgram(**args), scale=0.25, num_splits=splits)
-        dirty = decode_forward(
-            q, dirty_k, dirty_v, MaskProgram(**args), scale=0.25, num_splits=splits
-        )
+        clean = decode_forward(q, k, v, program, scale=0.25, num_splits=splits)
+        dirty = decode_forward(q, dirty_k, dirty_v, program, scale=0.25, num_splits=splits)
         assert torch.equal(clean, dirty)
-    check(q, dirty_k.nan_to_num(), dirty_v.nan_to_num(), bias, args)
+    check(q, dirty_k.nan_to_num(), dirty_v.nan_to_num(), bias, program)
 
 
 def test_keys_outside_the_key_range_are_never_read() -> None:
@@ -483,16 +480,12 @@ def test_keys_outside_the_key_range_are_never_read() -> None:
     dirty_v[outside[:, None, :, None].expand_as(v)] = math.inf
     zero_k = k.masked_fill(outside[:, None, :, None], 0.0)
     zero_v = v.masked_fill(outside[:, None, :, None], 0.0)
-    args = kernel_args(bias, length_q, length_kv)
+    program = program_of(bias, length_q, length_kv)
     for splits in (None, 1, 3, 9):
-        clean = decode_forward(
-            q, zero_k, zero_v, MaskProgram(**args), scale=0.25, num_splits=splits
-        )
-        dirty = decode_forward(
-            q, dirty_k, dirty_v, MaskProgram(**args), scale=0.25, num_splits=splits
-        )
+        clean = decode_forward(q, zero_k, zero_v, program, scale=0.25, num_splits=splits)
+        dirty = decode_forward(q, dirty_k, dirty_v, program, scale=0.25, num_splits=splits)
         assert torch.equal(clean, dirty)
-    check(q, zero_k, zero_v, bias, args)
+    check(q, zero_k, zero_v, bias, program)
 
 
 def test_visited_key_blocks() -> None:
@@ -588,10 +581,8 @@ def test_small_tiles_take_their_config_where_it_fits(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(
         decode, "decode_config", lambda *args, keys, **kwargs: seen.append(keys) or large
     )
-    decode.decode_layout(
-        (8, 32, 1, 128), (8, 8, 131072, 128), cuda, itemsize=2, band_lo=131071 - 4095,
-        band_hi=131071, has_docs=False,
-    )  # fmt: skip
+    window = MaskProgram(band_lo=131071 - 4095, band_hi=131071)
+    decode.decode_layout((8, 32, 1, 128), (8, 8, 131072, 128), cuda, window, itemsize=2)
     assert seen == [4096]
 
 
@@ -608,26 +599,22 @@ def test_non_contiguous_inputs() -> None:
     k = kv[:, :, 0, :, ::2].transpose(1, 2)
     v = kv[:, :, 1, :, 1::2].transpose(1, 2)
     bias = causal_lower_right() + AlibiBias(num_heads=4)
-    check(q, k, v, bias, kernel_args(bias, 3, 70), splits=3)
+    check(q, k, v, bias, program_of(bias, 3, 70), splits=3)
 
 
 def test_empty_dimensions() -> None:
-    args = dict(
-        band_lo=None, band_hi=None, q_doc=None, kv_doc=None, alibi_slopes=None, softcap=None
-    )
+    program = MaskProgram()
     q, k, v = make_qkv(1, 4, 2, 3, 0, 16, FP32)  # no keys: every row is 0
-    assert torch.equal(
-        decode_forward(q, k, v, MaskProgram(**args), scale=0.25), torch.zeros_like(q)
-    )
+    assert torch.equal(decode_forward(q, k, v, program, scale=0.25), torch.zeros_like(q))
     q, k, v = make_qkv(1, 4, 2, 0, 20, 16, FP32)  # no queries
-    assert decode_forward(q, k, v, MaskProgram(**args), scale=0.25).shape == (1, 4, 0, 16)
+    assert decode_forward(q, k, v, program, scale=0.25).shape == (1, 4, 0, 16)
 
 
 @given(scale=finite_scales(), seed=st.integers(0, 2**16))
 def test_any_finite_scale(scale: float, seed: int) -> None:
     q, k, v = make_qkv(1, 2, 1, 2, 30, 16, FP32, seed)
     bias = causal_lower_right() + SlidingWindowBias(20)
-    check(q, k, v, bias, kernel_args(bias, 2, 30), splits=2, scale=scale)
+    check(q, k, v, bias, program_of(bias, 2, 30), splits=2, scale=scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -1013,9 +1000,7 @@ def test_split_launches_share_counters_per_stream() -> None:
     and leave every stream's counters at 0."""
     q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
     bias = gpu_bias("window", 32, 4, 8192)
-    plan = decode.plan_decode(
-        q, k, v, MaskProgram(**kernel_args(bias, 4, 8192)), scale=0.1, num_splits=8
-    )
+    plan = decode.plan_decode(q, k, v, program_of(bias, 4, 8192), scale=0.1, num_splits=8)
     first = plan.launch(q, k, v)
     expected = attention(q, k, v, bias, scale=0.1, enable_gqa=True)
     low = attention(q, k, v, bias, scale=0.1, enable_gqa=True, dtype=BF16)
@@ -1041,9 +1026,7 @@ def test_the_merge_kernel_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     compiled kernels' own launchers) give what the last share's merge gives, bit for bit."""
     q, k, v = make_qkv(2, 32, 8, 4, 8192, 128, BF16)
     bias = gpu_bias("window", 32, 4, 8192)
-    plan = decode.plan_decode(
-        q, k, v, MaskProgram(**kernel_args(bias, 4, 8192)), scale=0.1, num_splits=8
-    )
+    plan = decode.plan_decode(q, k, v, program_of(bias, 4, 8192), scale=0.1, num_splits=8)
     merged_last = plan.launch(q, k, v)
     assert plan.merge is not None and not plan.merge.runners
     # what a launch sees while its stream is capturing a CUDA graph

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -43,32 +43,14 @@ FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
 @dataclass(frozen=True)
 class Mask:
-    """The keyword arguments of the kernels other than the tensors q, k, v."""
+    """The arguments of the kernels other than the tensors q, k, v: the scale and the mask
+    program."""
 
     scale: float
-    band_lo: int | None = None
-    band_hi: int | None = None
-    q_doc: Tensor | None = None
-    kv_doc: Tensor | None = None
-    alibi_slopes: Tensor | None = None
-    softcap: float | None = None
-    kv_start: Tensor | None = None  # (B,) or (1,) int
-    kv_end: Tensor | None = None
+    program: MaskProgram = field(default_factory=MaskProgram)
 
     def kwargs(self) -> dict[str, Any]:
-        return {"program": self.program(), "scale": self.scale}
-
-    def program(self) -> MaskProgram:
-        return MaskProgram(
-            band_lo=self.band_lo,
-            band_hi=self.band_hi,
-            q_doc=self.q_doc,
-            kv_doc=self.kv_doc,
-            alibi_slopes=self.alibi_slopes,
-            softcap=self.softcap,
-            kv_start=self.kv_start,
-            kv_end=self.kv_end,
-        )
+        return {"program": self.program, "scale": self.scale}
 
 
 def keep_mask(mask: Mask, batch: int, seq_q: int, seq_k: int, device: Any) -> Tensor:
@@ -76,18 +58,18 @@ def keep_mask(mask: Mask, batch: int, seq_q: int, seq_k: int, device: Any) -> Te
     i = torch.arange(seq_q, device=device)[:, None]
     j = torch.arange(seq_k, device=device)[None, :]
     keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
-    if mask.band_lo is not None:
-        keep &= j - i >= mask.band_lo
-    if mask.band_hi is not None:
-        keep &= j - i <= mask.band_hi
+    if mask.program.band_lo is not None:
+        keep &= j - i >= mask.program.band_lo
+    if mask.program.band_hi is not None:
+        keep &= j - i <= mask.program.band_hi
     keep = keep.expand(batch, 1, seq_q, seq_k)
-    if mask.q_doc is not None and mask.kv_doc is not None:
-        same_doc = mask.q_doc[:, :, None] == mask.kv_doc[:, None, :]
+    if mask.program.q_doc is not None and mask.program.kv_doc is not None:
+        same_doc = mask.program.q_doc[:, :, None] == mask.program.kv_doc[:, None, :]
         keep = keep & same_doc[:, None].expand(batch, 1, seq_q, seq_k)
-    if mask.kv_start is not None and mask.kv_end is not None:
+    if mask.program.kv_start is not None and mask.program.kv_end is not None:
         cols = torch.arange(seq_k, device=device)
-        inside = (cols >= mask.kv_start.to(device)[:, None]) & (
-            cols < mask.kv_end.to(device)[:, None]
+        inside = (cols >= mask.program.kv_start.to(device)[:, None]) & (
+            cols < mask.program.kv_end.to(device)[:, None]
         )
         keep = keep & inside[:, None, None, :].expand(batch, 1, seq_q, seq_k)
     return keep
@@ -101,13 +83,13 @@ def scores(q: Tensor, k: Tensor, mask: Mask) -> tuple[Tensor, Tensor]:
     k = k.repeat_interleave(num_heads // k.shape[1], dim=1)
     keep = keep_mask(mask, batch, seq_q, seq_k, q.device)
     s = (q @ k.transpose(-1, -2)) * mask.scale
-    if mask.softcap is not None:
-        s = mask.softcap * torch.tanh(s / mask.softcap)
-    if mask.alibi_slopes is not None:
+    if mask.program.softcap is not None:
+        s = mask.program.softcap * torch.tanh(s / mask.program.softcap)
+    if mask.program.alibi_slopes is not None:
         i = torch.arange(seq_q, device=q.device)[:, None]
         j = torch.arange(seq_k, device=q.device)[None, :]
         distance = (i + (seq_k - seq_q) - j).abs().double()
-        slopes = mask.alibi_slopes.double().expand(batch, num_heads)
+        slopes = mask.program.alibi_slopes.double().expand(batch, num_heads)
         # a materialised additive bias is in the query dtype, as stock SDPA requires
         s = s + (-slopes[:, :, None, None] * distance).to(q.dtype)
     empty = ~keep.any(dim=-1, keepdim=True)
@@ -276,7 +258,7 @@ BANDS = {
 def test_bands(band: str, seq_q: int, seq_k: int) -> None:
     band_lo, band_hi = BANDS[band](seq_q, seq_k)
     q, k, v = make_qkv(2, 2, 1, seq_q, seq_k, 32, BF16)
-    check(q, k, v, Mask(scale_of(32), band_lo=band_lo, band_hi=band_hi))
+    check(q, k, v, Mask(scale_of(32), MaskProgram(band_lo=band_lo, band_hi=band_hi)))
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
@@ -284,7 +266,7 @@ def test_bands(band: str, seq_q: int, seq_k: int) -> None:
 def test_dtypes(dtype: torch.dtype, band: str) -> None:
     band_lo, band_hi = BANDS[band](33, 48)
     q, k, v = make_qkv(1, 2, 2, 33, 48, 32, dtype)
-    check(q, k, v, Mask(scale_of(32), band_lo=band_lo, band_hi=band_hi))
+    check(q, k, v, Mask(scale_of(32), MaskProgram(band_lo=band_lo, band_hi=band_hi)))
 
 
 # --------------------------------------------------------------------------------------
@@ -301,7 +283,7 @@ def test_documents(doc_batch: int, causal: bool) -> None:
     kv_doc = torch.stack([docs_from_seqlens(x) for x in kv_lens])
     q, k, v = make_qkv(2, 2, 1, 45, 56, 32, FP16)
     band_hi = 56 - 45 if causal else None
-    mask = Mask(scale_of(32), band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc)
+    mask = Mask(scale_of(32), MaskProgram(band_hi=band_hi, q_doc=q_doc, kv_doc=kv_doc))
     check(q, k, v, mask)
 
 
@@ -319,7 +301,7 @@ def test_document_ranges_are_reused_and_follow_in_place_changes(
     q_doc = docs_from_seqlens([10, 20, 18])[None]
     kv_doc = docs_from_seqlens([25, 5, 18])[None]
     q, k, v = make_qkv(1, 2, 2, 48, 48, 16, FP32)
-    mask = Mask(0.25, band_hi=0, q_doc=q_doc, kv_doc=kv_doc)
+    mask = Mask(0.25, MaskProgram(band_hi=0, q_doc=q_doc, kv_doc=kv_doc))
     check(q, k, v, mask)
     assert len(calls) == 4, "one forward computes the row and the column ranges"
     check(q, k, v, mask)
@@ -339,14 +321,19 @@ def test_alibi(slope_batch: int, band: str) -> None:
     band_lo, band_hi = BANDS[band](40, 50)
     slopes = torch.rand(slope_batch, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     q, k, v = make_qkv(2, 3, 3, 40, 50, 16, BF16)
-    check(q, k, v, Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi, alibi_slopes=slopes))
+    check(
+        q,
+        k,
+        v,
+        Mask(scale_of(16), MaskProgram(band_lo=band_lo, band_hi=band_hi, alibi_slopes=slopes)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
 @pytest.mark.parametrize("cap", [0.5, 20.0])
 def test_softcap(dtype: torch.dtype, cap: float) -> None:
     q, k, v = make_qkv(1, 2, 1, 35, 40, 32, dtype)
-    check(q, k, v, Mask(1.0, band_hi=40 - 35, softcap=cap))
+    check(q, k, v, Mask(1.0, MaskProgram(band_hi=40 - 35, softcap=cap)))
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
@@ -357,12 +344,14 @@ def test_all_features_with_gqa(dtype: torch.dtype) -> None:
     q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
     mask = Mask(
         scale_of(24),
-        band_lo=44 - 50 - 20,
-        band_hi=44 - 50 + 2,
-        q_doc=q_doc,
-        kv_doc=kv_doc,
-        alibi_slopes=slopes,
-        softcap=5.0,
+        MaskProgram(
+            band_lo=44 - 50 - 20,
+            band_hi=44 - 50 + 2,
+            q_doc=q_doc,
+            kv_doc=kv_doc,
+            alibi_slopes=slopes,
+            softcap=5.0,
+        ),
     )
     check(q, k, v, mask)
 
@@ -387,13 +376,13 @@ def test_all_features_with_gqa(dtype: torch.dtype) -> None:
 def test_shapes(heads: int, kv_heads: int, seq_q: int, seq_k: int, band: str) -> None:
     band_lo, band_hi = BANDS[band](seq_q, seq_k)
     q, k, v = make_qkv(2, heads, kv_heads, seq_q, seq_k, 16, FP16)
-    check(q, k, v, Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi))
+    check(q, k, v, Mask(scale_of(16), MaskProgram(band_lo=band_lo, band_hi=band_hi)))
 
 
 @pytest.mark.parametrize("head_dim", [16, 80, 96, 128, 160, 256])
 def test_head_dims(head_dim: int) -> None:
     q, k, v = make_qkv(1, 2, 1, 20, 23, head_dim, FP16)
-    check(q, k, v, Mask(scale_of(head_dim), band_hi=3))
+    check(q, k, v, Mask(scale_of(head_dim), MaskProgram(band_hi=3)))
 
 
 def test_zero_keys() -> None:
@@ -414,7 +403,7 @@ def test_non_contiguous(dtype: torch.dtype) -> None:
     grad_out = torch.randn(2, 37, 4, 32, generator=gen).to(DEVICE, dtype).transpose(1, 2)
     q_doc = docs_from_seqlens([20, 17])[None]
     kv_doc = docs_from_seqlens([21, 20])[None]
-    mask = Mask(scale_of(32), band_hi=4, q_doc=q_doc, kv_doc=kv_doc)
+    mask = Mask(scale_of(32), MaskProgram(band_hi=4, q_doc=q_doc, kv_doc=kv_doc))
     check(q, k, v, mask, grad_out=grad_out)
 
 
@@ -428,7 +417,9 @@ def test_unequal_tiles(monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: i
     q_doc = docs_from_seqlens([13, 40, 18])[None]
     kv_doc = docs_from_seqlens([30, 20, 21])[None]
     q, k, v = make_qkv(1, 2, 1, 71, 71, 16, BF16)
-    check(q, k, v, Mask(scale_of(16), band_lo=-20, band_hi=0, q_doc=q_doc, kv_doc=kv_doc))
+    check(
+        q, k, v, Mask(scale_of(16), MaskProgram(band_lo=-20, band_hi=0, q_doc=q_doc, kv_doc=kv_doc))
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -445,7 +436,8 @@ def test_fully_masked_rows(dtype: torch.dtype) -> None:
     slopes = torch.full((1, 2), 0.3, device=DEVICE)
     q, k, v = make_qkv(1, 2, 2, 40, 40, 16, dtype)
     mask = Mask(
-        scale_of(16), band_lo=-2, band_hi=1, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=slopes
+        scale_of(16),
+        MaskProgram(band_lo=-2, band_hi=1, q_doc=q_doc, kv_doc=kv_doc, alibi_slopes=slopes),
     )
     out, lse = check(q, k, v, mask)
     empty_rows = torch.isinf(lse)
@@ -460,7 +452,7 @@ def test_fully_masked_rows(dtype: torch.dtype) -> None:
 
 def test_everything_masked() -> None:
     q, k, v = make_qkv(1, 2, 1, 20, 30, 16, FP16)
-    mask = Mask(0.25, band_lo=3, band_hi=-3)
+    mask = Mask(0.25, MaskProgram(band_lo=3, band_hi=-3))
     out, lse = attention_forward(q, k, v, **mask.kwargs())
     assert (out == 0).all() and torch.isneginf(lse).all()
     grads = attention_backward(torch.randn_like(out), q, k, v, out, lse, **mask.kwargs())[:3]
@@ -505,7 +497,9 @@ def test_key_ranges(ranges: str, band: str) -> None:
     band_lo, band_hi = BANDS[band](seq_q, seq_k)
     start, end = key_range(*KEY_RANGES[ranges])
     q, k, v = make_qkv(2, 2, 1, seq_q, seq_k, 16, BF16)
-    mask = Mask(scale_of(16), band_lo=band_lo, band_hi=band_hi, kv_start=start, kv_end=end)
+    mask = Mask(
+        scale_of(16), MaskProgram(band_lo=band_lo, band_hi=band_hi, kv_start=start, kv_end=end)
+    )
     out, lse = check(q, k, v, mask)
     empty = start >= end
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
@@ -520,14 +514,16 @@ def test_key_ranges_with_every_feature(dtype: torch.dtype) -> None:
     q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
     mask = Mask(
         scale_of(24),
-        band_lo=44 - 50 - 20,
-        band_hi=44 - 50 + 2,
-        q_doc=q_doc,
-        kv_doc=kv_doc,
-        alibi_slopes=slopes,
-        softcap=5.0,
-        kv_start=start,
-        kv_end=end,
+        MaskProgram(
+            band_lo=44 - 50 - 20,
+            band_hi=44 - 50 + 2,
+            q_doc=q_doc,
+            kv_doc=kv_doc,
+            alibi_slopes=slopes,
+            softcap=5.0,
+            kv_start=start,
+            kv_end=end,
+        ),
     )
     check(q, k, v, mask)
 
@@ -536,7 +532,7 @@ def test_key_range_shared_by_the_batch() -> None:
     """A ``(1,)`` range applies to every batch row."""
     start, end = key_range((7, 45))
     q, k, v = make_qkv(3, 2, 2, 33, 50, 16, FP32)
-    check(q, k, v, Mask(scale_of(16), band_hi=50 - 33, kv_start=start, kv_end=end))
+    check(q, k, v, Mask(scale_of(16), MaskProgram(band_hi=50 - 33, kv_start=start, kv_end=end)))
 
 
 @pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32)])
@@ -550,7 +546,9 @@ def test_key_ranges_with_unequal_tiles(
     monkeypatch.setattr(configs, "INTERPRETER_CONFIG", configs.KernelConfig(block_m, block_n, 1, 1))
     start, end = key_range((9, 70), (0, 33))
     q, k, v = make_qkv(2, 2, 1, 71, 71, 16, BF16)
-    check(q, k, v, Mask(scale_of(16), band_lo=-40, band_hi=0, kv_start=start, kv_end=end))
+    check(
+        q, k, v, Mask(scale_of(16), MaskProgram(band_lo=-40, band_hi=0, kv_start=start, kv_end=end))
+    )
 
 
 NON_FINITE = {"nan": float("nan"), "inf": float("inf")}  # values get its negation
@@ -574,7 +572,8 @@ def test_nothing_outside_the_key_range_is_read(poison: str, features: str) -> No
             "softcap": 4.0,
         }
     mask = Mask(
-        scale_of(16), band_lo=-20, band_hi=seq_k - seq_q, kv_start=start, kv_end=end, **extra
+        scale_of(16),
+        MaskProgram(band_lo=-20, band_hi=seq_k - seq_q, kv_start=start, kv_end=end, **extra),
     )
     q, k, v = make_qkv(3, 2, 1, seq_q, seq_k, 16, FP16)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, FP16)
@@ -633,7 +632,7 @@ def test_the_registered_ops_pass_key_ranges_on() -> None:
 def test_block_sparse_attention_autograd() -> None:
     q, k, v = make_qkv(2, 4, 2, 30, 30, 16, FP32)
     slopes = torch.tensor([[0.1, 0.2, 0.3, 0.4]], device=DEVICE)
-    mask = Mask(scale_of(16), band_lo=-8, band_hi=0, alibi_slopes=slopes, softcap=3.0)
+    mask = Mask(scale_of(16), MaskProgram(band_lo=-8, band_hi=0, alibi_slopes=slopes, softcap=3.0))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = block_sparse_attention(*leaves, **mask.kwargs())
     gen = torch.Generator().manual_seed(2)
@@ -650,7 +649,7 @@ def test_block_sparse_attention_autograd() -> None:
 
 def test_gradient_of_lse() -> None:
     q, k, v = make_qkv(1, 2, 1, 24, 40, 16, FP32)
-    mask = Mask(scale_of(16), band_hi=40 - 24)
+    mask = Mask(scale_of(16), MaskProgram(band_hi=40 - 24))
     out, lse = attention_forward(q, k, v, **mask.kwargs())
     gen = torch.Generator().manual_seed(4)
     grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
@@ -784,9 +783,11 @@ def test_launch_order_puts_the_longer_half_first(
     seq_q, seq_k, band_lo, band_hi = lengths_band
     args = mask_args(
         torch.empty(1, 1, seq_q, 16), torch.empty(1, 1, seq_k, 16),
-        **Mask(1.0, band_lo=band_lo, band_hi=band_hi).kwargs(), rows=False, cols=False,
+        **Mask(1.0, MaskProgram(band_lo=band_lo, band_hi=band_hi)).kwargs(), rows=False, cols=False,
     )  # fmt: skip
-    keep = keep_mask(Mask(1.0, band_lo=band_lo, band_hi=band_hi), 1, seq_q, seq_k, "cpu")[0, 0]
+    keep = keep_mask(
+        Mask(1.0, MaskProgram(band_lo=band_lo, band_hi=band_hi)), 1, seq_q, seq_k, "cpu"
+    )[0, 0]
     for work, late_first, cut_start, cut_end in (
         (
             keep.sum(1),
@@ -847,14 +848,16 @@ def attention_configs(draw: st.DrawFn) -> tuple[tuple[int, ...], torch.dtype, Ma
         kv_end = torch.tensor([b[1] for b in bounds], dtype=torch.int32, device=DEVICE)
     mask = Mask(
         scale_of(head_dim),
-        band_lo=band_lo,
-        band_hi=band_hi,
-        q_doc=q_doc,
-        kv_doc=kv_doc,
-        alibi_slopes=slopes,
-        softcap=softcap,
-        kv_start=kv_start,
-        kv_end=kv_end,
+        MaskProgram(
+            band_lo=band_lo,
+            band_hi=band_hi,
+            q_doc=q_doc,
+            kv_doc=kv_doc,
+            alibi_slopes=slopes,
+            softcap=softcap,
+            kv_start=kv_start,
+            kv_end=kv_end,
+        ),
     )
     shape = (batch, heads, kv_heads, seq_q, seq_k, head_dim)
     return shape, dtype, mask, draw(st.integers(0, 2**16))
@@ -875,18 +878,27 @@ def _ids(*rows: list[int]) -> Tensor:
         FP32,
         Mask(
             32**-0.5,
-            q_doc=_ids(
-                [0] * 25 + [1] * 2 + [2] * 6 + [3] * 14, [0] * 12 + [1] * 2 + [2] * 5 + [3] * 28
-            ),
-            kv_doc=_ids([0] * 8 + [1] * 23 + [2] * 5, [0] * 13 + [1] * 4 + [2] * 11 + [3] * 8),
-            alibi_slopes=torch.tensor([[0.0, 0.5534, 0.6696, 0.0], [0.0, 0.8523, 0.4236, 0.0]]).to(
-                DEVICE
+            MaskProgram(
+                q_doc=_ids(
+                    [0] * 25 + [1] * 2 + [2] * 6 + [3] * 14, [0] * 12 + [1] * 2 + [2] * 5 + [3] * 28
+                ),
+                kv_doc=_ids([0] * 8 + [1] * 23 + [2] * 5, [0] * 13 + [1] * 4 + [2] * 11 + [3] * 8),
+                alibi_slopes=torch.tensor(
+                    [[0.0, 0.5534, 0.6696, 0.0], [0.0, 0.8523, 0.4236, 0.0]]
+                ).to(DEVICE),
             ),
         ),
         1,
     )
 )
-@example(((1, 2, 2, 1, 4, 16), BF16, Mask(0.25, q_doc=_ids([1]), kv_doc=_ids([0, 0, 1, 1])), 5071))
+@example(
+    (
+        (1, 2, 2, 1, 4, 16),
+        BF16,
+        Mask(0.25, MaskProgram(q_doc=_ids([1]), kv_doc=_ids([0, 0, 1, 1]))),
+        5071,
+    )
+)
 @given(attention_configs())
 def test_property(config: tuple[tuple[int, ...], torch.dtype, Mask, int]) -> None:
     shape, dtype, mask, seed = config
@@ -905,7 +917,7 @@ def test_property(config: tuple[tuple[int, ...], torch.dtype, Mask, int]) -> Non
 def test_gpu_causal_gqa(dtype: torch.dtype, head_dim: int) -> None:
     seq = 1024 if head_dim == 256 or dtype == FP32 else 2048
     q, k, v = make_qkv(1, 4, 2, seq, seq, head_dim, dtype)
-    check(q, k, v, Mask(scale_of(head_dim), band_hi=0))
+    check(q, k, v, Mask(scale_of(head_dim), MaskProgram(band_hi=0)))
 
 
 @pytest.mark.gpu
@@ -918,12 +930,14 @@ def test_gpu_all_features(dtype: torch.dtype) -> None:
     q, k, v = make_qkv(2, 8, 2, seq_q, seq_k, 128, dtype)
     mask = Mask(
         scale_of(128),
-        band_lo=seq_k - seq_q - 256,
-        band_hi=seq_k - seq_q,
-        q_doc=q_doc,
-        kv_doc=kv_doc,
-        alibi_slopes=slopes,
-        softcap=30.0,
+        MaskProgram(
+            band_lo=seq_k - seq_q - 256,
+            band_hi=seq_k - seq_q,
+            q_doc=q_doc,
+            kv_doc=kv_doc,
+            alibi_slopes=slopes,
+            softcap=30.0,
+        ),
     )
     check(q, k, v, mask)
 
@@ -934,7 +948,7 @@ def test_gpu_bands_real_size(band: str) -> None:
     band_lo, band_hi = BANDS[band](2048, 2048)
     band_lo = None if band_lo is None else band_lo - 250
     q, k, v = make_qkv(2, 4, 4, 2048, 2048, 128, BF16)
-    check(q, k, v, Mask(scale_of(128), band_lo=band_lo, band_hi=band_hi))
+    check(q, k, v, Mask(scale_of(128), MaskProgram(band_lo=band_lo, band_hi=band_hi)))
 
 
 @pytest.mark.gpu
@@ -944,7 +958,7 @@ def test_gpu_backward_in_stream_order(user_stream: bool) -> None:
     and its gradients are complete in that stream's order."""
     q_doc = torch.stack([docs_from_seqlens([300, 450, 250]), docs_from_seqlens([999, 0, 1])])
     q, k, v = make_qkv(2, 8, 2, 1000, 1000, 128, BF16)
-    mask = Mask(scale_of(128), band_hi=0, q_doc=q_doc, kv_doc=q_doc, softcap=30.0)
+    mask = Mask(scale_of(128), MaskProgram(band_hi=0, q_doc=q_doc, kv_doc=q_doc, softcap=30.0))
     stream = torch.cuda.Stream() if user_stream else torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -965,7 +979,9 @@ def test_gpu_misaligned_inputs_after_aligned() -> None:
     after aligned ones of the same shapes must get a kernel compiled for them."""
     from attnbias.kernels import forward, launch
 
-    mask = Mask(scale_of(64), band_lo=-100, band_hi=0, alibi_slopes=torch.rand(4).to(DEVICE))
+    mask = Mask(
+        scale_of(64), MaskProgram(band_lo=-100, band_hi=0, alibi_slopes=torch.rand(4).to(DEVICE))
+    )
     q, k, v = make_qkv(2, 4, 2, 300, 300, 64, BF16)
     check(q, k, v, mask)
     shifted = []
@@ -984,7 +1000,7 @@ def test_gpu_misaligned_inputs_after_aligned() -> None:
 def test_gpu_compile_fullgraph() -> None:
     q, k, v = make_qkv(2, 8, 2, 1024, 1024, 128, BF16)
     doc = docs_from_seqlens([400, 624])[None]
-    mask = Mask(scale_of(128), band_hi=0, q_doc=doc, kv_doc=doc, softcap=20.0)
+    mask = Mask(scale_of(128), MaskProgram(band_hi=0, q_doc=doc, kv_doc=doc, softcap=20.0))
 
     def loss(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return block_sparse_attention(q, k, v, **mask.kwargs()).float().square().sum()

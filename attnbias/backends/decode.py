@@ -44,15 +44,12 @@ class TritonDecode(Backend):
     def how(self, spec: Spec) -> str:
         from attnbias.kernels.decode import decode_layout
 
-        terms = spec.terms
         layout = decode_layout(
             spec.query.shape,
             spec.key.shape,
             spec.device,
+            spec.program,
             itemsize=spec.query.element_size(),
-            band_lo=terms.band_lo,
-            band_hi=terms.band_hi,
-            has_docs=terms.q_doc is not None or terms.kv_start is not None,
         )
         length_q = spec.shape[2]
         tiles = "1 tile" if layout.row_tiles == 1 else f"{layout.row_tiles} tiles"
