@@ -3,11 +3,13 @@ FlashAttention 2), and with the bias materialized as an ``(L, S)``-sized mask.""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnbias.backends.base import Backend
+from attnbias.backends.base import Backend, Prepared
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
 from attnbias.materialize import MaskedBias
@@ -181,6 +183,21 @@ class StockSDPA(Backend):
         # Stock SDPA's fused kernels as they are, on the fastest path there is: what they do
         # with non-finite inputs in masked positions is stock SDPA's documented behaviour.
         return _stock(spec, None, spec.terms.is_plain_causal)
+
+    def prepare(self, spec: Spec) -> Prepared:
+        """Stock SDPA with this call's flags bound once: a repeated call builds no spec."""
+        if spec.form != "bias":
+            mask, is_causal = spec.mask, spec.is_causal
+        else:
+            mask, is_causal = None, spec.terms.is_plain_causal
+        return functools.partial(
+            stock_sdpa,
+            attn_mask=mask,
+            dropout_p=spec.dropout_p,
+            is_causal=is_causal,
+            scale=spec.scale,
+            enable_gqa=spec.enable_gqa,
+        )
 
 
 class MaterializedSDPA(Backend):
