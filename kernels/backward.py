@@ -25,6 +25,9 @@ from .common import (
     _load_key_tile,
     _load_tile,
     _log2_scores,
+    _mod_context,
+    _mod_keep,
+    _mod_score_grad,
     _query_block_range,
     _row_bounds,
     _tile_ptrs,
@@ -62,6 +65,7 @@ def _attn_bwd_dkdv_inner(
     softcap_in,
     softcap_out,
     alibi_coef,
+    MODC,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -72,6 +76,8 @@ def _attn_bwd_dkdv_inner(
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASK_FN: tl.constexpr,
+    SCORE_GRAD_FN: tl.constexpr,
 ):
     """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile.
 
@@ -94,7 +100,15 @@ def _attn_bwd_dkdv_inner(
         # A row that kept nothing has lse = -inf: read it as +inf so its probabilities are 0.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
         qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        if HAS_SOFTCAP or HAS_ALIBI:
+        if SCORE_GRAD_FN is not None:
+            relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
+            sT, tT = _log2_scores(
+                qkT, relT, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
+                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            sT, dmodT = _mod_score_grad(sT, offs_m, offs_n, MODC, SCORE_GRAD_FN, TRANSPOSED=True)
+            pT = tl.math.exp2(sT - lse2[None, :])
+        elif HAS_SOFTCAP or HAS_ALIBI:
             relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
             sT, tT = _log2_scores(
                 qkT, relT, lse2[None, :], qk_scale, softcap_in, softcap_out, alibi_coef,
@@ -108,10 +122,14 @@ def _attn_bwd_dkdv_inner(
         if MASKED:
             # masked pairs select 0 whatever their score
             keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
+            if MASK_FN is not None:
+                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN, TRANSPOSED=True)
             pT = tl.where(keep, pT, 0.0)
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
+        if SCORE_GRAD_FN is not None:
+            dsT = dsT * dmodT
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         if MASKED:
@@ -127,11 +145,12 @@ def _attn_bwd_dkdv_inner(
 def _attn_bwd_dkdv_listed(
     dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qm, stride_qk, stride_dom,
     stride_dok, offs_n, col_lo, col_hi, entries, seq_q, shift, qk_scale, softcap_in,
-    softcap_out, alibi_coef,
+    softcap_out, alibi_coef, MODC,
     MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr, MASK_FN: tl.constexpr,
+    SCORE_GRAD_FN: tl.constexpr,
 ):  # fmt: skip
     """The query blocks of one list (``entries``: a count, then list blocks of ``SPARSE_M``
     queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``) or all full."""
@@ -144,10 +163,11 @@ def _attn_bwd_dkdv_listed(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head,
             stride_qm, stride_qk, stride_dom, stride_dok,
             offs_n, col_lo, col_hi, first, tl.minimum(first + TILES, last_tile), seq_q, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
             ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
+            SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
     return dk, dv
 
@@ -186,6 +206,7 @@ def _attn_bwd_dkdv(
     qk_scale,
     softcap_in,
     softcap_out,
+    MOD,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -206,6 +227,8 @@ def _attn_bwd_dkdv(
     LISTS_PER_HEAD: tl.constexpr,
     SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr,
+    MASK_FN: tl.constexpr = None,
+    SCORE_GRAD_FN: tl.constexpr = None,
 ):  # fmt: skip
     """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads.
 
@@ -273,6 +296,7 @@ def _attn_bwd_dkdv(
         lse_head = Lse + (off_b * num_heads + off_h) * seq_q
         delta_head = Delta + (off_b * num_heads + off_h) * seq_q
         alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+        MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
         if HAS_BLOCK_LISTS:
             entries = _list_row(
                 Lists, off_b, off_h, num_heads, list_col, list_cols, list_width,
@@ -282,47 +306,52 @@ def _attn_bwd_dkdv(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, entries, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef,
+                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
                 MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
             dk, dv = _attn_bwd_dkdv_listed(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, entries + list_width, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef,
+                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
                 MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
         else:
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef,
+                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
                 MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
+                SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef,
+                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
                 MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
+                SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef,
+                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
                 MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
+                SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
 
     dk *= sm_scale
@@ -375,6 +404,7 @@ def _attn_bwd_dq_inner(
     softcap_in,
     softcap_out,
     alibi_coef,
+    MODC,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr,
@@ -387,6 +417,8 @@ def _attn_bwd_dq_inner(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_DSLOPE: tl.constexpr,
+    MASK_FN: tl.constexpr,
+    SCORE_GRAD_FN: tl.constexpr,
 ):
     """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
     three ``[BLOCK_M]`` row sums for the gradient of ALiBi's slope: ``sum P dP r``,
@@ -410,7 +442,15 @@ def _attn_bwd_dq_inner(
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if HAS_SOFTCAP or HAS_ALIBI:
+        if SCORE_GRAD_FN is not None:
+            rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
+            s, t = _log2_scores(
+                qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
+                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
+            )  # fmt: skip
+            s, dmod = _mod_score_grad(s, offs_m, offs_n, MODC, SCORE_GRAD_FN)
+            p = tl.math.exp2(s - lse2[:, None])
+        elif HAS_SOFTCAP or HAS_ALIBI:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             s, t = _log2_scores(
                 qk, rel, lse2[:, None], qk_scale, softcap_in, softcap_out, alibi_coef,
@@ -425,6 +465,8 @@ def _attn_bwd_dq_inner(
         if MASKED:
             # masked pairs select 0 whatever p and dp are
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            if MASK_FN is not None:
+                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
             ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
             dist = tl.abs(rel)
@@ -436,10 +478,12 @@ def _attn_bwd_dq_inner(
             slope_pdr += tl.sum(pd * dist, 1)
             slope_pr += tl.sum(pr, 1)
             slope_pd += tl.sum(pd, 1)
+        if SCORE_GRAD_FN is not None:
+            ds = ds * dmod
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-            if MASKED:  # t of a masked pair may be NaN
-                ds = tl.where(keep, ds, 0.0)
+        if MASKED and (HAS_SOFTCAP or SCORE_GRAD_FN is not None):
+            ds = tl.where(keep, ds, 0.0)  # t or the derivative of a masked pair may be NaN
         dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION)  # [BLOCK_M, BLOCK_E]
         offs_n += BLOCK_N
         k_ptrs += BLOCK_N * stride_kn
@@ -451,12 +495,12 @@ def _attn_bwd_dq_inner(
 def _attn_bwd_dq_listed(
     dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta, k_head, v_head, stride_kn,
     stride_kk, stride_vn, stride_vk, offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi,
-    shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+    shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
     MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DSLOPE: tl.constexpr,
-    SPARSE_N: tl.constexpr,
+    SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
@@ -468,10 +512,11 @@ def _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
-            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
     return dq, slope_pdr, slope_pr, slope_pd
 
@@ -512,6 +557,7 @@ def _attn_bwd_dq(
     qk_scale,
     softcap_in,
     softcap_out,
+    MOD,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -534,6 +580,8 @@ def _attn_bwd_dq(
     LISTS_PER_HEAD: tl.constexpr,
     SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr,
+    MASK_FN: tl.constexpr = None,
+    SCORE_GRAD_FN: tl.constexpr = None,
 ):  # fmt: skip
     """``dQ`` of one query tile of one query head.
 
@@ -600,6 +648,7 @@ def _attn_bwd_dq(
     )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
+    MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     slope_pdr = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -617,49 +666,52 @@ def _attn_bwd_dq(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            SPARSE_N=SPARSE_N,
+            SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            SPARSE_N=SPARSE_N,
+            SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
     else:
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef,
+            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
         )  # fmt: skip
 
     if HAS_DSLOPE:
@@ -720,6 +772,7 @@ def attention_backward(
         BLOCK_E=block_e,
         **mask.flags(q),
         **mask.list_flags(),
+        **mask.mod_options(backward=True),
     )
 
     delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
@@ -735,7 +788,7 @@ def attention_backward(
         if slopes_grad
         else None
     )
-    launcher(_attn_bwd_dq)[grid](
+    launcher(mask.kernel(_attn_bwd_dq))[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
         mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
         mask.kv_lists,
@@ -748,7 +801,7 @@ def attention_backward(
         doc_stride(mask, seq_q),
         mask.stride_sb, mask.stride_sh,
         num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
@@ -764,7 +817,7 @@ def attention_backward(
     cfg = pick_config(DKDV_CONFIGS, q, block_e)
     block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
     grid = (triton.cdiv(seq_k, block_n), num_kv_heads, batch)
-    launcher(_attn_bwd_dkdv)[grid](
+    launcher(mask.kernel(_attn_bwd_dkdv))[grid](
         q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
         mask.kv_start, mask.kv_end, mask.q_lists,
         *q.stride(),
@@ -776,7 +829,7 @@ def attention_backward(
         doc_stride(mask, seq_k),
         mask.stride_sb, mask.stride_sh,
         num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         REVERSE=late_cols_first(seq_q, seq_k, mask),

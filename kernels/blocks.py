@@ -10,11 +10,17 @@ Shape legend: ``Bl`` / ``Hl`` 1 or the batch size / query heads, ``L`` queries, 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
+from .common import _key_range, _mod_context, _mod_keep, _row_bounds
 from .program import BlockLists
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "block_lists", "block_lists_of_keep", "tile_states"]
+
+# The @triton.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
 
 # The state of a block: no kept pair, some kept pairs, every pair kept.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -70,3 +76,59 @@ def block_lists(states: Tensor, block_m: int, block_n: int) -> BlockLists:
 def block_lists_of_keep(keep: Tensor, block_m: int, block_n: int) -> BlockLists:
     """:func:`block_lists` of a ``(Bl, Hl, L, S)`` bool keep-mask's blocks."""
     return block_lists(tile_states(keep, block_m, block_n), block_m, block_n)
+
+
+# -- block states from the mask itself (generated mask functions, with the band, documents and
+# key range), one program per block, without an L x S tensor -----------------------------------
+
+
+@triton.jit
+def _classify_blocks(
+    States,
+    RowLo,
+    RowHi,
+    KvStart,
+    KvEnd,
+    stride_db,
+    heads,
+    seq_q,
+    seq_k,
+    band_lo,
+    band_hi,
+    MOD,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_KV_RANGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASK_FN: tl.constexpr = None,
+):
+    """The state of block ``(program 0, program 1)`` of list row ``program 2`` (batch row times
+    ``heads`` plus head): :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`, in ``ROWS``-row
+    slices. A block cut by ``L`` or ``S`` is at most partial."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    off_b = (pid_bh // heads).to(tl.int64)
+    off_h = pid_bh % heads
+    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kept = 0
+    for r in tl.static_range(0, BLOCK_M, ROWS):
+        offs_m = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
+        row_lo, row_hi = _row_bounds(
+            offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, off_b * stride_db, kv_lo,
+            kv_hi, HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+        )  # fmt: skip
+        keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+        keep = keep & (offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :]
+        if MASK_FN is not None:
+            keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
+        kept += tl.sum(keep.to(tl.int32))
+    state = tl.where(kept == BLOCK_M * BLOCK_N, 2, tl.where(kept > 0, 1, 0))
+    blocks_m = tl.num_programs(0)
+    blocks_n = tl.num_programs(1)
+    tl.store(States + (pid_bh * blocks_m + pid_m) * blocks_n + pid_n, state.to(tl.int8))

@@ -507,3 +507,50 @@ def _list_row(
     lh = off_h if LISTS_PER_HEAD else off_h * 0
     heads = num_heads if LISTS_PER_HEAD else 1
     return Lists + ((lb * heads + lh) * num_rows + row).to(tl.int64) * (2 * width)
+
+
+# -- generated mask and score functions (``modfn.py``) ---------------------------------------
+# They see FlexAttention's indices: the batch row, the query head, and each pair's query and
+# key positions, clamped into the sequences (rows and columns past L or S in a tile's padding
+# are masked anyway, and must not index a parameter out of its range). Scores go in and out in
+# natural units; the kernels keep base-2 scores.
+
+
+@triton.jit
+def _mod_context(off_b, off_h, seq_q, seq_k, MOD):
+    """What the generated functions read besides the pair: ``(b, h, last query, last key,
+    the runtime arguments)``."""
+    return (off_b.to(tl.int32), off_h.to(tl.int32), seq_q - 1, seq_k - 1, MOD)
+
+
+@triton.jit
+def _mod_indices(offs_m, offs_n, MODC, TRANSPOSED: tl.constexpr):
+    q_idx = tl.minimum(offs_m, MODC[2])
+    kv_idx = tl.minimum(offs_n, MODC[3])
+    if TRANSPOSED:  # [BLOCK_N, BLOCK_M] tiles of the dK/dV kernel
+        return q_idx[None, :], kv_idx[:, None]
+    return q_idx[:, None], kv_idx[None, :]
+
+
+@triton.jit
+def _mod_keep(offs_m, offs_n, MODC, MASK_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """Whether the generated mask functions keep each pair of the tile."""
+    q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
+    return MASK_FN(MODC[0], MODC[1], q_idx, kv_idx, MODC[4])
+
+
+@triton.jit
+def _mod_score(s2, offs_m, offs_n, MODC, SCORE_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """Base-2 scores ``s2`` through the generated score functions."""
+    q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
+    return SCORE_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4]) * LOG2E_K
+
+
+@triton.jit
+def _mod_score_grad(
+    s2, offs_m, offs_n, MODC, SCORE_GRAD_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False
+):
+    """:func:`_mod_score` and the derivative of the score functions in their input score."""
+    q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
+    s, ds = SCORE_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4])
+    return s * LOG2E_K, ds

@@ -217,10 +217,11 @@ def _decode_fwd(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, share_first, prefix_end, middle_first, middle_end, suffix_first,
         share_end,
-        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, None,
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
+        MASK_FN=None, SCORE_FN=None,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

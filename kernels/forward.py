@@ -23,6 +23,9 @@ from .common import (
     _load_key_tile,
     _load_tile,
     _log2_scores,
+    _mod_context,
+    _mod_keep,
+    _mod_score,
     _row_bounds,
     _tile_ptrs,
 )
@@ -59,6 +62,7 @@ def _attn_fwd_inner(
     softcap_in,
     softcap_out,
     alibi_coef,
+    MODC,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_KV_RANGE: tl.constexpr,
@@ -71,10 +75,12 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     POSITIVE_SCALE: tl.constexpr,
+    MASK_FN: tl.constexpr,
+    SCORE_FN: tl.constexpr,
 ):
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
-    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI) and POSITIVE_SCALE
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
     # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
     BOUNDS: tl.constexpr = MASKED and not EVEN
     # Full tiles lie inside the key range; partial ones may cross its ends: keys and values
@@ -101,9 +107,13 @@ def _attn_fwd_inner(
                 HAS_OFFSET=False, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE,
             )  # fmt: skip
+            if SCORE_FN is not None:
+                qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN)
         if MASKED:
             # masked pairs select -inf whatever their score (a NaN key there stays out)
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            if MASK_FN is not None:
+                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
             qk = tl.where(keep, qk, float("-inf"))
         # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
         if PLAIN:
@@ -138,39 +148,41 @@ def _attn_fwd_runs(
     acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
     offs_m, row_lo, row_hi, prefix_first, prefix_end, middle_first, middle_end, suffix_first,
     suffix_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+    MODC,
     EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
+    SCORE_FN: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
     mask) and a partial suffix, each ``[first, end)`` in blocks."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
+        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
         MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
+        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, middle_first, middle_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
+        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
         MASKED=False, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
+        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, suffix_first, suffix_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef,
+        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
         MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE,
+        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -179,12 +191,12 @@ def _attn_fwd_runs(
 def _attn_fwd_listed(
     acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
     offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in,
-    softcap_out, alibi_coef,
+    softcap_out, alibi_coef, MODC,
     MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
-    SPARSE_N: tl.constexpr,
+    SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
     keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full."""
@@ -196,11 +208,11 @@ def _attn_fwd_listed(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
-            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
+            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE,
+            POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -233,6 +245,7 @@ def _attn_fwd(
     qk_scale,
     softcap_in,
     softcap_out,
+    MOD,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -254,6 +267,8 @@ def _attn_fwd(
     LISTS_PER_HEAD: tl.constexpr,
     SPARSE_M: tl.constexpr,
     SPARSE_N: tl.constexpr,
+    MASK_FN: tl.constexpr = None,
+    SCORE_FN: tl.constexpr = None,
 ):  # fmt: skip
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -294,6 +309,7 @@ def _attn_fwd(
     )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
+    MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -309,31 +325,33 @@ def _attn_fwd(
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale,
-            softcap_in, softcap_out, alibi_coef,
+            softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N,
+            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
+            SCORE_FN=SCORE_FN,
         )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift, qk_scale,
-            softcap_in, softcap_out, alibi_coef,
+            softcap_in, softcap_out, alibi_coef, MODC,
             MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N,
+            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
+            SCORE_FN=SCORE_FN,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_runs(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end,
             block_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out,
-            alibi_coef,
+            alibi_coef, MODC,
             EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE,
+            POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -445,6 +463,7 @@ def plan_forward(
         REVERSE=late_rows_first(seq_q, seq_k, mask),
         **mask.flags(q),
         **mask.list_flags(),
+        **mask.mod_options(backward=False),
         EVEN_N=seq_k % block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         num_warps=cfg.num_warps,
@@ -466,8 +485,9 @@ def plan_forward(
             mask.qk_scale,
             mask.softcap_in,
             mask.softcap_out,
+            *mask.mod_args(),
         ),
-        PreparedLaunch(_attn_fwd, grid, options),
+        PreparedLaunch(mask.kernel(_attn_fwd), grid, options),
     )
 
 

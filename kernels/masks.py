@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import triton
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .common import LOG2E
 from .configs import tanh_mode
-from .launch import launches_traceable
+from .launch import launcher, launches_traceable
 from .program import BlockLists, MaskProgram
+
+if TYPE_CHECKING:
+    from .modfn import CompiledMods
 
 __all__ = ["MaskArgs", "doc_stride", "late_cols_first", "late_rows_first", "mask_args"]
 
@@ -43,6 +47,30 @@ class MaskArgs:
     softcap_in: float
     softcap_out: float
     blocks: BlockLists | None = None  # the block-list iteration source, if the program has one
+    mods: CompiledMods | None = None  # generated mask and score functions
+
+    def mod_options(self, *, backward: bool) -> dict[str, Any]:
+        """The ``tl.constexpr`` generated functions of the training kernels (none without)."""
+        mods = self.mods
+        if mods is None:
+            return {}
+        options: dict[str, Any] = {"MASK_FN": mods.mask_fn if mods.has_mask else None}
+        score = mods.score_grad_fn if backward else mods.score_fn
+        options["SCORE_GRAD_FN" if backward else "SCORE_FN"] = score if mods.has_score else None
+        return options
+
+    def mod_args(self) -> list[Any]:
+        """The runtime arguments in the place of a kernel's ``MOD`` parameter: ``None``, or
+        the generated functions' flat arguments (for :meth:`kernel`)."""
+        return [None] if self.mods is None else self.mods.args()
+
+    def kernel(self, base: Any) -> Any:
+        """``base``, or with generated functions, its form taking their flat arguments."""
+        if self.mods is None:
+            return base
+        from .modfn import with_flat_mods
+
+        return with_flat_mods(base, len(self.mods.args()))
 
     def flags(self, q: Tensor) -> dict[str, Any]:
         """The ``tl.constexpr`` flags every attention kernel takes for this mask and for
@@ -206,6 +234,12 @@ def mask_args(
     else:
         softcap_in = softcap_out = 0.0
     blocks = program.blocks
+    mods = program.mods
+    if blocks is None and mods is not None and mods.has_mask:
+        blocks = _mod_block_lists(
+            q, k, program, mods, has_lo, has_hi, lo, hi, row_lo, row_hi, docs_per_batch,
+            kv_start, kv_end,
+        )  # fmt: skip
     if blocks is not None:
         for name, size in (("block_m", blocks.block_m), ("block_n", blocks.block_n)):
             if size < 16 or size & (size - 1):
@@ -234,7 +268,83 @@ def mask_args(
         softcap_in=softcap_in,
         softcap_out=softcap_out,
         blocks=blocks,
+        mods=mods,
     )
+
+
+# The block lists of a program's mask functions, per program, with what they were built from:
+# a repeated call with the same program (the plan cache keeps it) reuses them unless a tensor
+# they read was written since (its version counter moved).
+_MOD_LISTS: weakref.WeakKeyDictionary[MaskProgram, tuple[tuple[object, ...], BlockLists]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def list_block_sizes() -> tuple[int, int]:
+    """The blocks of the lists built from mask functions: 128 x 128 (the kernels' largest
+    tiles), 16 x 16 under the interpreter (its tiles)."""
+    from .limits import interpreting
+
+    return (16, 16) if interpreting() else (128, 128)
+
+
+def _mod_block_lists(
+    q: Tensor,
+    k: Tensor,
+    program: MaskProgram,
+    mods: CompiledMods,
+    has_lo: bool,
+    has_hi: bool,
+    band_lo: int,
+    band_hi: int,
+    row_lo: Tensor | None,
+    row_hi: Tensor | None,
+    docs_per_batch: bool,
+    kv_start: Tensor | None,
+    kv_end: Tensor | None,
+) -> BlockLists:
+    """The block lists of every mask term of the call at once (band, documents, key range and
+    the generated mask functions), from one program per block evaluating the mask: no
+    ``L x S`` tensor, no host synchronisation. Lists are per batch row when a term differs
+    between rows, per head when a mask function reads ``h``."""
+    from .blocks import _classify_blocks, block_lists
+    from .modfn import with_flat_mods
+
+    batch, heads, seq_q, _ = q.shape
+    seq_k = k.shape[2]
+    reads = mods.traced.reads()
+    rows = batch if ("b" in reads or docs_per_batch or kv_start is not None) else 1
+    list_heads = heads if "h" in reads else 1
+    block_m, block_n = list_block_sizes()
+    read = [t for t in (*mods.traced.params, row_lo, row_hi, kv_start, kv_end) if t is not None]
+    key = (
+        batch, heads, seq_q, seq_k, q.device, block_m, block_n,
+        tuple((id(t), t._version) for t in read),
+    )  # fmt: skip
+    cacheable = not (
+        launches_traceable()
+        or torch.compiler.is_compiling()
+        or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
+    if cacheable:
+        found = _MOD_LISTS.get(program)
+        if found is not None and found[0] == key:
+            return found[1]
+    grid = (triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n), rows * list_heads)
+    states = torch.empty((rows, list_heads, grid[0], grid[1]), dtype=torch.int8, device=q.device)
+    args = mods.args()
+    kernel = with_flat_mods(_classify_blocks, len(args))
+    launcher(kernel)[grid](
+        states, row_lo, row_hi, kv_start, kv_end, seq_q if docs_per_batch else 0, list_heads,
+        seq_q, seq_k, band_lo, band_hi, *args,
+        HAS_LO=has_lo, HAS_HI=has_hi, HAS_DOCS=row_lo is not None,
+        HAS_KV_RANGE=kv_start is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        ROWS=min(block_m, 32), MASK_FN=mods.mask_fn,
+    )  # fmt: skip
+    lists = block_lists(states, block_m, block_n)
+    if cacheable:
+        _MOD_LISTS[program] = (key, lists)
+    return lists
 
 
 def _late_first(rows: int, cols: int, lo: int | None, hi: int | None) -> bool:

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .modfn import CompiledMods
 
 __all__ = ["BlockLists", "MaskProgram"]
 
@@ -95,6 +98,8 @@ class MaskProgram:
     alibi_slopes: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (1|B, Hq)
     softcap: float | None = field(default=None, metadata={_KIND: "float"})
     blocks: BlockLists | None = field(default=None, metadata={_KIND: "lists"})
+    # generated mask and score functions (kernels/modfn.py), applied after the terms above
+    mods: CompiledMods | None = field(default=None, metadata={_KIND: "mods"})
 
     @property
     def has_key_range(self) -> bool:
@@ -124,6 +129,12 @@ class MaskProgram:
             elif kind == "float":
                 ints.append(0 if value is None else 1)
                 floats.append(0.0 if value is None else float(value))
+            elif kind == "mods":
+                if value is None:
+                    ints.append(-1)
+                else:
+                    ints.append(value.register())
+                    value.pack_into(tensors, ints, floats)
             else:  # lists
                 if value is None:
                     ints += [0, 0, 0]
@@ -150,6 +161,15 @@ class MaskProgram:
             elif kind == "float":
                 is_set, real = next(int_it), next(float_it)
                 values[f.name] = real if is_set else None
+            elif kind == "mods":
+                from .modfn import CompiledMods
+
+                registered = next(int_it)
+                values[f.name] = (
+                    None
+                    if registered < 0
+                    else CompiledMods.unpack_from(registered, tensor_it, int_it, float_it)
+                )
             else:
                 is_set, block_m, block_n = next(int_it), next(int_it), next(int_it)
                 lists = [next(tensor_it) for _ in BlockLists.TENSORS]
@@ -189,4 +209,6 @@ class MaskProgram:
             terms.append(f"soft-cap {self.softcap:g}")
         if self.blocks is not None:
             terms.append(f"block lists of {self.blocks.block_m}x{self.blocks.block_n}")
+        if self.mods is not None:
+            terms.append(self.mods.describe())
         return ", ".join(terms) if terms else "no mask"

@@ -1,0 +1,1235 @@
+"""The mask-function compiler: FlexAttention-style ``mask_mod`` / ``score_mod`` functions traced
+into a small graph and generated as Triton code for the kernels, or evaluated with torch
+operations on an index grid.
+
+A function is called once with symbolic arguments (:class:`Sym`): the batch row ``b``, the
+query head ``h``, the query and key positions ``q_idx`` / ``kv_idx`` (integers) and, for a
+score function, the scaled ``score`` (float). Every operation on them records a node; tensors
+the function reads (a per-head table, document ids, through closures or fields) become
+*parameters*, indexed by index expressions; every Python number in the graph becomes a runtime
+argument. So the generated code depends only on the graph's structure: new numbers, new
+tensor values, new lengths and in-place changes need no new compilation and are always seen.
+
+What cannot be compiled is refused when traced, with the function's name and the operator: a
+Python ``if``, ``and``, ``or`` or ``bool()`` on a traced value (a data-dependent branch), and
+any operator outside :data:`SUPPORTED`.
+
+Nothing here knows about bias classes: the front-end hands in plain callables.
+
+Shape legend (grid evaluation): ``B`` batch, ``H`` heads, ``L`` queries, ``S`` keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import itertools
+import linecache
+import math
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SUPPORTED",
+    "CompiledMods",
+    "ModTraceError",
+    "Sym",
+    "TracedMods",
+    "jit_from_source",
+    "trace_mods",
+    "with_flat_mods",
+]
+
+INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
+
+
+class ModTraceError(TypeError):
+    """A mask or score function uses something the compiler cannot turn into kernel code."""
+
+
+def _way_out(name: str) -> str:
+    return (
+        f"write {name} with tensor operations only (torch.where for choices, & | ~ for logic), "
+        f"or give the bias a materialize() and needs_materialization() -> True to run it "
+        f"unfused"
+    )
+
+
+# -- the graph ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation: ``op`` on ``args`` (node ids, or for "input" / "const" / "load" their own
+    payload), giving a value of ``kind`` ("bool", "int" or "float")."""
+
+    op: str
+    args: tuple[Any, ...]
+    kind: str
+
+
+_KIND_OF_DTYPE = {
+    torch.bool: "bool",
+    torch.uint8: "int",
+    torch.int8: "int",
+    torch.int16: "int",
+    torch.int32: "int",
+    torch.int64: "int",
+    torch.float16: "float",
+    torch.bfloat16: "float",
+    torch.float32: "float",
+    torch.float64: "float",
+}
+
+
+def _promote(*kinds: str) -> str:
+    if "float" in kinds:
+        return "float"
+    return "int"
+
+
+class _Tracer:
+    def __init__(self, name: str) -> None:
+        self.name = name  # the function's name, for errors
+        self.nodes: list[Node] = []
+        self.memo: dict[Node, int] = {}
+        self.params: list[Tensor] = []
+        self.consts: list[int | float] = []
+
+    def add(self, op: str, args: tuple[Any, ...], kind: str) -> Sym:
+        node = Node(op, args, kind)
+        found = self.memo.get(node)
+        if found is None:
+            found = self.memo[node] = len(self.nodes)
+            self.nodes.append(node)
+        return Sym(self, found)
+
+    def const(self, value: Any) -> Sym:
+        if isinstance(value, bool):
+            return self.add("bool", (bool(value),), "bool")
+        if isinstance(value, numbers.Integral):
+            value = int(value)
+            kind = "int"
+        elif isinstance(value, numbers.Real):
+            value = float(value)
+            kind = "float"
+        else:
+            raise self.error(f"a value of type {type(value).__name__} ({value!r})")
+        for slot, known in enumerate(self.consts):
+            if type(known) is type(value) and (
+                known == value or (math.isnan(value) and math.isnan(known))
+            ):
+                return self.add("const", (slot,), kind)
+        self.consts.append(value)
+        return self.add("const", (len(self.consts) - 1,), kind)
+
+    def lift(self, value: Any) -> Sym:
+        """A traced value for an operand: a Sym as it is, a number as a runtime constant, a
+        tensor of one element as a parameter read at its only element."""
+        if isinstance(value, Sym):
+            if value.tracer is not self:
+                raise self.error("a value traced by another function")
+            return value
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise self.error(
+                    f"a tensor of shape {tuple(value.shape)} used as a whole (index it with "
+                    f"the index arguments, e.g. table[h, kv_idx - q_idx])"
+                )
+            return self.load(value, [0] * value.dim())
+        return self.const(value)
+
+    def param(self, tensor: Tensor) -> int:
+        for slot, known in enumerate(self.params):
+            if known is tensor:
+                return slot
+        if tensor.dtype not in _KIND_OF_DTYPE:
+            raise self.error(f"a tensor of dtype {tensor.dtype}")
+        self.params.append(tensor)
+        return len(self.params) - 1
+
+    def load(self, tensor: Tensor, index: Sequence[Any]) -> Sym:
+        if len(index) != tensor.dim():
+            raise self.error(
+                f"indexing a tensor of shape {tuple(tensor.shape)} with {len(index)} indices "
+                f"(give one index per dimension, so that each score reads one element)"
+            )
+        ids = []
+        for item in index:
+            sym = self.lift(item)
+            if sym.kind == "float":
+                raise self.error("indexing a tensor with a float value")
+            ids.append(sym.node)
+        slot = self.param(tensor)
+        return self.add("load", (slot, *ids), _KIND_OF_DTYPE[tensor.dtype])
+
+    def error(self, what: str) -> ModTraceError:
+        return ModTraceError(f"{self.name}: {what} cannot be compiled into the kernels; "
+                             f"{_way_out(self.name)}")  # fmt: skip
+
+
+def _arith(a: str, b: str) -> str:
+    return _promote(a, b)
+
+
+def _true_div(a: str, b: str) -> str:
+    return "float"
+
+
+def _compare(a: str, b: str) -> str:
+    return "bool"
+
+
+def _logic(a: str, b: str) -> str:
+    if a == "float" or b == "float":
+        raise ModTraceError("&, | and ^ take booleans or integers, not floats")
+    return "bool" if a == b == "bool" else "int"
+
+
+class Sym:
+    """A traced value: an index, the score, or what a function computed from them."""
+
+    __slots__ = ("node", "tracer")
+
+    def __init__(self, tracer: _Tracer, node: int) -> None:
+        self.tracer = tracer
+        self.node = node
+
+    @property
+    def kind(self) -> str:
+        return self.tracer.nodes[self.node].kind
+
+    def _op(self, other: Any, op: str, rule: Callable[[str, str], str], swap: bool = False) -> Sym:
+        tracer = self.tracer
+        a, b = self, tracer.lift(other)
+        if swap:
+            a, b = b, a
+        return tracer.add(op, (a.node, b.node), rule(a.kind, b.kind))
+
+    def __add__(self, other: Any) -> Sym:
+        return self._op(other, "add", _arith)
+
+    def __radd__(self, other: Any) -> Sym:
+        return self._op(other, "add", _arith, swap=True)
+
+    def __sub__(self, other: Any) -> Sym:
+        return self._op(other, "sub", _arith)
+
+    def __rsub__(self, other: Any) -> Sym:
+        return self._op(other, "sub", _arith, swap=True)
+
+    def __mul__(self, other: Any) -> Sym:
+        return self._op(other, "mul", _arith)
+
+    def __rmul__(self, other: Any) -> Sym:
+        return self._op(other, "mul", _arith, swap=True)
+
+    def __truediv__(self, other: Any) -> Sym:
+        return self._op(other, "truediv", _true_div)
+
+    def __rtruediv__(self, other: Any) -> Sym:
+        return self._op(other, "truediv", _true_div, swap=True)
+
+    def __floordiv__(self, other: Any) -> Sym:
+        return self._op(other, "floordiv", _arith)
+
+    def __rfloordiv__(self, other: Any) -> Sym:
+        return self._op(other, "floordiv", _arith, swap=True)
+
+    def __mod__(self, other: Any) -> Sym:
+        return self._op(other, "mod", _arith)
+
+    def __rmod__(self, other: Any) -> Sym:
+        return self._op(other, "mod", _arith, swap=True)
+
+    def __and__(self, other: Any) -> Sym:
+        return self._op(other, "and", _logic)
+
+    def __rand__(self, other: Any) -> Sym:
+        return self._op(other, "and", _logic, swap=True)
+
+    def __or__(self, other: Any) -> Sym:
+        return self._op(other, "or", _logic)
+
+    def __ror__(self, other: Any) -> Sym:
+        return self._op(other, "or", _logic, swap=True)
+
+    def __xor__(self, other: Any) -> Sym:
+        return self._op(other, "xor", _logic)
+
+    def __rxor__(self, other: Any) -> Sym:
+        return self._op(other, "xor", _logic, swap=True)
+
+    def __lt__(self, other: Any) -> Sym:
+        return self._op(other, "lt", _compare)
+
+    def __le__(self, other: Any) -> Sym:
+        return self._op(other, "le", _compare)
+
+    def __gt__(self, other: Any) -> Sym:
+        return self._op(other, "gt", _compare)
+
+    def __ge__(self, other: Any) -> Sym:
+        return self._op(other, "ge", _compare)
+
+    def __eq__(self, other: Any) -> Sym:  # type: ignore[override]
+        return self._op(other, "eq", _compare)
+
+    def __ne__(self, other: Any) -> Sym:  # type: ignore[override]
+        return self._op(other, "ne", _compare)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __neg__(self) -> Sym:
+        return self.tracer.add("neg", (self.node,), "int" if self.kind == "bool" else self.kind)
+
+    def __pos__(self) -> Sym:
+        return self
+
+    def __abs__(self) -> Sym:
+        return self.tracer.add("abs", (self.node,), "int" if self.kind == "bool" else self.kind)
+
+    def __invert__(self) -> Sym:
+        if self.kind == "float":
+            raise self.tracer.error("~ of a float value")
+        return self.tracer.add("not" if self.kind == "bool" else "invert", (self.node,), self.kind)
+
+    def __pow__(self, other: Any) -> Sym:
+        raise self.tracer.error("the ** operator")
+
+    __rpow__ = __pow__
+
+    def __bool__(self) -> bool:
+        raise ModTraceError(
+            f"{self.tracer.name}: a Python if, and, or, not or bool() on a value computed from "
+            f"the indices or the score is a data-dependent branch, which cannot be compiled "
+            f"into the kernels; {_way_out(self.tracer.name)}"
+        )
+
+    def __index__(self) -> int:
+        raise self.tracer.error("a traced value used as a Python integer (e.g. in range())")
+
+    __int__ = __float__ = __index__
+
+    def __iter__(self) -> Any:
+        raise self.tracer.error("iterating over a traced value")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise self.tracer.error("indexing a traced value (index the tensor parameter instead)")
+
+    def __repr__(self) -> str:
+        node = self.tracer.nodes[self.node]
+        return f"Sym({node.op}, kind={node.kind})"
+
+    # -- tensor methods FlexAttention functions use -----------------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> Sym:
+        dtype = kwargs.get("dtype")
+        for arg in args:
+            if isinstance(arg, torch.dtype):
+                dtype = arg
+        if dtype is None:
+            return self  # a device move
+        return _cast(self, dtype)
+
+    def float(self) -> Sym:
+        return _cast(self, torch.float32)
+
+    def double(self) -> Sym:
+        return _cast(self, torch.float64)
+
+    def half(self) -> Sym:
+        return _cast(self, torch.float16)
+
+    def bfloat16(self) -> Sym:
+        return _cast(self, torch.bfloat16)
+
+    def int(self) -> Sym:
+        return _cast(self, torch.int32)
+
+    def long(self) -> Sym:
+        return _cast(self, torch.int64)
+
+    def bool(self) -> Sym:
+        return _cast(self, torch.bool)
+
+    def abs(self) -> Sym:
+        return abs(self)
+
+    def clamp(self, min: Any = None, max: Any = None) -> Sym:
+        return _clamp(self, min, max)
+
+    clip = clamp
+
+    def clamp_min(self, min: Any) -> Sym:
+        return _clamp(self, min, None)
+
+    def clamp_max(self, max: Any) -> Sym:
+        return _clamp(self, None, max)
+
+    def exp(self) -> Sym:
+        return _unary_float(self, "exp")
+
+    def log(self) -> Sym:
+        return _unary_float(self, "log")
+
+    def tanh(self) -> Sym:
+        return _unary_float(self, "tanh")
+
+    def sqrt(self) -> Sym:
+        return _unary_float(self, "sqrt")
+
+    def sigmoid(self) -> Sym:
+        return _unary_float(self, "sigmoid")
+
+    def logical_not(self) -> Sym:
+        return ~_cast(self, torch.bool)
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tracer = next(
+            a.tracer for a in _flat((args, kwargs)) if isinstance(a, Sym)
+        )  # some argument is traced, or this would not be called
+        handler = _TORCH_FUNCTIONS.get(func)
+        if handler is None:
+            name = getattr(func, "__name__", repr(func))
+            raise tracer.error(f"the operator {name}")
+        return handler(tracer, *args, **kwargs)
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for item in value for x in _flat(item)]
+    if isinstance(value, dict):
+        return [x for item in value.values() for x in _flat(item)]
+    return [value]
+
+
+def _cast(value: Sym, dtype: torch.dtype) -> Sym:
+    kind = _KIND_OF_DTYPE.get(dtype)
+    if kind is None:
+        raise value.tracer.error(f"a cast to {dtype}")
+    width = 64 if dtype == torch.int64 else 32
+    return value.tracer.add("cast", (value.node, kind, width), kind)
+
+
+def _unary_float(value: Sym, op: str) -> Sym:
+    return value.tracer.add(op, (value.tracer.lift(value).node,), "float")
+
+
+def _clamp(value: Any, low: Any, high: Any) -> Sym:
+    if isinstance(low, Tensor) or isinstance(high, Tensor):
+        tensor = low if isinstance(low, Tensor) else high
+        if not isinstance(value, Sym):
+            raise ModTraceError(f"clamp of a tensor of shape {tuple(tensor.shape)}")
+    tracer = value.tracer
+    result = tracer.lift(value)
+    if low is not None:
+        result = _minmax(tracer, "maximum", result, low)
+    if high is not None:
+        result = _minmax(tracer, "minimum", result, high)
+    return result
+
+
+def _minmax(tracer: _Tracer, op: str, a: Any, b: Any) -> Sym:
+    x, y = tracer.lift(a), tracer.lift(b)
+    return tracer.add(op, (x.node, y.node), _promote(x.kind, y.kind))
+
+
+def _where(tracer: _Tracer, condition: Any, a: Any, b: Any) -> Sym:
+    c = tracer.lift(condition)
+    if c.kind != "bool":
+        c = _cast(c, torch.bool)
+    x, y = tracer.lift(a), tracer.lift(b)
+    kind = "bool" if x.kind == y.kind == "bool" else _promote(x.kind, y.kind)
+    return tracer.add("where", (c.node, x.node, y.node), kind)
+
+
+def _getitem(tracer: _Tracer, tensor: Any, index: Any) -> Any:
+    if not isinstance(tensor, Tensor):
+        raise tracer.error("indexing something that is not a tensor parameter")
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(not isinstance(i, (Sym, numbers.Integral)) or isinstance(i, bool) for i in items):
+        raise tracer.error(
+            "indexing a tensor with slices, None, Ellipsis or tensors (give one integer index "
+            "per dimension)"
+        )
+    if len(items) < tensor.dim():
+        return _Partial(tracer, tensor, items)
+    return tracer.load(tensor, items)
+
+
+@dataclass
+class _Partial:
+    """A tensor parameter indexed in fewer dimensions than it has (``docs[b]``): indexed
+    again (``docs[b][q_idx]``) it reads one element."""
+
+    tracer: _Tracer
+    tensor: Tensor
+    index: list[Any]
+
+    def __getitem__(self, index: Any) -> Any:
+        items = list(index) if isinstance(index, tuple) else [index]
+        return _getitem(self.tracer, self.tensor, tuple(self.index + items))
+
+    def __getattr__(self, name: str) -> Any:
+        raise self.tracer.error(
+            f"a tensor indexed in {len(self.index)} of its {self.tensor.dim()} dimensions "
+            f"(.{name}); index every dimension"
+        )
+
+
+def _unary_torch(op: str) -> Callable[..., Sym]:
+    def handler(tracer: _Tracer, value: Any, *, out: Any = None) -> Sym:
+        if out is not None:
+            raise tracer.error(f"{op}(..., out=...)")
+        return _unary_float(tracer.lift(value), op)
+
+    return handler
+
+
+def _binary_torch(method: str) -> Callable[..., Sym]:
+    def handler(tracer: _Tracer, a: Any, b: Any) -> Sym:
+        return getattr(tracer.lift(a), method)(b)
+
+    return handler
+
+
+def _to(tracer: _Tracer, value: Any, *args: Any, **kwargs: Any) -> Sym:
+    return tracer.lift(value).to(*args, **kwargs)
+
+
+def _method(name: str) -> Callable[..., Sym]:
+    def handler(tracer: _Tracer, value: Any, *args: Any, **kwargs: Any) -> Sym:
+        return getattr(tracer.lift(value), name)(*args, **kwargs)
+
+    return handler
+
+
+def _not_supported(name: str) -> Callable[..., Sym]:
+    def handler(tracer: _Tracer, *args: Any, **kwargs: Any) -> Sym:
+        raise tracer.error(f"the operator {name}")
+
+    return handler
+
+
+def _torch_functions() -> dict[Any, Callable[..., Any]]:
+    table: dict[Any, Callable[..., Any]] = {
+        torch.where: lambda tracer, c, a, b: _where(tracer, c, a, b),
+        torch.minimum: lambda tracer, a, b: _minmax(tracer, "minimum", a, b),
+        torch.maximum: lambda tracer, a, b: _minmax(tracer, "maximum", a, b),
+        torch.clamp: lambda tracer, x, min=None, max=None: _clamp(tracer.lift(x), min, max),
+        torch.clip: lambda tracer, x, min=None, max=None: _clamp(tracer.lift(x), min, max),
+        torch.abs: lambda tracer, x: abs(tracer.lift(x)),
+        torch.logical_not: lambda tracer, x: ~_cast(tracer.lift(x), torch.bool),
+        torch.logical_and: lambda tracer, a, b: (
+            _cast(tracer.lift(a), torch.bool) & _cast(tracer.lift(b), torch.bool)
+        ),
+        torch.logical_or: lambda tracer, a, b: (
+            _cast(tracer.lift(a), torch.bool) | _cast(tracer.lift(b), torch.bool)
+        ),
+        torch.floor_divide: _binary_torch("__floordiv__"),
+        torch.remainder: _binary_torch("__mod__"),
+        torch.add: _binary_torch("__add__"),
+        torch.sub: _binary_torch("__sub__"),
+        torch.mul: _binary_torch("__mul__"),
+        torch.div: lambda tracer, a, b, rounding_mode=None: (
+            tracer.lift(a) / b
+            if rounding_mode is None
+            else tracer.lift(a) // b
+            if rounding_mode == "floor"
+            else _not_supported("div(rounding_mode='trunc')")(tracer)
+        ),
+        torch.eq: _binary_torch("__eq__"),
+        torch.ne: _binary_torch("__ne__"),
+        torch.lt: _binary_torch("__lt__"),
+        torch.le: _binary_torch("__le__"),
+        torch.gt: _binary_torch("__gt__"),
+        torch.ge: _binary_torch("__ge__"),
+        Tensor.__getitem__: _getitem,
+        Tensor.to: _to,
+        Tensor.__bool__: lambda tracer, x: bool(tracer.lift(x)),
+    }
+    for name in ("exp", "log", "tanh", "sqrt", "sigmoid"):
+        table[getattr(torch, name)] = _unary_torch(name)
+        table[getattr(Tensor, name)] = _unary_torch(name)
+    for name in ("float", "double", "half", "bfloat16", "int", "long", "bool", "abs"):
+        table[getattr(Tensor, name)] = _method(name)
+    for name in ("clamp", "clip", "clamp_min", "clamp_max"):
+        table[getattr(Tensor, name)] = _method(name)
+    # Python operators reach here when a plain tensor is the left operand (table + sym)
+    operators = {
+        "__add__": "__radd__", "__radd__": "__add__", "__sub__": "__rsub__",
+        "__rsub__": "__sub__", "__mul__": "__rmul__", "__rmul__": "__mul__",
+        "__truediv__": "__rtruediv__", "__rtruediv__": "__truediv__",
+        "__floordiv__": "__rfloordiv__", "__rfloordiv__": "__floordiv__",
+        "__mod__": "__rmod__", "__rmod__": "__mod__", "__and__": "__rand__",
+        "__rand__": "__and__", "__or__": "__ror__", "__ror__": "__or__",
+        "__lt__": "__gt__", "__le__": "__ge__", "__gt__": "__lt__", "__ge__": "__le__",
+        "__eq__": "__eq__", "__ne__": "__ne__",
+    }  # fmt: skip
+    for name, mirrored in operators.items():
+
+        def handler(tracer: _Tracer, a: Any, b: Any, mirrored: str = mirrored) -> Sym:
+            # ``a`` is a tensor (or a Sym when the mirrored form was tried first)
+            if isinstance(a, Sym):
+                return getattr(a, {v: k for k, v in operators.items()}[mirrored])(b)
+            return getattr(tracer.lift(b), mirrored)(a)
+
+        table[getattr(Tensor, name)] = handler
+    return table
+
+
+_TORCH_FUNCTIONS = _torch_functions()
+
+#: What a mask or score function may use, in words (for the documentation and errors).
+SUPPORTED = (
+    "+ - * / // % on numbers and indices, comparisons, & | ^ ~, abs, torch.where, "
+    "torch.minimum / maximum, clamp, exp, log, tanh, sqrt, sigmoid, casts (.to(dtype), .float(), "
+    ".long(), ...), and tensor parameters indexed with one index expression per dimension"
+)
+
+
+# -- tracing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class TracedFunction:
+    """One traced function: its result node, and which of the index inputs it reads."""
+
+    name: str
+    result: int
+    reads: frozenset[str]
+
+
+@dataclass(eq=False)
+class TracedMods:
+    """Mask functions (kept where all of them keep) and score functions (applied in order),
+    traced into one graph with their parameters and runtime numbers.
+
+    ``params`` are the tensors the functions read (each ``(param, sizes..., strides...)`` at
+    run time); ``consts`` the Python numbers, runtime arguments as well."""
+
+    nodes: list[Node]
+    masks: list[TracedFunction]
+    scores: list[TracedFunction]
+    params: list[Tensor]
+    consts: list[int | float]
+    inputs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def structure(self) -> tuple[object, ...]:
+        """What the generated code depends on (not the numbers, nor the tensors' values)."""
+        return (
+            tuple(self.nodes),
+            tuple(f.result for f in self.masks),
+            tuple(f.result for f in self.scores),
+            tuple((p.dtype, p.dim()) for p in self.params),
+            tuple(type(c) for c in self.consts),
+        )
+
+    def reads(self) -> frozenset[str]:
+        """The index inputs the masks read ("b", "h", "q_idx", "kv_idx")."""
+        return frozenset().union(*(f.reads for f in self.masks))
+
+    def score_reads(self) -> frozenset[str]:
+        return frozenset().union(*(f.reads for f in self.scores))
+
+    def runtime_args(self) -> list[Any]:
+        """The flat runtime arguments of the generated code: the constants, then per parameter
+        its tensor, sizes and strides."""
+        args: list[Any] = list(self.consts)
+        for param in self.params:
+            args.append(param)
+            args.extend(int(n) for n in param.shape)
+            args.extend(int(s) for s in param.stride())
+        return args
+
+    # -- evaluation with torch operations on a grid -------------------------------------------
+
+    def _evaluate(self, wanted: Sequence[int], values: dict[str, Tensor]) -> list[Tensor]:
+        cache: dict[int, Any] = {}
+        for name, node_id in self.inputs.items():
+            if name in values:
+                cache[node_id] = values[name]
+        needed = set().union(*(self._ancestors(i) for i in wanted))
+        for node_id in sorted(needed - set(cache)):  # a node comes after its inputs
+            cache[node_id] = _TORCH_EVAL[self.nodes[node_id].op](self, self.nodes[node_id], cache)
+        return [cache[i] for i in wanted]
+
+    def mask_grid(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
+        """The masks on broadcast int64 index tensors: bool, their broadcast shape (``None``
+        without masks)."""
+        if not self.masks:
+            return None
+        values = dict(zip(INDEX_NAMES, (b, h, q_idx, kv_idx), strict=True))
+        results = self._evaluate([f.result for f in self.masks], values)
+        keep = torch.ones((), dtype=torch.bool, device=q_idx.device)
+        for result in results:
+            keep = keep & torch.as_tensor(result, device=q_idx.device).bool()
+        return keep
+
+    def score_grid(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        """The score functions applied in order to ``score`` (differentiable in the score and
+        in the parameters)."""
+        if not self.scores:
+            return score
+        values = dict(zip(INDEX_NAMES, (b, h, q_idx, kv_idx), strict=True), score=score)
+        # each score function was traced on the result of the one before: the last is all
+        (result,) = self._evaluate([self.scores[-1].result], values)
+        return result
+
+    def additive_score(self) -> bool:
+        """Whether the score functions only add something that does not depend on the score
+        (``score + g(b, h, q_idx, kv_idx)``, chained), so that they have an additive form:
+        :meth:`score_grid` of a zero score."""
+        start = current = self.inputs["score"]
+        for function in self.scores:
+            result = function.result
+            if result == current:
+                continue
+            node = self.nodes[result]
+            if node.op == "add" and current in node.args:
+                other = node.args[1] if node.args[0] == current else node.args[0]
+            elif node.op == "sub" and node.args[0] == current:
+                other = node.args[1]
+            else:
+                return False
+            if {start, current} & self._ancestors(other):
+                return False
+            current = result
+        return True
+
+    def _ancestors(self, node_id: int) -> set[int]:
+        seen: set[int] = set()
+        stack = [node_id]
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            node = self.nodes[current]
+            stack.extend(_node_inputs(node))
+        return seen
+
+
+def _node_inputs(node: Node) -> list[int]:
+    if node.op in ("input", "const", "bool"):
+        return []
+    if node.op == "load":
+        return list(node.args[1:])
+    if node.op == "cast":
+        return [node.args[0]]
+    return list(node.args)
+
+
+def _eval_load(traced: TracedMods, node: Node, cache: dict[int, Any]) -> Tensor:
+    tensor = traced.params[node.args[0]]
+    index = []
+    for dim, arg in enumerate(node.args[1:]):
+        value = torch.as_tensor(cache[arg], device=tensor.device)
+        index.append(value.clamp(0, tensor.shape[dim] - 1))
+    return tensor[tuple(index)] if index else tensor
+
+
+def _eval_cast(traced: TracedMods, node: Node, cache: dict[int, Any]) -> Tensor:
+    value = torch.as_tensor(cache[node.args[0]])
+    kind, width = node.args[1], node.args[2]
+    if kind == "bool":
+        return value != 0
+    if kind == "int":
+        return value.to(torch.int64 if width == 64 else torch.int32)
+    return value.to(torch.float64 if value.dtype == torch.float64 else torch.float32)
+
+
+def _floordiv(a: Any, b: Any) -> Any:
+    return torch.div(torch.as_tensor(a), b, rounding_mode="floor")
+
+
+def _torch_eval() -> dict[str, Callable[[TracedMods, Node, dict[int, Any]], Any]]:
+    def binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+        return lambda traced, node, cache: fn(cache[node.args[0]], cache[node.args[1]])
+
+    def unary(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        return lambda traced, node, cache: fn(torch.as_tensor(cache[node.args[0]]))
+
+    def as_float(x: Any) -> Tensor:
+        x = torch.as_tensor(x)
+        return x if x.is_floating_point() else x.to(torch.float32)
+
+    return {
+        "const": lambda traced, node, cache: traced.consts[node.args[0]],
+        "bool": lambda traced, node, cache: node.args[0],
+        "load": _eval_load,
+        "cast": _eval_cast,
+        "add": binary(lambda a, b: a + b),
+        "sub": binary(lambda a, b: a - b),
+        "mul": binary(lambda a, b: a * b),
+        "truediv": binary(lambda a, b: as_float(a) / b),
+        "floordiv": binary(_floordiv),
+        "mod": binary(lambda a, b: torch.remainder(torch.as_tensor(a), b)),
+        "and": binary(lambda a, b: torch.as_tensor(a) & b),
+        "or": binary(lambda a, b: torch.as_tensor(a) | b),
+        "xor": binary(lambda a, b: torch.as_tensor(a) ^ b),
+        "lt": binary(lambda a, b: torch.as_tensor(a) < b),
+        "le": binary(lambda a, b: torch.as_tensor(a) <= b),
+        "gt": binary(lambda a, b: torch.as_tensor(a) > b),
+        "ge": binary(lambda a, b: torch.as_tensor(a) >= b),
+        "eq": binary(lambda a, b: torch.as_tensor(a) == b),
+        "ne": binary(lambda a, b: torch.as_tensor(a) != b),
+        "neg": unary(lambda a: -a.to(torch.int64) if a.dtype == torch.bool else -a),
+        "abs": unary(torch.abs),
+        "not": unary(torch.logical_not),
+        "invert": unary(torch.bitwise_not),
+        "minimum": binary(lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b))),
+        "maximum": binary(lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b))),
+        "where": lambda traced, node, cache: torch.where(
+            torch.as_tensor(cache[node.args[0]]),
+            torch.as_tensor(cache[node.args[1]]),
+            torch.as_tensor(cache[node.args[2]]),
+        ),
+        "exp": unary(lambda a: torch.exp(as_float(a))),
+        "log": unary(lambda a: torch.log(as_float(a))),
+        "tanh": unary(lambda a: torch.tanh(as_float(a))),
+        "sqrt": unary(lambda a: torch.sqrt(as_float(a))),
+        "sigmoid": unary(lambda a: torch.sigmoid(as_float(a))),
+    }
+
+
+_TORCH_EVAL = _torch_eval()
+
+
+def _function_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    return str(name)
+
+
+def trace_mods(
+    masks: Sequence[Callable[..., Any]], scores: Sequence[Callable[..., Any]]
+) -> TracedMods:
+    """Trace mask functions ``f(b, h, q_idx, kv_idx) -> bool`` and score functions
+    ``f(score, b, h, q_idx, kv_idx) -> score`` into one graph. Raises :class:`ModTraceError`
+    naming the function and the operator it cannot compile."""
+    tracer = _Tracer("?")
+    inputs = {name: tracer.add("input", (name,), "int").node for name in INDEX_NAMES}
+    inputs["score"] = tracer.add("input", ("score",), "float").node
+    index_syms = [Sym(tracer, inputs[name]) for name in INDEX_NAMES]
+    traced_masks, traced_scores = [], []
+    score: Sym = Sym(tracer, inputs["score"])
+    for fn in masks:
+        tracer.name = f"mask_mod {_function_name(fn)}"
+        result = tracer.lift(_call(tracer, fn, index_syms))
+        if result.kind != "bool":
+            result = _cast(result, torch.bool)
+        traced_masks.append(_traced(tracer, result.node, inputs))
+    for fn in scores:
+        tracer.name = f"score_mod {_function_name(fn)}"
+        result = tracer.lift(_call(tracer, fn, [score, *index_syms]))
+        if result.kind != "float":
+            result = _cast(result, torch.float32)
+        traced_scores.append(_traced(tracer, result.node, inputs))
+        score = result
+    return TracedMods(
+        tracer.nodes, traced_masks, traced_scores, tracer.params, tracer.consts, inputs
+    )
+
+
+def _call(tracer: _Tracer, fn: Callable[..., Any], args: list[Sym]) -> Any:
+    try:
+        return fn(*args)
+    except ModTraceError:
+        raise
+    except (TypeError, RuntimeError, IndexError, ValueError, AttributeError) as exc:
+        raise ModTraceError(
+            f"{tracer.name} failed while being traced ({type(exc).__name__}: {exc}); it may use "
+            f"an operator outside what the kernels compile ({SUPPORTED}); "
+            f"{_way_out(tracer.name)}"
+        ) from exc
+
+
+def _traced(tracer: _Tracer, result: int, inputs: dict[str, int]) -> TracedFunction:
+    reads = set()
+    stack, seen = [result], set()
+    index_ids = {inputs[name]: name for name in INDEX_NAMES}
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current in index_ids:
+            reads.add(index_ids[current])
+        stack.extend(_node_inputs(tracer.nodes[current]))
+    return TracedFunction(tracer.name, result, frozenset(reads))
+
+
+# -- Triton code -------------------------------------------------------------------------------
+
+_HEADER = """\
+import triton
+import triton.language as tl
+
+from attnbias.kernels.common import _tanh
+
+
+@triton.jit
+def _floordiv(a, b):
+    q = a // b
+    r = a - q * b
+    return q - ((r != 0) & ((r < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def _floormod(a, b):
+    r = a % b
+    return r + tl.where((r != 0) & ((r < 0) != (b < 0)), b, 0)
+"""
+
+
+class _Emitter:
+    """Writes the Triton statements of a graph's nodes, each once, as local variables."""
+
+    def __init__(self, traced: TracedMods) -> None:
+        self.traced = traced
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.tangents: dict[int, str | None] = {}  # d node / d score: None is 0, "1" is one
+        # where each parameter's runtime arguments start in the flat argument tuple
+        self.param_slot: list[int] = []
+        slot = len(traced.consts)
+        for param in traced.params:
+            self.param_slot.append(slot)
+            slot += 1 + 2 * param.dim()
+
+    def bind_inputs(self, names: dict[str, str]) -> None:
+        for name, var in names.items():
+            self.names[self.traced.inputs[name]] = var
+        self.tangents[self.traced.inputs["score"]] = "1"
+
+    def value(self, node_id: int, tangent: bool = False) -> str:
+        if node_id not in self.names:
+            node = self.traced.nodes[node_id]
+            for arg in _node_inputs(node):
+                self.value(arg, tangent)
+            var = f"v{node_id}"
+            self.lines.append(f"{var} = {self._expr(node)}")
+            self.names[node_id] = var
+            if tangent:
+                self.tangents[node_id] = self._tangent(node_id, node)
+        elif tangent and node_id not in self.tangents:
+            self.tangents[node_id] = None
+        return self.names[node_id]
+
+    def _expr(self, node: Node) -> str:
+        op, args = node.op, node.args
+        n = self.names
+        if op == "const":
+            return f"MOD[{args[0]}]"
+        if op == "bool":
+            return "True" if args[0] else "False"
+        if op == "load":
+            slot = self.param_slot[args[0]]
+            dims = len(args) - 1
+            offset = "0"
+            for dim, index in enumerate(args[1:]):
+                size = f"MOD[{slot + 1 + dim}]"
+                stride = f"MOD[{slot + 1 + dims + dim}]"
+                clamped = f"tl.minimum(tl.maximum({n[index]}, 0), {size} - 1)"
+                offset = f"{offset} + {clamped}.to(tl.int64) * {stride}"
+            load = f"tl.load(MOD[{slot}] + {offset})"
+            return f"{load}.to(tl.float32)" if node.kind == "float" else load
+        if op == "cast":
+            kind, width = args[1], args[2]
+            source = self.traced.nodes[args[0]].kind
+            if kind == "bool":
+                return f"({n[args[0]]} != 0)"
+            if kind == "int":
+                return f"{n[args[0]]}.to(tl.int{width})"
+            return f"{n[args[0]]}.to(tl.float32)" if source != "float" else n[args[0]]
+        binary = {
+            "add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
+            "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+        }  # fmt: skip
+        if op in binary:
+            return f"({n[args[0]]} {binary[op]} {n[args[1]]})"
+        if op == "truediv":
+            return f"({n[args[0]]}.to(tl.float32) / {n[args[1]]})"
+        if op in ("floordiv", "mod"):
+            a, b = args
+            if node.kind == "int":
+                helper = "_floordiv" if op == "floordiv" else "_floormod"
+                return f"{helper}({n[a]}, {n[b]})"
+            quotient = f"tl.floor({n[a]}.to(tl.float32) / {n[b]})"
+            return quotient if op == "floordiv" else f"({n[a]} - {quotient} * {n[b]})"
+        if op == "neg":
+            return f"(0 - {n[args[0]]})"
+        if op == "abs":
+            return f"tl.abs({n[args[0]]})"
+        if op == "not":
+            return f"({n[args[0]]} == 0)"
+        if op == "invert":
+            return f"(~{n[args[0]]})"
+        if op in ("minimum", "maximum"):
+            return f"tl.{op}({n[args[0]]}, {n[args[1]]})"
+        if op == "where":
+            return f"tl.where({n[args[0]]}, {n[args[1]]}, {n[args[2]]})"
+        x = f"{n[args[0]]}.to(tl.float32)"
+        return {
+            "exp": f"tl.exp({x})",
+            "log": f"tl.log({x})",
+            "tanh": f"_tanh({x}, 0)",
+            "sqrt": f"tl.sqrt({x})",
+            "sigmoid": f"(1.0 / (1.0 + tl.exp(0.0 - {x})))",
+        }[op]
+
+    def _tangent(self, node_id: int, node: Node) -> str | None:
+        """``d node / d score`` as an expression of earlier variables (None: zero)."""
+        op, args = node.op, node.args
+        if node.kind != "float" or op in ("const", "load"):
+            return None
+        t = [self.tangents.get(a) for a in _node_inputs(node)]
+        n = self.names
+        var = n[node_id]
+
+        def scaled(tangent: str | None, factor: str) -> str | None:
+            if tangent is None:
+                return None
+            return factor if tangent == "1" else f"({tangent} * {factor})"
+
+        def plus(a: str | None, b: str | None, sign: str = "+") -> str | None:
+            if b is None:
+                return a
+            if a is None:
+                return b if sign == "+" else f"(0.0 - {b})"
+            return f"({a} {sign} {b})"
+
+        if op == "cast":
+            return t[0]
+        if op == "add":
+            return plus(t[0], t[1])
+        if op == "sub":
+            return plus(t[0], t[1], "-")
+        if op == "mul":
+            return plus(scaled(t[0], n[args[1]]), scaled(t[1], n[args[0]]))
+        if op == "truediv":
+            a, b = n[args[0]], n[args[1]]
+            return plus(scaled(t[0], f"(1.0 / {b})"), scaled(t[1], f"(0.0 - {a} / ({b} * {b}))"))
+        if op == "neg":
+            return None if t[0] is None else f"(0.0 - {t[0]})"
+        if op == "abs":
+            return None if t[0] is None else f"tl.where({n[args[0]]} < 0, 0.0 - {t[0]}, {t[0]})"
+        if op in ("minimum", "maximum"):
+            if t[0] is None and t[1] is None:
+                return None
+            cmp = "<=" if op == "minimum" else ">="
+            first = "1.0" if t[0] == "1" else t[0] or "0.0"
+            second = "1.0" if t[1] == "1" else t[1] or "0.0"
+            return f"tl.where({n[args[0]]} {cmp} {n[args[1]]}, {first}, {second})"
+        if op == "where":
+            if t[1] is None and t[2] is None:
+                return None
+            first = "1.0" if t[1] == "1" else t[1] or "0.0"
+            second = "1.0" if t[2] == "1" else t[2] or "0.0"
+            return f"tl.where({n[args[0]]}, {first}, {second})"
+        if op in ("floordiv", "mod"):
+            return None if op == "floordiv" else t[0]
+        x = n[args[0]]
+        factor = {
+            "exp": var,
+            "log": f"(1.0 / {x})",
+            "tanh": f"(1.0 - {var} * {var})",
+            "sqrt": f"(0.5 / {var})",
+            "sigmoid": f"({var} * (1.0 - {var}))",
+        }[op]
+        return scaled(t[0], factor)
+
+
+def _generate(traced: TracedMods) -> str:
+    """The Python source of the module with the kernels' functions of ``traced``:
+
+    * ``mask_fn(b, h, q_idx, kv_idx, MOD)``: whether each pair is kept (all masks);
+    * ``score_fn(score, b, h, q_idx, kv_idx, MOD)``: the scores after every score function;
+    * ``score_grad_fn(score, ...)``: that and its derivative in ``score``.
+
+    ``MOD`` is the tuple of :meth:`TracedMods.runtime_args`.
+    """
+    parts = [_HEADER]
+    index_args = ", ".join(INDEX_NAMES)
+    names = {name: name for name in (*INDEX_NAMES, "score")}
+
+    emitter = _Emitter(traced)
+    emitter.bind_inputs(names)
+    results = [emitter.value(f.result) for f in traced.masks]
+    body = [*emitter.lines, f"return {' & '.join(results) if results else 'True'}"]
+    parts.append(_function("mask_fn", f"{index_args}, MOD", body))
+
+    for with_grad in (False, True):
+        emitter = _Emitter(traced)
+        emitter.bind_inputs(names)
+        result = "score"
+        for function in traced.scores:
+            result = emitter.value(function.result, tangent=with_grad)
+        if with_grad:
+            tangent = emitter.tangents.get(traced.scores[-1].result) if traced.scores else "1"
+            tangent = "1.0" if tangent == "1" else tangent or "0.0"
+            body = [*emitter.lines, f"return {result}, {tangent}"]
+            name = "score_grad_fn"
+        else:
+            body = [*emitter.lines, f"return {result}"]
+            name = "score_fn"
+        parts.append(_function(name, f"score, {index_args}, MOD", body))
+    return "\n".join(parts)
+
+
+def _function(name: str, params: str, body: list[str]) -> str:
+    lines = [f"@triton.jit\ndef {name}({params}):"]
+    lines += [f"    {line}" for line in body]
+    return "\n".join(lines) + "\n"
+
+
+_SOURCES: dict[str, dict[str, Any]] = {}
+_counter = itertools.count()
+
+
+def jit_from_source(
+    source: str, prefix: str, names: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Execute generated ``source`` as a module (its text registered with ``linecache``, where
+    Triton and ``inspect`` read a function's source) and return its namespace, which starts
+    with ``names``; the same source gives the same namespace, so its Triton functions compile
+    once per process."""
+    found = _SOURCES.get(source)
+    if found is not None:
+        return found
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    filename = f"<attnbias-{prefix}-{digest}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {"__name__": f"attnbias_generated_{prefix}_{digest}"}
+    namespace.update(names or {})
+    exec(compile(source, filename, "exec"), namespace)
+    _SOURCES[source] = namespace
+    return namespace
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledMods:
+    """The Triton functions of traced mask and score functions, with the runtime arguments
+    they read (``args``: the flat tuple of :meth:`TracedMods.runtime_args`)."""
+
+    traced: TracedMods
+    mask_fn: Any
+    score_fn: Any
+    score_grad_fn: Any
+    source: str
+
+    @classmethod
+    def of(cls, traced: TracedMods) -> CompiledMods:
+        source = _generate(traced)
+        namespace = jit_from_source(source, "mods")
+        return cls(
+            traced, namespace["mask_fn"], namespace["score_fn"], namespace["score_grad_fn"], source
+        )
+
+    @property
+    def has_mask(self) -> bool:
+        return bool(self.traced.masks)
+
+    @property
+    def has_score(self) -> bool:
+        return bool(self.traced.scores)
+
+    def args(self) -> list[Any]:
+        return self.traced.runtime_args()
+
+    def describe(self) -> str:
+        names = [f.name for f in (*self.traced.masks, *self.traced.scores)]
+        return "generated " + ", ".join(names)
+
+    # -- through the registered ops: functions by number, parameters and numbers as values --
+
+    def register(self) -> int:
+        """This form's number in the process's registry (the same generated code, the same
+        number), which the registered ops carry instead of the functions."""
+        key = (self.source, tuple(type(c) for c in self.traced.consts))
+        number = _REGISTERED.get(key)
+        if number is None:
+            number = _REGISTERED[key] = len(_TEMPLATES)
+            _TEMPLATES.append(self)
+        return number
+
+    def pack_into(self, tensors: list[Any], ints: list[int], floats: list[float]) -> None:
+        """Append the parameters to ``tensors`` and the numbers to ``ints`` / ``floats``."""
+        tensors.extend(self.traced.params)
+        for value in self.traced.consts:
+            if isinstance(value, int):
+                ints.append(value)
+            else:
+                floats.append(value)
+
+    @classmethod
+    def unpack_from(
+        cls, number: int, tensors: Iterator[Any], ints: Iterator[int], floats: Iterator[float]
+    ) -> CompiledMods:
+        """The form :meth:`pack_into` wrote, with registry number ``number``."""
+        template = _TEMPLATES[number]
+        old = template.traced
+        params = [next(tensors) for _ in old.params]
+        consts: list[int | float] = [
+            next(ints) if isinstance(value, int) else next(floats) for value in old.consts
+        ]
+        traced = dataclasses.replace(old, params=params, consts=consts)
+        return dataclasses.replace(template, traced=traced)
+
+
+_REGISTERED: dict[tuple[str, tuple[type, ...]], int] = {}
+_TEMPLATES: list[CompiledMods] = []
+
+
+_WRAPPERS: dict[tuple[Any, int], Any] = {}
+
+
+def with_flat_mods(kernel: Any, count: int) -> Any:
+    """A kernel that takes ``kernel``'s runtime parameter ``MOD`` (the tuple of generated
+    functions' arguments) as ``count`` flat parameters in its place and calls ``kernel`` with
+    them as one tuple: a launch, ``torch.compile``'s tracing of a launch and the compiled
+    kernel's own launcher all take flat arguments only."""
+    key = (kernel, count)
+    found = _WRAPPERS.get(key)
+    if found is not None:
+        return found
+    # the Python function's own signature (the interpreter's kernels have no ``params``)
+    params = inspect.signature(kernel.fn).parameters.values()
+    names = [p.name for p in params]
+    flat = [f"MOD{i}" for i in range(count)]
+    signature, call = [], []
+    for param in params:
+        if param.name == "MOD":
+            signature += flat
+            call.append(f"({', '.join(flat)},)" if flat else "()")
+        elif "constexpr" in str(param.annotation):
+            default = "" if param.default is inspect.Parameter.empty else " = None"
+            signature.append(f"{param.name}: tl.constexpr{default}")
+            call.append(f"{param.name}={param.name}")
+        else:
+            signature.append(param.name)
+            call.append(param.name)
+    if "MOD" not in names:
+        raise TypeError(f"{kernel} has no MOD parameter")
+    name = f"{kernel.__name__}_mods{count}"
+    source = (
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        f"def {name}({', '.join(signature)}):\n    _kernel({', '.join(call)})\n"
+    )
+    namespace = jit_from_source(source, name, {"_kernel": kernel})
+    _WRAPPERS[key] = namespace[name]
+    return namespace[name]
