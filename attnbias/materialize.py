@@ -9,6 +9,7 @@ keys, ``Ev`` value head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,9 @@ class MaskedBias:
     keep: Tensor | None
     additive: Tensor | None
     cap: float | None = None
+    # score functions (a ModBias's score_mod on the call's grid), applied in order after the
+    # additive part; like the cap, they have no tensor form
+    score_fns: tuple[Callable[[Tensor], Tensor], ...] = ()
 
     @classmethod
     def of_tensor(cls, result: Tensor, compute: torch.dtype) -> MaskedBias:
@@ -74,13 +78,24 @@ class MaskedBias:
             keep = other.keep if keep is None else keep & other.keep
         if other.additive is not None:
             additive = other.additive if additive is None else additive + other.additive
-        return MaskedBias(keep, additive, self.cap if other.cap is None else other.cap)
+        return MaskedBias(
+            keep,
+            additive,
+            self.cap if other.cap is None else other.cap,
+            self.score_fns + other.score_fns,
+        )
 
     def additive_form(self, dtype: torch.dtype) -> Tensor | None:
         """The single float tensor of ``materialize``: ``additive`` with ``-inf`` where masked
         (``None`` when nothing is masked or added)."""
         if self.cap is not None:
             raise TypeError(_SOFTCAP_HAS_NO_TENSOR)
+        if self.score_fns:
+            raise TypeError(
+                "a ModBias score_mod that is not score + something of the indices has no "
+                "additive tensor form; pass the bias to attnbias.sdpa as attn_mask instead of "
+                "materializing it"
+            )
         if self.additive is None:
             return None if self.keep is None else _keep_to_additive(self.keep, dtype)
         if self.keep is None:

@@ -178,6 +178,8 @@ def masked_reference_attention(
         scores = cap * torch.tanh(scores / cap)
     if masked.additive is not None:
         scores = scores + masked.additive
+    for score_fn in masked.score_fns:
+        scores = score_fn(scores)
     if masked.keep is not None:
         scores = scores.masked_fill(~masked.keep, -math.inf)
 

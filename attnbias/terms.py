@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -110,6 +111,10 @@ class Terms:
     kv_start: Tensor | None = None
     kv_end: Tensor | None = None
     doc_parts: tuple[object, ...] = ()  # the bias parts the documents come from
+    # ModBias parts, in the order of the sum: their masks intersect with the rest, their score
+    # functions apply after the additive terms, in this order. Each part compiles the tuple
+    # (``compile_with``) into the program's generated functions.
+    mods: tuple[Any, ...] = ()
     # The kernels' form of these terms, built with them and passed unchanged to the
     # launchers (a field rather than a cached property: torch.compile traces its reads).
     program: MaskProgram = field(init=False, repr=False)
@@ -124,6 +129,7 @@ class Terms:
             kv_end=self.kv_end,
             alibi_slopes=self.slopes,
             softcap=self.softcap,
+            mods=self.mods[0].compile_with(self.mods) if self.mods else None,
         )
         object.__setattr__(self, "program", program)
 
@@ -159,6 +165,7 @@ class Terms:
             kv_start=key_range[0],
             kv_end=key_range[1],
             doc_parts=self.doc_parts + other.doc_parts,
+            mods=self.mods + other.mods,
         )
 
     def finish(self, length_q: int, length_kv: int) -> Terms:
@@ -180,6 +187,7 @@ class Terms:
             kv_start=self.kv_start,
             kv_end=self.kv_end,
             doc_parts=self.doc_parts,
+            mods=self.mods,
         )
 
     @property
@@ -190,7 +198,11 @@ class Terms:
     def _band_only(self) -> bool:
         """Nothing but a band, a key range aside."""
         return (
-            self.q_doc is None and self.slopes is None and self.softcap is None and not self.others
+            self.q_doc is None
+            and self.slopes is None
+            and self.softcap is None
+            and not self.others
+            and not self.mods
         )
 
     @property
@@ -228,6 +240,8 @@ class Terms:
         """
         if self.others:
             return "materialized"
+        if self.mods:
+            return "mod"
         if self.slopes is not None:
             return "alibi"
         if self.softcap is not None:
@@ -254,5 +268,6 @@ class Terms:
             terms.append("ALiBi")
         if self.softcap is not None:
             terms.append(f"soft-cap {self.softcap:g}")
+        terms += [f"{p.describe()} (generated functions)" for p in self.mods]
         terms += [f"{type(p).__name__} (materialized)" for p in self.others]
         return ", ".join(terms) if terms else "no mask"

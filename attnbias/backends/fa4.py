@@ -297,6 +297,11 @@ class FlashAttention4(Backend):
         if terms.others:
             names = ", ".join(type(p).__name__ for p in terms.others)
             reasons.append(f"{names} has no FlashAttention 4 form")
+        if terms.mods:
+            reasons.append(
+                "ModBias functions are compiled into the library's Triton kernels only (their "
+                "FlashAttention 4 form is not written yet)"
+            )
         if terms.band_is_empty:
             # FlashAttention reads a window whose sides are both negative as no window at all.
             reasons.append(f"{terms.describe()} keeps no pair")

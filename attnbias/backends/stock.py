@@ -212,6 +212,11 @@ class MaterializedSDPA(Backend):
         reasons = []
         if spec.terms.softcap is not None:
             reasons.append("soft-cap has no materialized form")
+        if any(not part.materializable for part in spec.terms.mods):
+            reasons.append(
+                "a ModBias score_mod runs in the Triton kernels or on the exact path (the "
+                "materialized mask holds masks and additive terms only)"
+            )
         if spec.terms.slopes is not None and spec.dtype in (torch.float16, torch.bfloat16):
             reasons.append(
                 f"ALiBi materialized in {spec.dtype} would lose precision (the reference path "

@@ -67,6 +67,21 @@ class TritonKernel(Backend):
 
     def reasons(self, spec: Spec) -> list[str]:
         reasons = kernel_reasons(spec, "the Triton kernel")
+        terms = spec.terms
+        if terms.mods and spec.needs_grad:
+            if terms.slopes is not None and terms.slopes.requires_grad:
+                reasons.append(
+                    "ALiBi slopes that require grad together with a ModBias (their fused "
+                    "gradient assumes no score function after them)"
+                )
+            program = spec.program.mods
+            learnable = [t for t in program.traced.params if t.requires_grad]
+            if learnable and program.has_score:
+                reasons.append(
+                    f"ModBias tensors that require grad (shapes "
+                    f"{[tuple(t.shape) for t in learnable]}): their gradient is computed on "
+                    f"the exact path, not yet in the fused backward"
+                )
         slopes = spec.terms.slopes
         if spec.compiling and spec.needs_grad and slopes is not None and slopes.requires_grad:
             reasons.append(
@@ -93,7 +108,9 @@ class TritonKernel(Backend):
     def prepare(self, spec: Spec) -> Prepared:
         """Without gradients, the forward planned once (:func:`plan_forward`) and launched
         with each call's tensors, recording no autograd node; with them, :meth:`run`."""
-        if spec.needs_grad or spec.compiling:
+        if spec.needs_grad or spec.compiling or spec.program.mods is not None:
+            # ModBias calls: the block lists follow in-place changes of what they read, which
+            # a plan made once would not see
             return super().prepare(spec)
         from attnbias.kernels.forward import plan_forward
 

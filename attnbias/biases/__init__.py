@@ -10,6 +10,7 @@ from attnbias.biases.causal import (
 )
 from attnbias.biases.documents import DocumentBias
 from attnbias.biases.key_range import KeyRangeBias
+from attnbias.biases.mod import ModBias
 from attnbias.biases.softcap import SoftcapBias
 from attnbias.biases.tensor import TensorBias
 from attnbias.biases.window import SlidingWindowBias
@@ -24,6 +25,7 @@ __all__ = [
     "KernelBias",
     "KernelMask",
     "KeyRangeBias",
+    "ModBias",
     "SlidingWindowBias",
     "SoftcapBias",
     "TensorBias",

@@ -1,0 +1,266 @@
+"""Custom biases written as FlexAttention-style functions, compiled into the kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnbias.biases.base import Device, KernelBias, Shape, resolve_lengths
+from attnbias.materialize import MaskedBias, compute_dtype
+from attnbias.terms import Call, Terms
+
+__all__ = ["ModBias", "compiled_mods"]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class _Identity:
+    """A bias's plan-cache key: the bias itself, compared by identity (its fields may hold
+    tensors, whose ``==`` is elementwise)."""
+
+    __slots__ = ("bias",)
+
+    def __init__(self, bias: object) -> None:
+        self.bias = bias
+
+    def __hash__(self) -> int:
+        return id(self.bias)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.bias is self.bias
+
+
+class ModBias(KernelBias):
+    """A bias written as FlexAttention's functions, run fused in the Triton kernels.
+
+    ``mask_mod(b, h, q_idx, kv_idx) -> bool`` keeps a pair where it returns True;
+    ``score_mod(score, b, h, q_idx, kv_idx) -> score`` rewrites the scaled score (after a
+    soft-cap and the additive biases). The indices are integer tensors: the batch row, the
+    query head, the query position in ``[0, L)`` and the key position in ``[0, S)``.
+
+    Either subclass it (usually as a frozen dataclass whose fields are the parameters: Python
+    numbers and tensors such as a per-head table or per-batch document ids) and define either
+    function or both as methods::
+
+        @dataclass(frozen=True)
+        class PrefixLM(ModBias):
+            prefix: int
+
+            def mask_mod(self, b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+    or wrap plain functions (closures over tensors included), as FlexAttention takes them::
+
+        bias = ModBias(mask_mod=causal, score_mod=relative_position)
+
+    The functions are traced once per bias into a small graph and compiled into the kernels
+    (forward and backward; tile skipping from the mask itself, no ``L x S`` tensor). Numbers and
+    tensors are runtime arguments: new values, new lengths and tensors written in place compile
+    nothing new and are seen by the next call. What the compiler takes: see
+    :data:`attnbias.kernels.modfn.SUPPORTED`; anything else (a Python ``if`` on an index, an
+    unknown operator) is refused at the first call, naming the function and the operator.
+
+    Tensor parameters must be on the inputs' device. ``materialize`` evaluates the functions on
+    the ``(B, H, L, S)`` grid (for the CPU and the exact routes): a mask becomes ``0`` / ``-inf``,
+    a score function of the form ``score + g(...)`` becomes ``g``; any other score function has
+    no additive form (like soft-cap), so such a bias always dispatches.
+    """
+
+    #: Overridden by a subclass's methods, or set by ``ModBias(mask_mod=..., score_mod=...)``.
+    mask_mod: Callable[..., Any] | None = None
+    score_mod: Callable[..., Any] | None = None
+
+    def __init__(self, mask_mod: MaskMod | None = None, score_mod: ScoreMod | None = None) -> None:
+        for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"ModBias {name} must be a function, got {fn!r}")
+        if type(self) is not ModBias and mask_mod is None and score_mod is None:
+            return  # a subclass without fields: its methods are the functions
+        if mask_mod is None and score_mod is None:
+            raise TypeError(
+                "ModBias needs a mask_mod(b, h, q_idx, kv_idx) or a "
+                "score_mod(score, b, h, q_idx, kv_idx): pass one, or subclass ModBias and "
+                "define either as a method"
+            )
+        object.__setattr__(self, "mask_mod", mask_mod)
+        object.__setattr__(self, "score_mod", score_mod)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.mask_mod is None and cls.score_mod is None:
+            raise TypeError(
+                f"{cls.__name__} defines neither mask_mod(self, b, h, q_idx, kv_idx) nor "
+                f"score_mod(self, score, b, h, q_idx, kv_idx); a ModBias subclass needs one"
+            )
+
+    # -- what the library asks of a bias kind ----------------------------------------------
+
+    @property
+    def materializable(self) -> bool:  # type: ignore[override]
+        """Whether the routes may run it as a mask: without a score function (they apply
+        score functions themselves, after the additive terms and in the order of the sum)."""
+        return self.score_mod is None
+
+    def functions(self) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+        """``([mask_mod], [score_mod])``, each list empty where the function is absent."""
+        masks = [] if self.mask_mod is None else [self.mask_mod]
+        scores = [] if self.score_mod is None else [self.score_mod]
+        return masks, scores
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors the functions read."""
+        return list(self._traced().params)
+
+    def _traced(self) -> Any:
+        found = self.__dict__.get("_traced_mods")
+        if found is None:
+            from attnbias.kernels.modfn import trace_mods
+
+            found = trace_mods(*self.functions())
+            object.__setattr__(self, "_traced_mods", found)
+        return found
+
+    def validate_call(self, call: Call) -> None:
+        traced = self._traced()  # refuses what cannot be compiled, at the first call
+        for tensor in traced.params:
+            if tensor.device != call.device:
+                raise ValueError(
+                    f"{self!r} reads a tensor of shape {tuple(tensor.shape)} on {tensor.device}, "
+                    f"but the inputs are on {call.device}; move it with .to({str(call.device)!r})"
+                )
+
+    def lower(self, call: Call) -> Terms:
+        return Terms(mods=(self,))
+
+    def compile_with(self, parts: tuple[Any, ...]) -> Any:
+        """The kernels' form of ``parts``, the ModBias parts of a sum in order (this one
+        among them): see :func:`compiled_mods`."""
+        return compiled_mods(parts)
+
+    def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
+        traced = self._traced()
+        grid = _grid(device, shape, type(self).__name__)
+        keep = traced.mask_grid(*grid)
+        if not traced.scores:
+            return MaskedBias(keep, None)
+
+        def score_fn(scores: Tensor) -> Tensor:
+            return traced.score_grid(scores, *grid)
+
+        return MaskedBias(keep, None, score_fns=(score_fn,))
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        """The functions on the ``(B, H, L, S)`` grid of ``shape``: ``0`` where kept and
+        ``-inf`` where masked, plus ``g`` for a score function ``score + g(...)``."""
+        dtype = dtype or torch.float32
+        traced = self._traced()
+        if traced.scores and not traced.additive_score():
+            raise TypeError(
+                f"{self!r} has a score_mod that is not score + something of the indices, so it "
+                f"has no additive tensor form; pass the bias to attnbias.sdpa as attn_mask"
+            )
+        grid = _grid(device, shape, type(self).__name__)
+        compute = compute_dtype(dtype)
+        zeros = torch.zeros((), dtype=compute, device=grid[2].device)
+        additive = traced.score_grid(zeros, *grid) if traced.scores else zeros
+        keep = traced.mask_grid(*grid)
+        if keep is not None:
+            additive = torch.where(keep, additive, torch.tensor(-math.inf, dtype=compute))
+        b, h, q_idx, kv_idx = grid
+        full = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        return additive.to(dtype).expand(full).contiguous()
+
+    def cache_key(self) -> Hashable:
+        return _Identity(self)
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self._traced().params if t.is_floating_point())
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        """The bias in a line: its class and fields, tensors by their shape (a subclass's
+        dataclass ``repr`` would print the tensors' values)."""
+        if dataclasses.is_dataclass(self):
+            fields = ", ".join(
+                f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
+            )
+            return f"{type(self).__name__}({fields})"
+        names = [
+            f"{name}={getattr(fn, '__name__', 'fn')}"
+            for name, fn in (("mask_mod", self.mask_mod), ("score_mod", self.score_mod))
+            if fn is not None
+        ]
+        return f"ModBias({', '.join(names)})"
+
+
+def _short(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"Tensor{tuple(value.shape)}"
+    return repr(value)
+
+
+def _grid(device: Device, shape: Shape, owner: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcast int64 index tensors ``b, h, q_idx, kv_idx`` of the ``(B, H, L, S)`` grid."""
+    if shape is None or len(tuple(shape)) != 4:
+        raise ValueError(
+            f"{owner}.materialize needs shape=(B, H, L, S) (its functions read the batch row "
+            f"and the head), got shape={shape}"
+        )
+    batch, heads, _, _ = (int(n) for n in tuple(shape))
+    length_q, length_kv = resolve_lengths(shape, None, None, owner)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return (
+        torch.arange(batch, device=device)[:, None, None, None],
+        torch.arange(heads, device=device)[None, :, None, None],
+        torch.arange(length_q, device=device)[None, None, :, None],
+        torch.arange(length_kv, device=device)[None, None, None, :],
+    )
+
+
+# The generated code of the ModBias parts of a sum, per tuple of parts (a bias of one part
+# keeps its own trace): kept while the parts live, for the repeated calls of one model.
+_COMBINED: dict[tuple[int, ...], tuple[tuple[ModBias, ...], Any]] = {}
+_LOCK = threading.Lock()
+_MAX_COMBINED = 64
+
+
+def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
+    """The kernels' form (:class:`~attnbias.kernels.modfn.CompiledMods`) of the ModBias parts
+    of a sum: masks intersect, score functions apply in the order of the sum."""
+    from attnbias.kernels.modfn import CompiledMods, trace_mods
+
+    if len(parts) == 1:
+        part = parts[0]
+        found = part.__dict__.get("_compiled_mods")
+        if found is None:
+            found = CompiledMods.of(part._traced())
+            object.__setattr__(part, "_compiled_mods", found)
+        return found
+    key = tuple(id(p) for p in parts)
+    with _LOCK:
+        entry = _COMBINED.get(key)
+        if entry is not None and all(a is b for a, b in zip(entry[0], parts, strict=True)):
+            return entry[1]
+    masks: list[Callable[..., Any]] = []
+    scores: list[Callable[..., Any]] = []
+    for part in parts:
+        part_masks, part_scores = part.functions()
+        masks += part_masks
+        scores += part_scores
+    compiled = CompiledMods.of(trace_mods(masks, scores))
+    with _LOCK:
+        if len(_COMBINED) >= _MAX_COMBINED:
+            _COMBINED.clear()
+        _COMBINED[key] = (parts, compiled)
+    return compiled

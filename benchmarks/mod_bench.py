@@ -1,0 +1,263 @@
+"""Custom biases written as functions: ``attnbias.ModBias`` against FlexAttention.
+
+The cases of the custom-bias benchmark: prefix-LM (prefix S/8, causal after it), chunked local
+attention (chunk 1024, causal inside, as Llama 4), 2-D neighbourhood attention over a 64 x 128
+image with a 15 x 15 window clamped at the border, a T5 relative-position table (16 heads x 32
+buckets) with causal, and a causal sliding window of 1024 keys written as a ``mask_mod`` beside
+the built-in ``SlidingWindowBias``. bf16, H=16, E=128, B·S=16k tokens.
+
+Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; ``flex`` =
+``torch.compile(flex_attention)`` with ``create_block_mask`` built once (its Triton backend);
+``builtin`` = the built-in bias where one exists. Times are medians of ``do_bench`` over two
+rounds in alternating order; ``first call`` is the first ``sdpa`` call of a fresh bias
+(tracing, lists, and compiling where the generated code is new); ``lists ms`` is the time to
+build the block lists for a new length (the classification kernel and the list sort).
+
+Run on the GPU: ``python benchmarks/mod_bench.py [--seq 8192 16384]``; prints markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import attnbias
+from attnbias import ModBias, SlidingWindowBias, causal_upper_left
+
+HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
+IMAGE = (64, 128)
+WINDOW_2D = 7  # half width: 15 x 15
+
+
+@dataclass(frozen=True)
+class PrefixLM(ModBias):
+    prefix: int
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+
+@dataclass(frozen=True)
+class ChunkedLocal(ModBias):
+    chunk: int
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx // self.chunk == kv_idx // self.chunk)
+
+
+@dataclass(frozen=True)
+class Neighbourhood2D(ModBias):
+    height: int
+    width: int
+    half: int
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_row, q_col = q_idx // self.width, q_idx % self.width
+        k_row, k_col = kv_idx // self.width, kv_idx % self.width
+        centre_row = torch.clamp(q_row, self.half, self.height - 1 - self.half)
+        centre_col = torch.clamp(q_col, self.half, self.width - 1 - self.half)
+        return (torch.abs(k_row - centre_row) <= self.half) & (
+            torch.abs(k_col - centre_col) <= self.half
+        )
+
+
+def t5_bucket(distance: Tensor) -> Tensor:
+    """T5's causal buckets of ``q_idx - kv_idx >= 0``: exact below 16, logarithmic to 128."""
+    exact = torch.clamp(distance, min=0)
+    log_bucket = 16 + (torch.log(exact.float() / 16 + 1e-6) / math.log(8) * 16).long()
+    return torch.where(exact < 16, exact, torch.clamp(log_bucket, max=31))
+
+
+@dataclass(frozen=True, eq=False)
+class T5Bias(ModBias):
+    table: Tensor  # (H, 32)
+
+    def score_mod(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        return score + self.table[h, t5_bucket(q_idx - kv_idx)]
+
+
+@dataclass(frozen=True)
+class WindowMod(ModBias):
+    window: int
+
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < self.window)
+
+
+def cases(seq: int, device: torch.device) -> dict[str, tuple[Any, Any, Any, Any]]:
+    """name -> (attnbias bias, flex mask_mod, flex score_mod, built-in bias or None)."""
+    table = torch.randn(HEADS, 32, device=device) * 0.5
+    t5 = T5Bias(table)
+
+    def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return kv <= q
+
+    def t5_score(score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return score + table[h, t5_bucket(q - kv)]
+
+    made: dict[str, tuple[Any, Any, Any, Any]] = {
+        "prefix-LM": (PrefixLM(seq // 8), PrefixLM(seq // 8).mask_mod, None, None),
+        "chunked local": (ChunkedLocal(1024), ChunkedLocal(1024).mask_mod, None, None),
+        "T5 table + causal": (t5 + causal_upper_left(), causal, t5_score, None),
+        "window as mask_mod": (
+            WindowMod(1024),
+            WindowMod(1024).mask_mod,
+            None,
+            causal_upper_left() + SlidingWindowBias(1023),
+        ),
+    }
+    if seq == IMAGE[0] * IMAGE[1]:
+        image = Neighbourhood2D(*IMAGE, WINDOW_2D)
+        made["2-D neighbourhood"] = (image, image.mask_mod, None, None)
+    return made
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def peak_mib(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run(seq: int) -> list[str]:
+    device = torch.device("cuda")
+    batch = TOKENS // seq
+    q, k, v = (
+        torch.randn(
+            batch, HEADS, seq, HEAD_DIM, device=device, dtype=torch.bfloat16
+        ).requires_grad_()
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+    flex = torch.compile(flex_attention)
+    rows = []
+    for name, (bias, mask_mod, score_mod, builtin) in cases(seq, device).items():
+        start = time.perf_counter()
+        out = attnbias.sdpa(q, k, v, attn_mask=bias)
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - start) * 1e3
+        route = attnbias.explain(q, k, v, attn_mask=bias).splitlines()[0].split(":")[0]
+        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device="cuda")
+        flex_out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        diff = (out.float() - flex_out.float()).abs().max().item()
+
+        def forward(call: Callable[[], Tensor]) -> Callable[[], Any]:
+            def fn() -> Any:
+                with torch.no_grad():
+                    return call()
+
+            return fn
+
+        def forward_backward(call: Callable[[], Tensor]) -> Callable[[], Any]:
+            def fn() -> Any:
+                torch.autograd.grad(call(), (q, k, v), grad)
+
+            return fn
+
+        calls: dict[str, Callable[[], Tensor]] = {
+            "attnbias": lambda bias=bias: attnbias.sdpa(q, k, v, attn_mask=bias),
+            "flex": lambda mask=block_mask, score=score_mod: flex(
+                q, k, v, score_mod=score, block_mask=mask
+            ),
+        }
+        if builtin is not None:
+            calls["builtin (triton)"] = lambda bias=builtin: _pinned(q, k, v, bias)
+        times: dict[str, list[float]] = {}
+        for r in range(2):
+            order = list(calls) if r == 0 else list(calls)[::-1]
+            for contender in order:
+                times.setdefault(contender + " fwd", []).append(timed(forward(calls[contender])))
+                times.setdefault(contender + " f+b", []).append(
+                    timed(forward_backward(calls[contender]))
+                )
+        ms = {key: statistics.fmean(values) for key, values in times.items()}
+        memory = peak_mib(forward_backward(calls["attnbias"]))
+        flex_memory = peak_mib(forward_backward(calls["flex"]))
+        lists_ms = _lists_ms(bias, q, k)
+        for contender in calls:
+            fwd, fb = ms[contender + " fwd"], ms[contender + " f+b"]
+            ratio = (
+                f"{ms['flex fwd'] / fwd:.2f} / {ms['flex f+b'] / fb:.2f}"
+                if contender != "flex"
+                else "1.00 / 1.00"
+            )
+            extra = (
+                f"{memory:.0f}"
+                if contender == "attnbias"
+                else f"{flex_memory:.0f}"
+                if contender == "flex"
+                else ""
+            )
+            detail = (
+                f"route {route}; first call {first_ms:.0f} ms; lists {lists_ms:.3f} ms; "
+                f"max diff vs flex {diff:.1e}"
+                if contender == "attnbias"
+                else ""
+            )
+            rows.append(
+                f"| {name} | {seq} | {contender} | {fwd:.3f} | {fb:.3f} | {ratio} | {extra} "
+                f"| {detail} |"
+            )
+        print("\n".join(rows[-len(calls) :]), flush=True)
+    return rows
+
+
+def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
+    with attnbias.use_backends("triton"):
+        return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+
+def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> float:
+    """Building the block lists of ``bias`` for these shapes once more (a new length)."""
+    from attnbias.kernels.masks import _MOD_LISTS, mask_args
+    from attnbias.spec import lower
+
+    program = lower(bias, q.shape[2], k.shape[2], q.device, batch=q.shape[0]).program
+    if program.mods is None or not program.mods.has_mask:
+        return 0.0
+
+    def build() -> None:
+        _MOD_LISTS.pop(program, None)
+        mask_args(q, k, program, scale=1.0, rows=True, cols=False)
+
+    return timed(build)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(
+        "\n| case | S | contender | fwd ms | f+b ms | flex ÷ this (fwd / f+b) | f+b MiB | notes |"
+        "\n|---|--:|---|--:|--:|--:|--:|---|"
+    )
+    rows = []
+    for seq in args.seq:
+        rows += run(seq)
+    print("\n## Summary\n")
+    print("| case | S | contender | fwd ms | f+b ms | flex ÷ this (fwd / f+b) | f+b MiB | notes |")
+    print("|---|--:|---|--:|--:|--:|--:|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
