@@ -296,7 +296,10 @@ def _attn_bwd_dkdv(
         lse_head = Lse + (off_b * num_heads + off_h) * seq_q
         delta_head = Delta + (off_b * num_heads + off_h) * seq_q
         alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
-        MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+        if MASK_FN is not None or SCORE_GRAD_FN is not None:
+            MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+        else:  # no tuple holding None: Triton refuses one
+            MODC = 0
         if HAS_BLOCK_LISTS:
             entries = _list_row(
                 Lists, off_b, off_h, num_heads, list_col, list_cols, list_width,
@@ -648,7 +651,10 @@ def _attn_bwd_dq(
     )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
-    MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+    if MASK_FN is not None or SCORE_GRAD_FN is not None:
+        MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+    else:  # no tuple holding None: Triton refuses one
+        MODC = 0
 
     dq = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     slope_pdr = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -528,8 +528,12 @@ def _mod_indices(offs_m, offs_n, MODC, TRANSPOSED: tl.constexpr):
     q_idx = tl.minimum(offs_m, MODC[2])
     kv_idx = tl.minimum(offs_n, MODC[3])
     if TRANSPOSED:  # [BLOCK_N, BLOCK_M] tiles of the dK/dV kernel
-        return q_idx[None, :], kv_idx[:, None]
-    return q_idx[:, None], kv_idx[None, :]
+        rows = q_idx[None, :]
+        cols = kv_idx[:, None]
+    else:
+        rows = q_idx[:, None]
+        cols = kv_idx[None, :]
+    return rows, cols
 
 
 @triton.jit

@@ -309,7 +309,10 @@ def _attn_fwd(
     )  # fmt: skip
     alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
     shift = seq_k - seq_q
-    MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+    if MASK_FN is not None or SCORE_FN is not None:
+        MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
+    else:  # no tuple holding None: Triton refuses one
+        MODC = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

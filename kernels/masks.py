@@ -20,7 +20,14 @@ from .program import BlockLists, MaskProgram
 if TYPE_CHECKING:
     from .modfn import CompiledMods
 
-__all__ = ["MaskArgs", "doc_stride", "late_cols_first", "late_rows_first", "mask_args"]
+__all__ = [
+    "MaskArgs",
+    "doc_stride",
+    "late_cols_first",
+    "late_rows_first",
+    "mask_args",
+    "with_mod_lists",
+]
 
 
 @dataclass(frozen=True)
@@ -50,14 +57,17 @@ class MaskArgs:
     mods: CompiledMods | None = None  # generated mask and score functions
 
     def mod_options(self, *, backward: bool) -> dict[str, Any]:
-        """The ``tl.constexpr`` generated functions of the training kernels (none without)."""
+        """The ``tl.constexpr`` generated functions of the training kernels (``None`` without;
+        passed all the same: a traced launch takes every parameter explicitly)."""
         mods = self.mods
+        score_name = "SCORE_GRAD_FN" if backward else "SCORE_FN"
         if mods is None:
-            return {}
-        options: dict[str, Any] = {"MASK_FN": mods.mask_fn if mods.has_mask else None}
+            return {"MASK_FN": None, score_name: None}
         score = mods.score_grad_fn if backward else mods.score_fn
-        options["SCORE_GRAD_FN" if backward else "SCORE_FN"] = score if mods.has_score else None
-        return options
+        return {
+            "MASK_FN": mods.mask_fn if mods.has_mask else None,
+            score_name: score if mods.has_score else None,
+        }
 
     def mod_args(self) -> list[Any]:
         """The runtime arguments in the place of a kernel's ``MOD`` parameter: ``None``, or
@@ -278,6 +288,15 @@ def mask_args(
 _MOD_LISTS: weakref.WeakKeyDictionary[MaskProgram, tuple[tuple[object, ...], BlockLists]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def with_mod_lists(q: Tensor, k: Tensor, program: MaskProgram) -> MaskProgram:
+    """``program`` with the block lists of its mask functions in it (unchanged when it has
+    none or holds lists already), for launches that would each build them."""
+    if program.blocks is not None or program.mods is None or not program.mods.has_mask:
+        return program
+    blocks = mask_args(q, k, program, scale=1.0, rows=True, cols=False).blocks
+    return program.replace(blocks=blocks)
 
 
 def list_block_sizes() -> tuple[int, int]:

@@ -22,6 +22,7 @@ from .backward import attention_backward
 from .decode import decode_forward
 from .forward import attention_forward
 from .launch import traceable_launches
+from .masks import with_mod_lists
 from .program import MaskProgram
 
 __all__ = ["block_sparse_attention", "decode_attention"]
@@ -244,7 +245,8 @@ def block_sparse_attention(
         if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, slopes)):
             # nothing to record: no autograd node, just the launch
             return attention_forward(q, k, v, program, scale=scale)[0]
-        return _EagerAttention.apply(q, k, v, slopes, program, scale)
+        # the block lists of mask functions, built once for the forward and the backward
+        return _EagerAttention.apply(q, k, v, slopes, with_mod_lists(q, k, program), scale)
     out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), scale)
     return out
 
