@@ -1,77 +1,79 @@
-"""Writing your own bias: a prefix-LM mask.
+"""Writing your own bias: a prefix-LM mask as a ``ModBias``.
 
-A prefix-LM (T5, PaLI, UL2) attends bidirectionally within a prefix and causally after it. Any
-mask you can write as a tensor is an ``AttnBias`` in a few lines: implement ``materialize`` and
-return ``True`` from ``needs_materialization``; ``sdpa`` then runs stock SDPA with it, and it
-composes with the built-in biases (here with soft-capping, which then runs on the exact path).
+A prefix-LM (T5, PaLI, UL2) attends bidirectionally within a prefix and causally after it. Write
+the rule as a ``mask_mod`` with FlexAttention's signature (``b, h, q_idx, kv_idx`` are integer
+tensors) in a frozen dataclass whose fields are its parameters. On a GPU the function is compiled
+into the Triton kernels, which skip the tiles it keeps nothing of and never build an L x S mask;
+on a CPU the same call runs the exact eager path. It composes with the built-in biases by ``+``.
+Each call is checked, output and gradients, against the exact path (``use_backends("reference")``).
 
     python examples/custom_bias.py
+
+A bias can also implement ``materialize`` itself: an ``AttnBias`` subclass that returns its mask
+as a tensor (and ``True`` from ``needs_materialization``) runs stock SDPA with that mask (see
+"API at a glance" in the README).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor
 
-import attnbias
-from attnbias import AttnBias, SoftcapBias, sdpa
+from attnbias import AttnBias, ModBias, SlidingWindowBias, SoftcapBias, explain, sdpa, use_backends
 
 
 @dataclass(frozen=True)
-class PrefixLMBias(AttnBias):
-    """Keeps ``j <= i`` (causal) or ``j < prefix_length`` (the prefix is visible to all).
+class PrefixLM(ModBias):
+    """Keeps ``j <= i`` (causal) or ``j < prefix`` (the prefix is visible to every query)."""
 
-    >>> PrefixLMBias(2).materialize(shape=(3, 3))
-    tensor([[0., 0., -inf],
-            [0., 0., -inf],
-            [0., 0., 0.]])
-    """
+    prefix: int
 
-    prefix_length: int
+    def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)
 
-    def __post_init__(self) -> None:
-        if self.prefix_length < 0:
-            raise ValueError(f"prefix_length must be >= 0, got {self.prefix_length}")
 
-    def materialize(self, device=None, *, shape=None, dtype=None):  # type: ignore[no-untyped-def]
-        if shape is None:
-            raise ValueError("PrefixLMBias.materialize needs shape=(..., L, S)")
-        rows = torch.arange(shape[-2], device=device)[:, None]
-        cols = torch.arange(shape[-1], device=device)[None, :]
-        keep = (cols <= rows) | (cols < self.prefix_length)
-        zeros = torch.zeros(keep.shape, device=device, dtype=dtype or torch.float32)
-        return zeros.masked_fill(~keep, -math.inf)
+def check(name: str, q: Tensor, k: Tensor, v: Tensor, bias: AttnBias, **kwargs: Any) -> None:
+    """Print the route of a training call and its largest errors (output and gradients)
+    against the exact path."""
+    grad_out = torch.randn_like(q)
 
-    def needs_materialization(self) -> bool:
-        return True
+    def run() -> list[Tensor]:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = sdpa(*leaves, attn_mask=bias, **kwargs)
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+    leaf = q.detach().requires_grad_()
+    print(f"{name}\n  route: {explain(leaf, k, v, attn_mask=bias, **kwargs).splitlines()[0]}")
+    got = run()
+    with use_backends("reference"):
+        expected = run()
+    errors = ", ".join(
+        f"{label} {(a.double() - b.double()).abs().max().item():.1e}"
+        for label, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True)
+    )
+    print(f"  max error vs the exact path: {errors}")
 
 
 def main() -> None:
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    batch, heads_q, heads_kv, length, head_dim = (2, 8, 2, 2048, 64) if cuda else (2, 4, 2, 256, 32)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 10, 32, dtype=torch.float64) for _ in range(3))
-    bias = PrefixLMBias(prefix_length=4)
+    q = torch.randn(batch, heads_q, length, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, heads_kv, length, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
 
-    out = sdpa(q, k, v, attn_mask=bias)
-    expected = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias.materialize(shape=(10, 10), dtype=torch.float64)
-    )
-    print("prefix-LM:", attnbias.explain(q, k, v, attn_mask=bias))
-    print("  max error vs stock SDPA:", (out - expected).abs().max().item())
-
-    capped = bias + SoftcapBias(30.0)
-    out = sdpa(q, k, v, attn_mask=capped)
-    scores = 30.0 * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(32) / 30.0)
-    expected = torch.softmax(scores + bias.materialize(shape=(10, 10), dtype=torch.float64), -1) @ v
-    print("prefix-LM + soft-cap:", attnbias.explain(q, k, v, attn_mask=capped))
-    print("  max error vs eager:", (out - expected).abs().max().item())
-
-    # existing model code that calls F.scaled_dot_product_attention accepts the bias too
-    with attnbias.patch_sdpa():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    print("through patch_sdpa: same result:", torch.equal(out, sdpa(q, k, v, attn_mask=bias)))
+    prefix = PrefixLM(length // 4)
+    window = length // 8
+    check("prefix-LM", q, k, v, prefix, enable_gqa=True)
+    check("prefix-LM + soft-cap 30", q, k, v, prefix + SoftcapBias(30.0), enable_gqa=True)
+    check(
+        f"prefix-LM + a window of {window} keys",
+        q, k, v, prefix + SlidingWindowBias(window - 1), enable_gqa=True,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

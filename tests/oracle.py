@@ -2,21 +2,28 @@
 
 The oracle is float64 stock PyTorch SDPA on ``bias.materialize(...)``; soft-cap, which has no
 materialized form, uses a float64 eager softmax written here (independent of the library's own
-eager path). A result passes when its error against the oracle is at most about twice the error
-that stock PyTorch makes in the same low precision, plus a floor of a few units in the last place.
+eager path). A sum holding ``ModBias`` parts takes the same eager softmax, with each part's own
+``mask_mod`` / ``score_mod`` evaluated here on broadcast index grids (never its ``materialize``
+nor anything else of the library's implementation of it). A result passes when its error
+against the oracle is at most about twice the error that stock PyTorch makes in the same low
+precision, plus a floor of a few units in the last place.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import attnbias
 from attnbias import AttnBias, CausalVariant, SoftcapBias, causal_upper_left
 from attnbias.biases import CompositeBias
+
+Shape4 = tuple[int, int, int, int]
 
 
 def _split(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:
@@ -31,6 +38,189 @@ def _split(bias: AttnBias | None) -> tuple[float | None, AttnBias | None]:
     return (caps[0] if caps else None), total
 
 
+# --------------------------------------------------------------------------------------------
+# ModBias parts: their own mask_mod / score_mod on broadcast index grids
+
+
+def _mod_bias_class() -> type | None:
+    """``attnbias.ModBias``, or ``None`` where the library does not have it."""
+    return getattr(attnbias, "ModBias", None)
+
+
+def is_mod_bias(part: object) -> bool:
+    cls = _mod_bias_class()
+    return cls is not None and isinstance(part, cls)
+
+
+def has_mod_bias(bias: AttnBias | None) -> bool:
+    """Whether ``bias`` is a ModBias or a sum holding one."""
+    if bias is None:
+        return False
+    parts = bias.parts if isinstance(bias, CompositeBias) else (bias,)
+    return any(is_mod_bias(p) for p in parts)
+
+
+def mod_functions(bias: Any) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+    """``(mask_mod, score_mod)`` of a ModBias: a subclass's bound methods, or the plain
+    functions a wrapper ``ModBias(mask_mod=..., score_mod=...)`` holds; ``None`` where absent.
+
+    A method the ModBias class itself defines and the subclass leaves alone counts as absent:
+    it is the library's placeholder, not the bias's function, and it can only mean "keep every
+    pair" or "leave the score as it is"."""
+    cls = _mod_bias_class()
+    found: list[Callable[..., Any] | None] = []
+    for name in ("mask_mod", "score_mod"):
+        function = getattr(bias, name, None)
+        placeholder = getattr(cls, name, None) if cls is not None else None
+        if callable(placeholder) and getattr(function, "__func__", None) is placeholder:
+            function = None
+        found.append(function)
+    return found[0], found[1]
+
+
+def function_name(function: Callable[..., Any]) -> str:
+    return str(getattr(function, "__qualname__", None) or getattr(function, "__name__", function))
+
+
+def index_grids(
+    batch: int, heads: int, length_q: int, length_kv: int, device: Any = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``b, h, q_idx, kv_idx``: int64 ``arange``s of shapes ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``,
+    ``(1, 1, L, 1)`` and ``(1, 1, 1, S)``, which broadcast to the scores' ``(B, H, L, S)``
+    (``h`` is the query head, as in FlexAttention)."""
+
+    def along(size: int, dim: int) -> Tensor:
+        shape = [1, 1, 1, 1]
+        shape[dim] = size
+        return torch.arange(size, dtype=torch.int64, device=device).reshape(shape)
+
+    return along(batch, 0), along(heads, 1), along(length_q, 2), along(length_kv, 3)
+
+
+def _keep_on_grid(result: Any, shape: Shape4, function: Callable[..., Any], device: Any) -> Tensor:
+    keep = torch.as_tensor(result, device=device)
+    if keep.dtype != torch.bool:
+        raise TypeError(
+            f"mask_mod {function_name(function)} returned {keep.dtype}; a mask_mod returns bool"
+        )
+    return keep.broadcast_to(shape)
+
+
+def grid_mask(
+    bias: Any, batch: int, heads: int, length_q: int, length_kv: int, *, device: Any = None
+) -> Tensor:
+    """``(B, H, L, S)`` bool: the pairs a ModBias's ``mask_mod`` keeps, evaluated once on the
+    index grids of :func:`index_grids` (every pair when it has no ``mask_mod``)."""
+    shape = (batch, heads, length_q, length_kv)
+    mask_mod, _ = mod_functions(bias)
+    if mask_mod is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    grids = index_grids(*shape, device=device)
+    return _keep_on_grid(mask_mod(*grids), shape, mask_mod, device)
+
+
+def grid_score(bias: Any, score: Tensor) -> Tensor:
+    """A ModBias's ``score_mod`` on ``(B, H, L, S)`` scores and the index grids, broadcast to
+    ``score``'s shape and in its dtype (``score`` itself when it has no ``score_mod``)."""
+    _, score_mod = mod_functions(bias)
+    if score_mod is None:
+        return score
+    grids = index_grids(*score.shape, device=score.device)
+    result = torch.as_tensor(score_mod(score, *grids), device=score.device)
+    # in low precision the modified score is rounded to the inputs' dtype, as a materialized
+    # bias is: the stock error the budget scales with
+    return result.to(score.dtype).broadcast_to(score.shape)
+
+
+def pointwise(
+    function: Callable[..., Any], *args: Tensor, count: int = 12, seed: int = 0
+) -> tuple[list[tuple[int, ...]], Tensor]:
+    """``function`` called one element at a time, as FlexAttention calls it (under vmap, every
+    argument a 0-d tensor): ``args`` (``score`` for a score_mod, then ``b, h, q_idx, kv_idx``,
+    e.g. from :func:`index_grids`) broadcast to one shape, and at ``count`` positions of it
+    (the first, the last and others drawn with ``seed``) ``function`` gets each argument's 0-d
+    element there (int64 for the indices). Returns the positions and the ``(count,)`` results,
+    to compare with a grid evaluation at the same positions."""
+    shape = torch.broadcast_shapes(*(a.shape for a in args))
+    total = math.prod(shape)
+    if total == 0:
+        return [], torch.empty(0)
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randperm(total, generator=generator)[: max(count - 2, 0)].tolist()
+    flat = list(dict.fromkeys([0, total - 1, *drawn]))[:count]
+    positions = []
+    for index in flat:
+        position = []
+        for size in reversed(shape):
+            index, rest = divmod(index, size)
+            position.append(rest)
+        positions.append(tuple(reversed(position)))
+    expanded = [a.broadcast_to(shape) for a in args]
+    values = [torch.as_tensor(function(*(a[p] for a in expanded))) for p in positions]
+    for value in values:
+        if value.dim() != 0:
+            raise ValueError(
+                f"{function_name(function)} returned shape {tuple(value.shape)} for 0-d "
+                f"arguments; a mask_mod or score_mod returns one value per element"
+            )
+    return positions, torch.stack(values)
+
+
+def _mod_scores(
+    q: Tensor, k: Tensor, bias: AttnBias, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Scores of a sum holding ModBias parts, in the semantics' order: ``scale * q k^T``,
+    soft-cap, the built-in additive parts (materialized: ALiBi, tensor biases), then each
+    ModBias's ``score_mod`` in the order of the sum. Returns the ``(B, H, L, S)`` scores, not
+    masked, and the ``(B, H, L, S)`` bool of the pairs every mask keeps (the built-ins', every
+    ``mask_mod``, and a ``score_mod`` that returned ``-inf``). ``k`` has the heads of ``q``."""
+    parts = bias.parts if isinstance(bias, CompositeBias) else (bias,)
+    mods = [p for p in parts if is_mod_bias(p)]
+    caps = [p.cap for p in parts if isinstance(p, SoftcapBias)]
+    builtins = [p for p in parts if not is_mod_bias(p) and not isinstance(p, SoftcapBias)]
+    batch, heads, length_q, _ = q.shape
+    shape = (batch, heads, length_q, k.shape[-2])
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if caps:
+        scores = caps[0] * torch.tanh(scores / caps[0])
+    keep = torch.ones(shape, dtype=torch.bool, device=q.device)
+    if builtins:
+        rest = builtins[0]
+        for part in builtins[1:]:
+            rest = rest + part
+        tensor = rest.materialize(q.device, shape=shape, dtype=dtype)
+        if tensor.dtype == torch.bool:
+            keep = keep & tensor
+        else:
+            # masked pairs leave the scores: a score_mod after them must not see -inf
+            masked = torch.isneginf(tensor)
+            keep = keep & ~masked
+            scores = scores + tensor.masked_fill(masked, 0.0)
+    for part in mods:
+        scores = grid_score(part, scores)
+        keep = keep & grid_mask(part, *shape, device=q.device)
+    keep = keep & ~torch.isneginf(scores)
+    return scores, keep.broadcast_to(shape)
+
+
+def _mod_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias: AttnBias, scale: float | None, enable_gqa: bool
+) -> Tensor:
+    """Eager attention in the dtype of ``q, k, v`` for a sum holding ModBias parts."""
+    heads = q.shape[1]
+    if k.shape[1] != heads:
+        if not enable_gqa:
+            raise ValueError(f"Hq={heads} != Hkv={k.shape[1]} needs enable_gqa=True")
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores, keep = _mod_scores(q, k, bias, scale, q.dtype)
+    scores = scores.masked_fill(~keep, -math.inf)
+    any_kept = keep.any(dim=-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~any_kept, 0.0), dim=-1) * any_kept
+    return weights @ v
+
+
 def attention(
     query: Tensor,
     key: Tensor,
@@ -43,7 +233,9 @@ def attention(
     dtype: torch.dtype = torch.float64,
 ) -> Tensor:
     """Attention in ``dtype`` by stock PyTorch (float64 for the oracle, low precision for the
-    error budget). Inputs are cast to ``dtype`` first."""
+    error budget). Inputs are cast to ``dtype`` first. A sum holding ModBias parts runs the
+    eager softmax, with each part's own functions evaluated on the index grids; tensors they
+    read (a score_mod's table) keep their dtype and get their gradient."""
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     if q.shape[0] * q.shape[1] * q.shape[2] == 0:
         # No output element: stock SDPA itself ends the process on some of these shapes
@@ -52,6 +244,8 @@ def attention(
         return empty + 0 * (q.sum() + k.sum() + v.sum())
     if is_causal:
         bias = causal_upper_left() if bias is None else bias + causal_upper_left()
+    if has_mod_bias(bias):
+        return _mod_attention(q, k, v, bias, scale, enable_gqa)  # type: ignore[arg-type]
     cap, rest = _split(bias)
     batch, heads, length_q, head_dim = q.shape
     length_kv = k.shape[-2]
@@ -145,26 +339,39 @@ def flash_rounding(
     *,
     scale: float | None = None,
     is_causal: bool = False,
+    parameters: Sequence[Tensor] = (),
 ) -> list[float]:
     """The part of a flash-attention kernel's error budget that its own rounding is relative
     to (:func:`flash_rounding_sizes` times the epsilons), for ``out, dq, dk, dv`` of a call
-    in ``query.dtype``: to pass as ``rounding`` to :func:`assert_close_to_oracle`."""
+    in ``query.dtype``: to pass as ``rounding`` to :func:`assert_close_to_oracle`.
+
+    ``parameters``: tensors that require grad and that a ModBias part's ``score_mod`` reads
+    (a T5 table); an entry for each follows ``dv``, from :func:`_parameter_rounding`."""
     dtype = query.dtype
     q, k, v, g = (t.detach().double() for t in (query, key, value, grad_out))
     if is_causal:
         bias = causal_upper_left() if bias is None else bias + causal_upper_left()
-    cap, rest = _split(bias)
     batch, heads, length_q, head_dim = q.shape
     length_kv = k.shape[-2]
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     group = heads // k.shape[1]
-    s = (q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-    if cap is not None:
-        s = cap * torch.tanh(s / cap)
-    if rest is not None:
-        shape = (batch, heads, length_q, length_kv)
-        s = s + rest.materialize(q.device, shape=shape, dtype=torch.float64)
-    keep = torch.isfinite(s)
+    if has_mod_bias(bias):
+        s, keep = _mod_scores(
+            q,
+            k.repeat_interleave(group, dim=1),
+            bias,
+            scale,
+            torch.float64,  # type: ignore[arg-type]
+        )
+    else:
+        cap, rest = _split(bias)
+        s = (q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        if rest is not None:
+            shape = (batch, heads, length_q, length_kv)
+            s = s + rest.materialize(q.device, shape=shape, dtype=torch.float64)
+        keep = torch.isfinite(s)
     empty = ~keep.any(dim=-1, keepdim=True)
     s = s.masked_fill(~keep, -math.inf).masked_fill(empty, 0.0)
     lse = torch.logsumexp(s, dim=-1).masked_fill(empty[..., 0], -math.inf)
@@ -172,7 +379,55 @@ def flash_rounding(
     out = p @ v.repeat_interleave(group, dim=1)
     in_dtype, in_fp32 = flash_rounding_sizes(q, k, v, out, lse, g, s, empty, scale)
     eps, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
-    return [eps * in_dtype[n] + eps32 * in_fp32[n] for n in ("out", "dq", "dk", "dv")]
+    rounding = [eps * in_dtype[n] + eps32 * in_fp32[n] for n in ("out", "dq", "dk", "dv")]
+    if parameters:
+        if bias is None or not has_mod_bias(bias):
+            raise ValueError("parameters= is for tensors a ModBias part's score_mod reads")
+        sizes = _parameter_rounding(q, k, v, out, lse, g, s, p, bias, scale, parameters)
+        rounding += [
+            eps * in_dtype_size + eps32 * in_fp32_size for in_dtype_size, in_fp32_size in sizes
+        ]
+    return rounding
+
+
+def _parameter_rounding(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    s: Tensor,
+    p: Tensor,
+    bias: AttnBias,
+    scale: float,
+    parameters: Sequence[Tensor],
+) -> list[tuple[float, float]]:
+    """``(in_dtype, in_fp32)`` sizes for the gradient of each tensor a ``score_mod`` reads
+    (fp64 inputs, ``s`` and ``p`` as in :func:`flash_rounding`): the gradient is
+    ``sum dS * d(score)/d(parameter)`` over the kept pairs, so its rounding is relative to the
+    same sizes ``dS`` stands for in :func:`flash_rounding_sizes` (``|dS|`` and what the
+    stored output moves it by, in the inputs' dtype; the recomputed ``P`` and the terms that
+    cancel in ``dP - delta``, in fp32), carried through ``d(score)/d(parameter)`` by autograd
+    with these non-negative sizes as weights: exact for a score_mod that adds a parameter's
+    entries (a T5 table), an estimate where the derivative changes sign."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    dp = grad_out @ v.transpose(-1, -2)
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    delta_terms = (grad_out.abs() * out.abs()).sum(-1, keepdim=True)
+    exponent = s.abs().nan_to_num(posinf=0.0) + lse.nan_to_num(neginf=0.0).abs()[..., None]
+    cancelling = (p + p * exponent) * (grad_out.abs() @ v.abs().transpose(-1, -2) + delta_terms)
+    weights = ((p * (dp - delta)).abs() + p * delta_terms, cancelling)
+    sizes: list[list[float]] = [[0.0, 0.0] for _ in parameters]
+    with torch.enable_grad():
+        for which, weight in enumerate(weights):
+            scores, keep = _mod_scores(q, k, bias, scale, torch.float64)
+            total = (weight * scores.masked_fill(~keep, 0.0)).sum()
+            grads = torch.autograd.grad(total, list(parameters), allow_unused=True)
+            for n, grad in enumerate(grads):
+                sizes[n][which] = 0.0 if grad is None else grad.abs().max().item()
+    return [(a, b) for a, b in sizes]
 
 
 def floor(dtype: torch.dtype) -> float:
@@ -229,6 +484,14 @@ __all__ = [
     "flash_rounding",
     "flash_rounding_sizes",
     "floor",
+    "function_name",
+    "grid_mask",
+    "grid_score",
+    "has_mod_bias",
+    "index_grids",
+    "is_mod_bias",
     "max_error",
+    "mod_functions",
+    "pointwise",
     "run_with_grads",
 ]
