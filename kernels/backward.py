@@ -815,7 +815,7 @@ def attention_backward(
         EVEN_N=seq_k % block_n == 0,
         HAS_DSLOPE=dslope_parts is not None,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=mask.stages(cfg.num_stages),
         **common,
     )  # fmt: skip
     if dslope_parts is not None and alibi_slopes is not None:
@@ -841,7 +841,7 @@ def attention_backward(
         REVERSE=late_cols_first(seq_q, seq_k, mask),
         EVEN_M=seq_q % block_m == 0,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=mask.stages(cfg.num_stages),
         **common,
     )  # fmt: skip
     return dq, dk, dv, dslopes

@@ -470,7 +470,7 @@ def plan_forward(
         EVEN_N=seq_k % block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=mask.stages(cfg.num_stages),
     )
     return ForwardPlan(
         identity,

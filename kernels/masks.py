@@ -126,6 +126,14 @@ class MaskArgs:
             return block_m, block_n
         return min(block_m, self.blocks.block_m), min(block_n, self.blocks.block_n)
 
+    def stages(self, num_stages: int) -> int:
+        """A kernel's pipeline depth: at most 2 where generated functions read tensors (each
+        stage would hold a tile of their gathered values too; the dQ kernel's 4 stages at head
+        dim 128 asked for 288 KB of shared memory on an H100 with a T5 table)."""
+        if self.mods is not None and self.mods.traced.params:
+            return min(num_stages, 2)
+        return num_stages
+
 
 def _doc_ranges(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     """For each id of ``ids``, the positions ``[lo, hi)`` of that id in ``sorted_ids``."""
@@ -326,7 +334,7 @@ def _mod_block_lists(
     the generated mask functions), from one program per block evaluating the mask: no
     ``L x S`` tensor, no host synchronisation. Lists are per batch row when a term differs
     between rows, per head when a mask function reads ``h``."""
-    from .blocks import _classify_blocks, block_lists
+    from .blocks import _classify_blocks, block_lists_on_device
     from .modfn import with_flat_mods
 
     batch, heads, seq_q, _ = q.shape
@@ -360,7 +368,7 @@ def _mod_block_lists(
         HAS_KV_RANGE=kv_start is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         ROWS=min(block_m, 32), MASK_FN=mods.mask_fn,
     )  # fmt: skip
-    lists = block_lists(states, block_m, block_n)
+    lists = block_lists_on_device(states, block_m, block_n)
     if cacheable:
         _MOD_LISTS[program] = (key, lists)
     return lists

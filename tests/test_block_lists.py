@@ -37,6 +37,7 @@ from attnbias.kernels.blocks import (
     PARTIAL,
     block_lists,
     block_lists_of_keep,
+    block_lists_on_device,
     tile_states,
 )
 from attnbias.kernels.program import MaskProgram
@@ -257,6 +258,25 @@ def test_tile_states_and_lists_by_hand() -> None:
     assert lists.kv_lists.dtype == lists.q_lists.dtype == torch.int32
     with pytest.raises(ValueError, match=r"\(Bl, Hl, L, S\) bool"):
         tile_states(keep[0], 2, 4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3, 2), (2, 3, 5, 9), (1, 2, 33, 17), (1, 1, 1, 1)])
+def test_lists_written_on_the_device_match_the_builder(shape: tuple[int, int, int, int]) -> None:
+    """The list-writing kernel against :func:`block_lists`: each count and the blocks it
+    counts, in both orientations (entries past a count are not read by the kernels)."""
+    states = torch.randint(
+        0, 3, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)
+    )
+    states[..., 0, 0] = FULL  # every state present in the small shapes too
+    expected = block_lists(states, 16, 16)
+    got = block_lists_on_device(states.to(DEVICE), 16, 16)
+    for mine, theirs in ((got.kv_lists, expected.kv_lists), (got.q_lists, expected.q_lists)):
+        mine = mine.cpu()
+        assert mine.shape == theirs.shape and mine.dtype == torch.int32
+        counts = theirs[..., 0]
+        assert torch.equal(mine[..., 0], counts)
+        listed = torch.arange(theirs.shape[-1] - 1) < counts[..., None]
+        assert torch.equal(mine[..., 1:][listed], theirs[..., 1:][listed])
 
 
 def test_a_program_with_lists_packs_and_unpacks() -> None:
