@@ -27,6 +27,7 @@ from .common import (
     _log2_scores,
     _mod_context,
     _mod_keep,
+    _mod_param_grads,
     _mod_score_grad,
     _query_block_range,
     _row_bounds,
@@ -422,6 +423,7 @@ def _attn_bwd_dq_inner(
     HAS_DSLOPE: tl.constexpr,
     MASK_FN: tl.constexpr,
     SCORE_GRAD_FN: tl.constexpr,
+    PARAM_GRAD_FN: tl.constexpr,
 ):
     """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
     three ``[BLOCK_M]`` row sums for the gradient of ALiBi's slope: ``sum P dP r``,
@@ -451,6 +453,7 @@ def _attn_bwd_dq_inner(
                 qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
                 False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
             )  # fmt: skip
+            s_in = s
             s, dmod = _mod_score_grad(s, offs_m, offs_n, MODC, SCORE_GRAD_FN)
             p = tl.math.exp2(s - lse2[:, None])
         elif HAS_SOFTCAP or HAS_ALIBI:
@@ -481,6 +484,8 @@ def _attn_bwd_dq_inner(
             slope_pdr += tl.sum(pd * dist, 1)
             slope_pr += tl.sum(pr, 1)
             slope_pd += tl.sum(pd, 1)
+        if PARAM_GRAD_FN is not None:
+            _mod_param_grads(s_in, offs_m, offs_n, MODC, ds, PARAM_GRAD_FN)
         if SCORE_GRAD_FN is not None:
             ds = ds * dmod
         if HAS_SOFTCAP:
@@ -504,6 +509,7 @@ def _attn_bwd_dq_listed(
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DSLOPE: tl.constexpr,
     SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr,
+    PARAM_GRAD_FN: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
@@ -519,7 +525,7 @@ def _attn_bwd_dq_listed(
             MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
     return dq, slope_pdr, slope_pr, slope_pd
 
@@ -585,6 +591,7 @@ def _attn_bwd_dq(
     SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_GRAD_FN: tl.constexpr = None,
+    PARAM_GRAD_FN: tl.constexpr = None,
 ):  # fmt: skip
     """``dQ`` of one query tile of one query head.
 
@@ -677,6 +684,7 @@ def _attn_bwd_dq(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
@@ -687,6 +695,7 @@ def _attn_bwd_dq(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
     else:
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
@@ -697,7 +706,7 @@ def _attn_bwd_dq(
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
@@ -707,7 +716,7 @@ def _attn_bwd_dq(
             MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
@@ -717,7 +726,7 @@ def _attn_bwd_dq(
             MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
 
     if HAS_DSLOPE:
@@ -746,14 +755,17 @@ def attention_backward(
     scale: float,
     grad_lse: Tensor | None = None,
     slopes_grad: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    mod_grads: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor] | None]:
     """Gradients ``(dq, dk, dv, dslopes)`` of :func:`attention_forward`, in the inputs' dtypes
     and shapes.
 
     ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
     ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
     ``dslopes``, the gradient of ``program.alibi_slopes`` (same shape), is computed only when
-    ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise.
+    ``slopes_grad`` is set (and ALiBi is on), and is ``None`` otherwise. ``dmods``, with
+    ``mod_grads`` and generated score functions, are the float32 gradients of the float
+    tensors those functions read (``program.mods``), in their order; ``None`` otherwise.
     Rows that kept no key contribute nothing; keys that no row keeps get zero gradients, and
     keys and values outside a row's key range ``[kv_start[b], kv_end[b])`` are never read.
     """
@@ -765,10 +777,20 @@ def attention_backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     slopes_grad = slopes_grad and alibi_slopes is not None
     dslopes = None
+    mods = program.mods
+    dmods = (
+        [
+            torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+            for t in mods.traced.params
+            if t.is_floating_point()
+        ]
+        if mod_grads and mods is not None and mods.has_score
+        else None
+    )
     if batch * num_heads * seq_q * seq_k * head_dim == 0:  # nothing depends on anything
         if slopes_grad and alibi_slopes is not None:
             dslopes = torch.zeros_like(alibi_slopes)
-        return dq.zero_(), dk.zero_(), dv.zero_(), dslopes
+        return dq.zero_(), dk.zero_(), dv.zero_(), dslopes, dmods
     mask = mask_args(q, k, program, scale=scale, rows=True, cols=True)
     lse = lse.to(torch.float32).contiguous()
     block_e = padded_head_dim(head_dim)
@@ -794,7 +816,8 @@ def attention_backward(
         if slopes_grad
         else None
     )
-    launcher(mask.kernel(_attn_bwd_dq))[grid](
+    extra = dmods or []
+    launcher(mask.kernel(_attn_bwd_dq, len(extra)))[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
         mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
         mask.kv_lists,
@@ -807,10 +830,11 @@ def attention_backward(
         doc_stride(mask, seq_q),
         mask.stride_sb, mask.stride_sh,
         num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(), *extra,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
+        PARAM_GRAD_FN=mods.param_grad_fn if dmods is not None and mods is not None else None,
         HAS_DLSE=grad_lse is not None,
         EVEN_N=seq_k % block_n == 0,
         HAS_DSLOPE=dslope_parts is not None,
@@ -844,7 +868,7 @@ def attention_backward(
         num_stages=mask.stages(cfg.num_stages),
         **common,
     )  # fmt: skip
-    return dq, dk, dv, dslopes
+    return dq, dk, dv, dslopes, dmods
 
 
 def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:

@@ -558,3 +558,11 @@ def _mod_score_grad(
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
     s, ds = SCORE_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4])
     return s * LOG2E_K, ds
+
+
+@triton.jit
+def _mod_param_grads(s2, offs_m, offs_n, MODC, ds, PARAM_GRAD_FN: tl.constexpr):
+    """Add a tile's part of the gradients of the tensors the generated score functions read:
+    ``ds`` is the gradient of their output (0 on masked pairs), ``s2`` their base-2 input."""
+    q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, False)
+    PARAM_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], ds)

@@ -74,13 +74,14 @@ class MaskArgs:
         the generated functions' flat arguments (for :meth:`kernel`)."""
         return [None] if self.mods is None else self.mods.args()
 
-    def kernel(self, base: Any) -> Any:
-        """``base``, or with generated functions, its form taking their flat arguments."""
+    def kernel(self, base: Any, extra: int = 0) -> Any:
+        """``base``, or with generated functions, its form taking their flat arguments (and
+        ``extra`` more after them: gradient buffers)."""
         if self.mods is None:
             return base
         from .modfn import with_flat_mods
 
-        return with_flat_mods(base, len(self.mods.args()))
+        return with_flat_mods(base, len(self.mods.args()) + extra)
 
     def flags(self, q: Tensor) -> dict[str, Any]:
         """The ``tl.constexpr`` flags every attention kernel takes for this mask and for

@@ -899,11 +899,13 @@ def _floormod(a, b):
 class _Emitter:
     """Writes the Triton statements of a graph's nodes, each once, as local variables."""
 
-    def __init__(self, traced: TracedMods) -> None:
+    def __init__(self, traced: TracedMods, seed: int | None = None) -> None:
         self.traced = traced
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
-        self.tangents: dict[int, str | None] = {}  # d node / d score: None is 0, "1" is one
+        # d node / d seed (the score input unless ``seed`` names a node): None is 0, "1" one
+        self.tangents: dict[int, str | None] = {}
+        self.seed = traced.inputs["score"] if seed is None else seed
         # where each parameter's runtime arguments start in the flat argument tuple
         self.param_slot: list[int] = []
         slot = len(traced.consts)
@@ -914,7 +916,8 @@ class _Emitter:
     def bind_inputs(self, names: dict[str, str]) -> None:
         for name, var in names.items():
             self.names[self.traced.inputs[name]] = var
-        self.tangents[self.traced.inputs["score"]] = "1"
+        score = self.traced.inputs["score"]
+        self.tangents[score] = "1" if self.seed == score else None
 
     def value(self, node_id: int, tangent: bool = False) -> str:
         if node_id not in self.names:
@@ -925,7 +928,9 @@ class _Emitter:
             self.lines.append(f"{var} = {self._expr(node)}")
             self.names[node_id] = var
             if tangent:
-                self.tangents[node_id] = self._tangent(node_id, node)
+                self.tangents[node_id] = (
+                    "1" if node_id == self.seed else self._tangent(node_id, node)
+                )
         elif tangent and node_id not in self.tangents:
             self.tangents[node_id] = None
         return self.names[node_id]
@@ -1088,7 +1093,80 @@ def _generate(traced: TracedMods) -> str:
             body = [*emitter.lines, f"return {result}"]
             name = "score_fn"
         parts.append(_function(name, f"score, {index_args}, MOD", body))
+    parts.append(_function("param_grad_fn", f"score, {index_args}, MOD, ds", _param_grads(traced)))
     return "\n".join(parts)
+
+
+#: Above this many entries indexed by the positions, a tensor's gradient is added one score at
+#: a time (atomics); at or below it, each tile sums per entry first and adds once.
+ONE_HOT_LIMIT = 256
+
+
+def _param_grads(traced: TracedMods) -> list[str]:
+    """The body of ``param_grad_fn``: for each float tensor the score functions read, the
+    gradient ``ds * d scores / d read`` of a tile's pairs added into its float32 buffer (at
+    the end of the runtime arguments, one per float tensor). Each read sums over the tile:
+    entirely when its index depends on neither position, else per entry of the dimensions
+    that do (a loop over those entries, at most ``ONE_HOT_LIMIT``, beyond it per score)."""
+    if not traced.scores:
+        return ["pass"]
+    result = traced.scores[-1].result
+    ancestors = traced._ancestors(result)
+    floats = [slot for slot, p in enumerate(traced.params) if p.is_floating_point()]
+    grad_slot = len(traced.runtime_args())
+    positions = {traced.inputs["q_idx"], traced.inputs["kv_idx"]}
+    names = {name: name for name in (*INDEX_NAMES, "score")}
+    body: list[str] = []
+    for node_id in sorted(ancestors):
+        node = traced.nodes[node_id]
+        if node.op != "load" or node.args[0] not in floats:
+            continue
+        emitter = _Emitter(traced, seed=node_id)
+        emitter.bind_inputs(names)
+        emitter.value(result, tangent=True)
+        tangent = emitter.tangents.get(result)
+        if tangent is None:
+            continue
+        slot = node.args[0]
+        base = emitter.param_slot[slot]
+        dims = len(node.args) - 1
+        grad = f"MOD[{grad_slot + floats.index(slot)}]"
+        sizes = [f"MOD[{base + 1 + d}]" for d in range(dims)]
+        # contiguous strides of the float32 gradient buffer
+        strides = [" * ".join(sizes[d + 1 :]) or "1" for d in range(dims)]
+        index = [
+            f"tl.minimum(tl.maximum({emitter.names[i]}, 0), {sizes[d]} - 1)"
+            for d, i in enumerate(node.args[1:])
+        ]
+        varying = [d for d, i in enumerate(node.args[1:]) if traced._ancestors(i) & positions]
+        uniform = [d for d in range(dims) if d not in varying]
+        g = f"g{node_id}"
+        lines = [*emitter.lines]
+        lines.append(f"{g} = tl.where(ds == 0.0, 0.0, ds * {'1.0' if tangent == '1' else tangent})")
+        offset = " + ".join(f"{index[d]}.to(tl.int64) * ({strides[d]})" for d in uniform) or "0"
+        lines.append(f"u{node_id} = {offset}")
+        if not varying:
+            lines.append(f"tl.atomic_add({grad} + u{node_id}, tl.sum(tl.sum({g}, 1), 0))")
+        else:
+            count = " * ".join(sizes[d] for d in varying)
+            inner = [" * ".join(sizes[e] for e in varying if e > d) or "1" for d in varying]
+            flat = " + ".join(f"{index[d]} * ({inner[k]})" for k, d in enumerate(varying))
+            entry = " + ".join(
+                f"((e // ({inner[k]})) % {sizes[d]}).to(tl.int64) * ({strides[d]})"
+                for k, d in enumerate(varying)
+            )
+            every = " + ".join(f"{index[d]}.to(tl.int64) * ({strides[d]})" for d in varying)
+            lines += [
+                f"f{node_id} = {flat}",
+                f"if {count} <= {ONE_HOT_LIMIT}:",
+                f"    for e in range(0, {count}):",
+                f"        c = tl.sum(tl.sum(tl.where(f{node_id} == e, {g}, 0.0), 1), 0)",
+                f"        tl.atomic_add({grad} + u{node_id} + {entry}, c)",
+                "else:",
+                f"    tl.atomic_add({grad} + u{node_id} + {every}, {g})",
+            ]
+        body += lines
+    return body or ["pass"]
 
 
 def _function(name: str, params: str, body: list[str]) -> str:
@@ -1130,6 +1208,7 @@ class CompiledMods:
     mask_fn: Any
     score_fn: Any
     score_grad_fn: Any
+    param_grad_fn: Any
     source: str
 
     @classmethod
@@ -1137,7 +1216,12 @@ class CompiledMods:
         source = _generate(traced)
         namespace = jit_from_source(source, "mods")
         return cls(
-            traced, namespace["mask_fn"], namespace["score_fn"], namespace["score_grad_fn"], source
+            traced,
+            namespace["mask_fn"],
+            namespace["score_fn"],
+            namespace["score_grad_fn"],
+            namespace["param_grad_fn"],
+            source,
         )
 
     @property

@@ -62,7 +62,7 @@ def _attention_bwd(
     empty placeholder output broke inductor's compilation of the backward)."""
     program = MaskProgram.unpack(tensors, ints, floats)
     with traceable_launches():
-        dq, dk, dv, _ = attention_backward(
+        dq, dk, dv, _, _ = attention_backward(
             grad_out, q, k, v, out, lse, program, scale=scale, grad_lse=grad_lse,
             slopes_grad=False,
         )  # fmt: skip
@@ -146,9 +146,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 
 
 def _backward_both(
-    ctx: Any, grad_out: Tensor, grad_lse: Tensor | None, slopes_grad: bool
-) -> tuple[Tensor | None, ...]:
-    """``(dq, dk, dv, dslopes)`` for both paths.
+    ctx: Any, grad_out: Tensor, grad_lse: Tensor | None, slopes_grad: bool, mod_grads: bool = False
+) -> tuple[Any, ...]:
+    """``(dq, dk, dv, dslopes, dmods)`` for both paths.
 
     Under ``create_graph=True`` (grad mode on here) the gradients come back attached to what
     they were computed from, through :class:`_FirstOrderGradients`, so that a second backward
@@ -157,25 +157,41 @@ def _backward_both(
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     program = MaskProgram.unpack(tensors, ctx.ints, ctx.floats)
 
-    def compute() -> tuple[Tensor | None, ...]:
+    def compute() -> tuple[Any, ...]:
         if ctx.traceable:
             dq, dk, dv = torch.ops.attnbias.attention_bwd(
                 grad_out, q, k, v, out, lse, grad_lse, tensors, ctx.ints, ctx.floats, ctx.scale
             )
-            return dq, dk, dv, None
+            return dq, dk, dv, None, None
         return attention_backward(
             grad_out, q, k, v, out, lse, program, scale=ctx.scale, grad_lse=grad_lse,
-            slopes_grad=slopes_grad,
+            slopes_grad=slopes_grad, mod_grads=mod_grads,
         )  # fmt: skip
 
     sources = [
         t
-        for t in (grad_out, grad_lse, q, k, v, program.alibi_slopes)
+        for t in (grad_out, grad_lse, q, k, v, program.alibi_slopes, *_mod_tensors(program))
         if t is not None and t.requires_grad
     ]
     if torch.is_grad_enabled() and sources and not torch.compiler.is_compiling():
-        return _FirstOrderGradients.apply(compute, *sources)
+        # a list is no tensor: the second-order guard takes the flat outputs
+        dq, dk, dv, dslopes, *dmods = _FirstOrderGradients.apply(lambda: _flat(compute()), *sources)
+        return dq, dk, dv, dslopes, dmods if mod_grads else None
     return compute()
+
+
+def _flat(grads: tuple[Any, ...]) -> tuple[Tensor | None, ...]:
+    """``(dq, dk, dv, dslopes, dmods)`` with ``dmods`` spread out."""
+    *first, dmods = grads
+    return (*first, *(dmods or []))
+
+
+def _mod_tensors(program: MaskProgram) -> list[Tensor]:
+    """The float tensors generated score functions read: they may need a gradient."""
+    mods = program.mods
+    if mods is None or not mods.has_score:
+        return []
+    return [t for t in mods.traced.params if t.is_floating_point()]
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any, ...]:
@@ -189,7 +205,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any,
             "in eager mode only, not under torch.compile; run the compiled call under "
             'attnbias.use_backends("reference") or keep the slopes fixed'
         )
-    dq, dk, dv, _ = _backward_both(ctx, grad_out, grad_lse, slopes_grad=False)
+    dq, dk, dv, _, _ = _backward_both(ctx, grad_out, grad_lse, slopes_grad=False)
     return dq, dk, dv, ctx.tensor_grads, None, None, None
 
 
@@ -198,7 +214,8 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """The same launchers without the custom-op boundary (eager mode, interpreter). The ALiBi
-    slopes are an input of their own, so that autograd sees them and they get a gradient."""
+    slopes and the float tensors of generated score functions are inputs of their own, so
+    that autograd sees them and they get a gradient."""
 
     @staticmethod
     def forward(
@@ -209,6 +226,7 @@ class _EagerAttention(torch.autograd.Function):
         alibi_slopes: Tensor | None,
         program: MaskProgram,
         scale: float,
+        *mod_tensors: Tensor,
     ) -> Tensor:
         out, lse = attention_forward(q, k, v, program, scale=scale)
         _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
@@ -217,9 +235,17 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         slopes_grad = bool(ctx.needs_input_grad[3])
-        dq, dk, dv, dslopes = _backward_both(ctx, grad_out, None, slopes_grad)
+        wanted = ctx.needs_input_grad[6:]
+        dq, dk, dv, dslopes, dmods = _backward_both(
+            ctx, grad_out, None, slopes_grad, mod_grads=any(wanted)
+        )
+        tensors = _mod_tensors(MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats))
+        mod_out = [
+            grad.to(t.dtype) if want and grad is not None else None
+            for want, grad, t in zip(wanted, dmods or [None] * len(wanted), tensors, strict=True)
+        ]
         # no gradient for the program (a tensor of it that needs one is an input of its own)
-        return dq, dk, dv, dslopes if slopes_grad else None, None, None
+        return dq, dk, dv, dslopes if slopes_grad else None, None, None, *mod_out
 
 
 def block_sparse_attention(
@@ -242,11 +268,14 @@ def block_sparse_attention(
     """
     slopes = program.alibi_slopes
     if not torch.compiler.is_compiling():
-        if not (torch.is_grad_enabled() and _any_requires_grad(q, k, v, slopes)):
+        learnable = any(t.requires_grad for t in _mod_tensors(program))
+        if not (torch.is_grad_enabled() and (learnable or _any_requires_grad(q, k, v, slopes))):
             # nothing to record: no autograd node, just the launch
             return attention_forward(q, k, v, program, scale=scale)[0]
         # the block lists of mask functions, built once for the forward and the backward
-        return _EagerAttention.apply(q, k, v, slopes, with_mod_lists(q, k, program), scale)
+        return _EagerAttention.apply(
+            q, k, v, slopes, with_mod_lists(q, k, program), scale, *_mod_tensors(program)
+        )
     out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), scale)
     return out
 

@@ -50,6 +50,24 @@ def kernel_reasons(spec: Spec, kernel: str) -> list[str]:
     return reasons
 
 
+def _tile_counts(spec: Spec) -> str:
+    """How the mask functions' block lists split the call's blocks: skipped, full, partial."""
+    from attnbias.kernels.masks import with_mod_lists
+
+    blocks = with_mod_lists(spec.query, spec.key, spec.program).blocks
+    if blocks is None:
+        return "no block lists"
+    lists = blocks.kv_lists  # (Bl, Hl, Mb, 2, Nb + 1)
+    partial = int(lists[..., 0, 0].sum())
+    full = int(lists[..., 1, 0].sum())
+    total = lists.shape[0] * lists.shape[1] * lists.shape[2] * (lists.shape[4] - 1)
+    return (
+        f"of {total} blocks of {blocks.block_m}x{blocks.block_n} (per list row: "
+        f"{lists.shape[0]} batch x {lists.shape[1]} head), {total - partial - full} skipped, "
+        f"{full} full, {partial} partial"
+    )
+
+
 class TritonKernel(Backend):
     """Every band, documents, key ranges, ALiBi and soft-cap, forward and backward, skipping
     masked blocks.
@@ -76,11 +94,11 @@ class TritonKernel(Backend):
                 )
             program = spec.program.mods
             learnable = [t for t in program.traced.params if t.requires_grad]
-            if learnable and program.has_score:
+            if learnable and program.has_score and spec.compiling:
                 reasons.append(
                     f"ModBias tensors that require grad (shapes "
-                    f"{[tuple(t.shape) for t in learnable]}): their gradient is computed on "
-                    f"the exact path, not yet in the fused backward"
+                    f"{[tuple(t.shape) for t in learnable]}) while torch.compile traces: the "
+                    f"fused backward computes their gradient in eager mode only"
                 )
         slopes = spec.terms.slopes
         if spec.compiling and spec.needs_grad and slopes is not None and slopes.requires_grad:
@@ -96,6 +114,11 @@ class TritonKernel(Backend):
                 "the block-sparse Triton kernel, skipping masked blocks and reading no key "
                 "outside each batch row's key range"
             )
+        mods = spec.program.mods
+        if mods is not None and mods.has_mask:
+            return f"the block-sparse Triton kernel, fused: {_tile_counts(spec)}"
+        if mods is not None:
+            return "the block-sparse Triton kernel, fused, skipping masked blocks"
         return "the block-sparse Triton kernel, skipping masked blocks"
 
     def run(self, spec: Spec) -> Tensor:

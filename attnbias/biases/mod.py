@@ -201,7 +201,7 @@ class ModBias(KernelBias):
             for name, fn in (("mask_mod", self.mask_mod), ("score_mod", self.score_mod))
             if fn is not None
         ]
-        return f"ModBias({', '.join(names)})"
+        return f"{type(self).__name__}({', '.join(names)})"
 
 
 def _short(value: object) -> str:
