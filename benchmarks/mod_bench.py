@@ -155,7 +155,7 @@ def run(seq: int) -> list[str]:
         torch.cuda.synchronize()
         first_ms = (time.perf_counter() - start) * 1e3
         route = attnbias.explain(q, k, v, attn_mask=bias).splitlines()[0].split(":")[0]
-        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device="cuda")
+        block_mask = create_block_mask(_function(mask_mod), batch, None, seq, seq, device="cuda")
         flex_out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
         diff = (out.float() - flex_out.float()).abs().max().item()
 
@@ -218,6 +218,15 @@ def run(seq: int) -> list[str]:
             )
         print("\n".join(rows[-len(calls) :]), flush=True)
     return rows
+
+
+def _function(method: Any) -> Any:
+    """A plain function of a bound method (``create_block_mask`` takes functions only)."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return method(b, h, q_idx, kv_idx)
+
+    return mask_mod
 
 
 def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
