@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import FP32_TINY, LOG2E_K, _key_range, _row_bounds, _rows_key_blocks
+from .common import FP32_TINY, LOG2E_K, _key_range, _mod_context, _row_bounds, _rows_key_blocks
 from .configs import padded_head_dim
 from .forward import _attn_fwd_runs, check_identity, identity_of
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
@@ -123,6 +123,7 @@ def _decode_fwd(
     qk_scale,
     softcap_in,
     softcap_out,
+    MOD,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -140,8 +141,13 @@ def _decode_fwd(
     POSITIVE_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
+    MASK_FN: tl.constexpr = None,
+    SCORE_FN: tl.constexpr = None,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
+
+    Generated mask functions (``MASK_FN``) are evaluated on every visited block: the band's
+    range holds no full block for them (the training kernel's block lists do).
 
     With ``SPLIT`` it stores the share's normalised output and base-2 log-sum-exp in
     ``Parts`` (float32: ``(splits, B * Hkv * tiles, BLOCK_M, BLOCK_E)`` outputs, then
@@ -187,6 +193,9 @@ def _decode_fwd(
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
+    if MASK_FN is not None:  # every block partial: the mask functions apply everywhere
+        full_first = block_end
+        full_end = block_end
     # this program's even share [share_first, share_end) of the visited blocks
     visited = block_end - block_first
     share_first = block_first + (visited * pid_split) // num_splits
@@ -209,6 +218,11 @@ def _decode_fwd(
     else:
         alibi_coef = 0.0
     shift = seq_k - seq_q
+    if MASK_FN is not None or SCORE_FN is not None:
+        # heads differ between packed rows: the generated functions get a column of them
+        MODC = _mod_context(off_b, heads[:, None], seq_q, seq_k, MOD)
+    else:  # no tuple holding None: Triton refuses one
+        MODC = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -217,11 +231,11 @@ def _decode_fwd(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, share_first, prefix_end, middle_first, middle_end, suffix_first,
         share_end,
-        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, None,
+        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=None, SCORE_FN=None,
+        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -766,7 +780,7 @@ def plan_decode(
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
         return DecodePlan(identity, None, (), (), None, 0, 0)
-    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
+    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False, lists=False)
     layout = decode_layout(
         q.shape, k.shape, q.device, program, itemsize=q.element_size(), splits=num_splits
     )
@@ -781,6 +795,7 @@ def plan_decode(
         BLOCK_M=layout.block_m,
         BLOCK_N=cfg.block_n,
         **mask.flags(q),
+        **mask.mod_options(backward=False),
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,
@@ -792,7 +807,9 @@ def plan_decode(
     kernel_apart = merge = None
     merge_scalars: tuple[int, ...] = ()
     if split:
-        kernel_apart = PreparedLaunch(_decode_fwd, grid, {**options, "MERGE_LAST": False})
+        kernel_apart = PreparedLaunch(
+            mask.kernel(_decode_fwd), grid, {**options, "MERGE_LAST": False}
+        )
         rows = min(MERGE_ROWS, layout.block_m)
         merge_options = dict(
             HEAD_DIM=head_dim, BLOCK_E=block_e, BLOCK_M=layout.block_m, ROWS=rows,
@@ -819,8 +836,9 @@ def plan_decode(
             mask.qk_scale,
             mask.softcap_in,
             mask.softcap_out,
+            *mask.mod_args(),
         ),
-        PreparedLaunch(_decode_fwd, grid, {**options, "MERGE_LAST": split}),
+        PreparedLaunch(mask.kernel(_decode_fwd), grid, {**options, "MERGE_LAST": split}),
         layout.splits * tiles * layout.block_m * (block_e + 1) if split else 0,
         tiles,
         kernel_apart,

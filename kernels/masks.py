@@ -197,11 +197,20 @@ def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -
 
 
 def mask_args(
-    q: Tensor, k: Tensor, program: MaskProgram, *, scale: float, rows: bool, cols: bool
+    q: Tensor,
+    k: Tensor,
+    program: MaskProgram,
+    *,
+    scale: float,
+    rows: bool,
+    cols: bool,
+    lists: bool = True,
 ) -> MaskArgs:
     """The one place a :class:`~.program.MaskProgram` becomes kernel arguments, for a call
     with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``; ``rows`` / ``cols``: whether
-    the kernels to launch need the document ranges per query row / per key column."""
+    the kernels to launch need the document ranges per query row / per key column; ``lists``:
+    whether they iterate the block lists of generated mask functions (the decode kernel
+    does not)."""
     band_lo, band_hi = program.band_lo, program.band_hi
     q_doc, kv_doc = program.q_doc, program.kv_doc
     kv_start, kv_end = program.kv_start, program.kv_end
@@ -254,7 +263,7 @@ def mask_args(
         softcap_in = softcap_out = 0.0
     blocks = program.blocks
     mods = program.mods
-    if blocks is None and mods is not None and mods.has_mask:
+    if lists and blocks is None and mods is not None and mods.has_mask:
         blocks = _mod_block_lists(
             q, k, program, mods, has_lo, has_hi, lo, hi, row_lo, row_hi, docs_per_batch,
             kv_start, kv_end,

@@ -490,16 +490,20 @@ def test_explain_names_the_triton_kernel(name: str) -> None:
     assert text.startswith("triton:"), text
 
 
-@pytest.mark.xfail(
-    raises=ValueError,
-    strict=False,
-    reason="DESIGN.md has the decode kernel run ModBias functions (forward); it refuses them",
+@pytest.mark.parametrize(
+    "name", ["tree", "tree_t5", "head_windows"], ids=["tree", "tree+T5", "head_windows"]
 )
-def test_a_decode_step_on_the_decode_kernel() -> None:
-    """Few queries, no gradients: the decode kernel takes the tree mask too (forward)."""
-    case = CASES["speculative_tree"]()
-    bias = case.make()
-    q, k, v, _ = tensors(case.shape, BF16)
+def test_a_decode_step_on_the_decode_kernel(name: str) -> None:
+    """Few queries, no gradients: the decode kernel runs the functions too (forward), with
+    its packed rows of several query heads (GQA: ``h`` differs between rows of a tile)."""
+    shape = (2, 4, 2, 4, 40)
+    if name == "head_windows":
+        bias: AttnBias = HeadWindows(3)
+    else:
+        bias = speculative_tree(ANCESTORS.to(DEVICE), 40) + causal_lower_right()
+        if name == "tree_t5":
+            bias = bias + T5Bias(random_table(4, 3))
+    q, k, v, _ = tensors(shape, BF16)
     with use_backends("triton-decode"):
         assert explain(q, k, v, attn_mask=bias, enable_gqa=True).startswith("triton-decode:")
         out = sdpa(q, k, v, attn_mask=bias, enable_gqa=True)

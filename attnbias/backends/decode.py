@@ -39,8 +39,7 @@ class TritonDecode(Backend):
             reasons.append("gradients are required: the training kernel runs")
         if spec.program.blocks is not None:
             reasons.append("block lists are iterated by the training kernel only")
-        if spec.terms.mods:
-            reasons.append("ModBias functions run in the training kernel only (not yet here)")
+
         return reasons
 
     def how(self, spec: Spec) -> str:
