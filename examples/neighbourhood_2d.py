@@ -13,12 +13,15 @@ checked against the exact path (``use_backends("reference")``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnbias import AttnBias, ModBias, explain, sdpa, use_backends
+from attnbias import ModBias
+
+# isort: split
+# a sibling module: the examples' folder is on sys.path when one runs
+from route_check import check
 
 
 @dataclass(frozen=True)
@@ -37,28 +40,6 @@ class Neighbourhood2D(ModBias):
         centre_col = (q_idx % self.width).clamp(half_w, self.width - 1 - half_w)
         row, col = kv_idx // self.width, kv_idx % self.width
         return ((row - centre_row).abs() <= half_h) & ((col - centre_col).abs() <= half_w)
-
-
-def check(name: str, q: Tensor, k: Tensor, v: Tensor, bias: AttnBias, **kwargs: Any) -> None:
-    """Print the route of a training call and its largest errors (output and gradients)
-    against the exact path."""
-    grad_out = torch.randn_like(q)
-
-    def run() -> list[Tensor]:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = sdpa(*leaves, attn_mask=bias, **kwargs)
-        return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
-
-    leaf = q.detach().requires_grad_()
-    print(f"{name}\n  route: {explain(leaf, k, v, attn_mask=bias, **kwargs).splitlines()[0]}")
-    got = run()
-    with use_backends("reference"):
-        expected = run()
-    errors = ", ".join(
-        f"{label} {(a.double() - b.double()).abs().max().item():.1e}"
-        for label, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True)
-    )
-    print(f"  max error vs the exact path: {errors}")
 
 
 def main() -> None:
