@@ -255,19 +255,14 @@ class Terms:
         return "band"
 
     def describe(self) -> str:
-        terms = []
-        if self.band_lo is not None or self.band_hi is not None:
-            lo = "-inf" if self.band_lo is None else str(self.band_lo)
-            hi = "+inf" if self.band_hi is None else str(self.band_hi)
-            terms.append(f"band {lo} <= j - i <= {hi}")
-        if self.q_doc is not None:
-            terms.append("documents")
-        if self.has_key_range:
-            terms.append("key range kv_start[b] <= j < kv_end[b]")
-        if self.slopes is not None:
-            terms.append("ALiBi")
-        if self.softcap is not None:
-            terms.append(f"soft-cap {self.softcap:g}")
+        """The terms in words: the program's (its generated functions by the biases they
+        come from), then the parts that are materialized."""
+        program = (
+            self.program.describe()
+            if self.program.mods is None
+            else (self.program.replace(mods=None).describe())
+        )
+        terms = [] if program == "no mask" else [program]
         terms += [f"{p.describe()} (generated functions)" for p in self.mods]
         terms += [f"{type(p).__name__} (materialized)" for p in self.others]
         return ", ".join(terms) if terms else "no mask"
