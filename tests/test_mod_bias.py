@@ -746,3 +746,18 @@ def test_torch_compile_fullgraph_on_the_gpu() -> None:
     # twice, on new contents: the second call runs what the first one compiled
     for seed in (0, 1):
         check(case, BF16, fused=True, param_grads=False, call=compiled, seed=seed)
+
+
+def test_double_backward_through_a_learnable_table_is_refused() -> None:
+    """The fused gradient of a table is first order: differentiating it again raises, it
+    never comes back silently detached."""
+    table = random_table(2, 11).requires_grad_(True)
+    q, k, v = (
+        torch.randn(1, 2, 32, 16, device=DEVICE, dtype=FP32, requires_grad=True) for _ in range(3)
+    )
+    with use_backends("triton"):
+        out = sdpa(q, k, v, attn_mask=T5Bias(table))
+    grad_q, grad_table = torch.autograd.grad(out.sum(), (q, table), create_graph=True)
+    assert grad_table.requires_grad
+    with pytest.raises(NotImplementedError, match="double backward"):
+        (grad_q.sum() + grad_table.sum()).backward()
