@@ -761,3 +761,21 @@ def test_double_backward_through_a_learnable_table_is_refused() -> None:
     assert grad_table.requires_grad
     with pytest.raises(NotImplementedError, match="double backward"):
         (grad_q.sum() + grad_table.sum()).backward()
+
+
+def test_new_numbers_and_lengths_compile_nothing_new() -> None:
+    """Numbers are runtime arguments of the generated code: two prefix lengths, two chunk
+    sizes and two closures over different tensors share one generated function each."""
+    from attnbias.biases.mod import compiled_mods
+
+    assert compiled_mods((PrefixLM(16),)).mask_fn is compiled_mods((PrefixLM(40),)).mask_fn
+    assert compiled_mods((ChunkedLocal(32),)).mask_fn is compiled_mods((ChunkedLocal(64),)).mask_fn
+    first, second = documents(2, 64), documents(2, 64) * 3
+    pair_a = flex_document_pair(first, 2.0)
+    pair_b = flex_document_pair(second, 5.0)
+    made_a = compiled_mods((ModBias(mask_mod=pair_a[0], score_mod=pair_a[1]),))
+    made_b = compiled_mods((ModBias(mask_mod=pair_b[0], score_mod=pair_b[1]),))
+    assert made_a.mask_fn is made_b.mask_fn and made_a.score_fn is made_b.score_fn
+    # the values differ, the code does not
+    assert made_a.traced.consts != made_b.traced.consts
+    assert made_a.traced.params[0] is first and made_b.traced.params[0] is second
