@@ -62,23 +62,6 @@ def bench_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
 
-def graph_ms(fn: Callable[[], Any], calls: int = 20) -> float:
-    """Median ms per call of CUDA-graph replays of ``calls`` calls."""
-    import triton
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return float(triton.testing.do_bench(graph.replay, warmup=50, rep=300)) / calls
-
-
 def training_biases(lib: Any, seq_len: int, heads: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seq_len)
     cuts = sorted(torch.randperm(seq_len - 1, generator=gen)[: seq_len // 2048 + 3].add(1))
@@ -169,6 +152,9 @@ def main() -> None:
                 )
             del q, k, v, grad
     if "decode" not in args.skip:
+        # the decode benchmark's timing: CUDA-graph replays of several calls
+        from decode_bench import graph_ms
+
         for length_q in (1, 16):
             for length_kv in (8192, 131072):
                 q = torch.randn(8, 32, length_q, 128, device="cuda", dtype=dt)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
-import itertools
 import linecache
 import math
 import numbers
@@ -626,23 +625,9 @@ class TracedMods:
     consts: list[int | float]
     inputs: dict[str, int] = field(default_factory=dict)
 
-    @property
-    def structure(self) -> tuple[object, ...]:
-        """What the generated code depends on (not the numbers, nor the tensors' values)."""
-        return (
-            tuple(self.nodes),
-            tuple(f.result for f in self.masks),
-            tuple(f.result for f in self.scores),
-            tuple((p.dtype, p.dim()) for p in self.params),
-            tuple(type(c) for c in self.consts),
-        )
-
     def reads(self) -> frozenset[str]:
         """The index inputs the masks read ("b", "h", "q_idx", "kv_idx")."""
         return frozenset().union(*(f.reads for f in self.masks))
-
-    def score_reads(self) -> frozenset[str]:
-        return frozenset().union(*(f.reads for f in self.scores))
 
     def runtime_args(self) -> list[Any]:
         """The flat runtime arguments of the generated code: the constants, then per parameter
@@ -1176,7 +1161,6 @@ def _function(name: str, params: str, body: list[str]) -> str:
 
 
 _SOURCES: dict[str, dict[str, Any]] = {}
-_counter = itertools.count()
 
 
 def jit_from_source(

@@ -114,10 +114,6 @@ class ModBias(KernelBias):
         scores = [] if self.score_mod is None else [self.score_mod]
         return masks, scores
 
-    def tensors(self) -> list[Tensor]:
-        """The tensors the functions read."""
-        return list(self._traced().params)
-
     def _traced(self) -> Any:
         found = self.__dict__.get("_traced_mods")
         if found is None:
