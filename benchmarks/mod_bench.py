@@ -8,10 +8,12 @@ the built-in ``SlidingWindowBias``. bf16, H=16, E=128, B·S=16k tokens.
 
 Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; ``flex`` =
 ``torch.compile(flex_attention)`` with ``create_block_mask`` built once (its Triton backend);
-``builtin`` = the built-in bias where one exists. Times are medians of ``do_bench`` over two
-rounds in alternating order; ``first call`` is the first ``sdpa`` call of a fresh bias
-(tracing, lists, and compiling where the generated code is new); ``lists ms`` is the time to
-build the block lists for a new length (the classification kernel and the list sort).
+``flex (FLASH)`` = the same with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention 4's
+kernels; a row only where it runs); ``builtin`` = the built-in bias where one exists. Times
+are medians of ``do_bench`` over two rounds in alternating order; ``first call`` is the first
+``sdpa`` call of a fresh bias (tracing, lists, and compiling where the generated code is new);
+``lists ms`` is the time to build the block lists for a new length (the classification kernel
+and the list writer).
 
 Run on the GPU: ``python benchmarks/mod_bench.py [--seq 8192 16384]``; prints markdown.
 """
@@ -182,6 +184,9 @@ def run(seq: int) -> list[str]:
                 q, k, v, score_mod=score, block_mask=mask
             ),
         }
+        flash = _flex_flash(flex, q, k, v, score_mod, block_mask)
+        if flash is not None:
+            calls["flex (FLASH)"] = flash
         if builtin is not None:
             calls["builtin (triton)"] = lambda bias=builtin: _pinned(q, k, v, bias)
         times: dict[str, list[float]] = {}
@@ -222,6 +227,24 @@ def run(seq: int) -> list[str]:
             )
         print("\n".join(rows[-len(calls) :]), flush=True)
     return rows
+
+
+def _flex_flash(
+    flex: Any, q: Tensor, k: Tensor, v: Tensor, score_mod: Any, block_mask: Any
+) -> Callable[[], Tensor] | None:
+    """FlexAttention's FLASH backend (FlashAttention 4's kernels), or None where it refuses."""
+
+    def call() -> Tensor:
+        return flex(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"}
+        )
+
+    try:
+        torch.autograd.grad(call(), (q, k, v), torch.ones_like(q))
+    except Exception as exc:  # any refusal makes a skipped row
+        print(f"flex (FLASH) skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        return None
+    return call
 
 
 def _function(method: Any) -> Any:

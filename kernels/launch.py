@@ -98,7 +98,8 @@ class CachedLaunch:
         self.compiled: dict[tuple[object, ...], Any] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        return functools.partial(self.run, grid)
+        # a compiled kernel's own launcher reads three grid dimensions
+        return functools.partial(self.run, (*grid, 1, 1)[:3])
 
     def key(self, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[object, ...]:
         """What the compiled kernel for ``args`` and ``options`` depends on."""
