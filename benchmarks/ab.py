@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--make-old", nargs=2, metavar=("REV", "DIR"))
     parser.add_argument("--skip", nargs="*", default=[], choices=["training", "decode", "host"])
     parser.add_argument("--cases", nargs="*", help="training cases (default: all)")
+    parser.add_argument("--seqs", nargs="*", type=int, default=[4096, 16384])
     args = parser.parse_args()
     if args.make_old:
         make_old(args.make_old[0], Path(args.make_old[1]))
@@ -106,7 +107,7 @@ def main() -> None:
     dt = torch.bfloat16
     if "training" not in args.skip:
         heads, head_dim = 16, 128
-        for seq_len in (4096, 16384):
+        for seq_len in args.seqs:
             batch = 16384 // seq_len
             q, k, v = (
                 torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=dt)

@@ -143,7 +143,7 @@ def peak_mib(fn: Callable[[], Any]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run(seq: int) -> list[str]:
+def run(seq: int, only: list[str] | None = None) -> list[str]:
     device = torch.device("cuda")
     batch = TOKENS // seq
     q, k, v = (
@@ -153,9 +153,14 @@ def run(seq: int) -> list[str]:
         for _ in range(3)
     )
     grad = torch.randn_like(q)
-    flex = torch.compile(flex_attention)
     rows = []
     for name, (bias, mask_mod, score_mod, builtin) in cases(seq, device).items():
+        if only and name not in only:
+            continue
+        # a fresh compilation per case: past dynamo's recompile limit flex_attention falls back
+        # to its eager path (L x S memory), which would time the wrong thing
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
         start = time.perf_counter()
         out = attnbias.sdpa(q, k, v, attn_mask=bias)
         torch.cuda.synchronize()
@@ -180,7 +185,7 @@ def run(seq: int) -> list[str]:
 
         calls: dict[str, Callable[[], Tensor]] = {
             "attnbias": lambda bias=bias: attnbias.sdpa(q, k, v, attn_mask=bias),
-            "flex": lambda mask=block_mask, score=score_mod: flex(
+            "flex": lambda mask=block_mask, score=score_mod, flex=flex: flex(
                 q, k, v, score_mod=score, block_mask=mask
             ),
         }
@@ -280,6 +285,7 @@ def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(
@@ -288,7 +294,7 @@ def main() -> None:
     )
     rows = []
     for seq in args.seq:
-        rows += run(seq)
+        rows += run(seq, args.cases)
     print("\n## Summary\n")
     print("| case | S | contender | fwd ms | f+b ms | flex ÷ this (fwd / f+b) | f+b MiB | notes |")
     print("|---|--:|---|--:|--:|--:|--:|---|")

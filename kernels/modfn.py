@@ -928,6 +928,9 @@ class _Emitter:
         if op == "bool":
             return "True" if args[0] else "False"
         if op == "load":
+            gathered = self._gathered_load(node)
+            if gathered is not None:
+                return gathered
             slot = self.param_slot[args[0]]
             dims = len(args) - 1
             offset = "0"
@@ -981,6 +984,50 @@ class _Emitter:
             "sqrt": f"tl.sqrt({x})",
             "sigmoid": f"(1.0 / (1.0 + tl.exp(0.0 - {x})))",
         }[op]
+
+    def _gathered_load(self, node: Node) -> str | None:
+        """A tile's reads of a small table row through a register gather, or None where the
+        read is not of that form.
+
+        The form: one index of the read depends on both positions (a tile's ``[M, N]`` of
+        entries, ``table[h, bucket(q_idx - kv_idx)]``), the others on neither, and the table
+        has at most :data:`GATHER_LIMIT` entries along that index. The row is loaded once per
+        tile (``[1 or rows, T]``) and each pair picks its entry with ``tl.gather``, instead of
+        one load from memory per pair."""
+        args = node.args
+        positions = {self.traced.inputs["q_idx"], self.traced.inputs["kv_idx"]}
+        reads = [self.traced._ancestors(i) & positions for i in args[1:]]
+        varying = [d for d, r in enumerate(reads) if r]
+        if len(varying) != 1 or reads[varying[0]] != positions:
+            return None
+        param = self.traced.params[args[0]]
+        dim = varying[0]
+        entries = int(param.shape[dim])
+        if not 0 < entries <= GATHER_LIMIT:
+            return None
+        n = self.names
+        slot = self.param_slot[args[0]]
+        dims = len(args) - 1
+        offset = "0"
+        for d, index in enumerate(args[1:]):
+            if d != dim:
+                size = f"MOD[{slot + 1 + d}]"
+                stride = f"MOD[{slot + 1 + dims + d}]"
+                clamped = f"tl.minimum(tl.maximum({n[index]}, 0), {size} - 1)"
+                offset = f"{offset} + {clamped}.to(tl.int64) * {stride}"
+        width = 1 << (entries - 1).bit_length()
+        size = f"MOD[{slot + 1 + dim}]"
+        stride = f"MOD[{slot + 1 + dims + dim}]"
+        tag = f"{len(self.lines)}"
+        self.lines += [
+            f"te{tag} = tl.arange(0, {width})[None, :]",
+            f"tr{tag} = tl.load(MOD[{slot}] + {offset} + te{tag} * {stride}, "
+            f"mask=te{tag} < {size}, other=0)",
+            f"ti{tag} = tl.minimum(tl.maximum({n[args[1 + dim]]}, 0), {size} - 1).to(tl.int32)",
+            f"tg{tag} = tl.gather("
+            f"tl.broadcast_to(tr{tag}, (ti{tag}.shape[0], {width})), ti{tag}, 1)",
+        ]
+        return f"tg{tag}.to(tl.float32)" if node.kind == "float" else f"tg{tag}"
 
     def _tangent(self, node_id: int, node: Node) -> str | None:
         """``d node / d score`` as an expression of earlier variables (None: zero)."""
@@ -1082,6 +1129,10 @@ def _generate(traced: TracedMods) -> str:
     return "\n".join(parts)
 
 
+#: Tables with at most this many entries along the index that both positions set are read a
+#: row per tile and gathered in registers (``_Emitter._gathered_load``).
+GATHER_LIMIT = 64
+
 #: Above this many entries indexed by the positions, a tensor's gradient is added one score at
 #: a time (atomics); at or below it, each tile sums per entry first and adds once.
 ONE_HOT_LIMIT = 256
@@ -1092,7 +1143,9 @@ def _param_grads(traced: TracedMods) -> list[str]:
     gradient ``ds * d scores / d read`` of a tile's pairs added into its float32 buffer (at
     the end of the runtime arguments, one per float tensor). Each read sums over the tile:
     entirely when its index depends on neither position, else per entry of the dimensions
-    that do (a loop over those entries, at most ``ONE_HOT_LIMIT``, beyond it per score)."""
+    that do (a loop over the entries between the least and the greatest that the tile's
+    nonzero gradients read, for tables of at most ``ONE_HOT_LIMIT`` such entries; beyond it
+    one atomic per nonzero score)."""
     if not traced.scores:
         return ["pass"]
     result = traced.scores[-1].result
@@ -1144,11 +1197,16 @@ def _param_grads(traced: TracedMods) -> list[str]:
             lines += [
                 f"f{node_id} = {flat}",
                 f"if {count} <= {ONE_HOT_LIMIT}:",
-                f"    for e in range(0, {count}):",
+                # only the entries the tile's kept pairs read: a relative-position table
+                # gives most tiles one or a few
+                f"    nz = {g} != 0.0",
+                f"    lo = tl.min(tl.min(tl.where(nz, f{node_id}, {count}), 1), 0)",
+                f"    hi = tl.max(tl.max(tl.where(nz, f{node_id}, -1), 1), 0)",
+                "    for e in range(lo, hi + 1):",
                 f"        c = tl.sum(tl.sum(tl.where(f{node_id} == e, {g}, 0.0), 1), 0)",
                 f"        tl.atomic_add({grad} + u{node_id} + {entry}, c)",
                 "else:",
-                f"    tl.atomic_add({grad} + u{node_id} + {every}, {g})",
+                f"    tl.atomic_add({grad} + u{node_id} + {every}, {g}, mask={g} != 0.0)",
             ]
         body += lines
     return body or ["pass"]
