@@ -696,6 +696,13 @@ class TracedMods:
             current = result
         return True
 
+    def narrow_casts(self) -> frozenset[int]:
+        """The casts to int64 that run in 32 bits (see :func:`_narrow_casts`)."""
+        found = self.__dict__.get("_narrow")
+        if found is None:
+            found = self.__dict__["_narrow"] = _narrow_casts(self)
+        return found
+
     def _ancestors(self, node_id: int) -> set[int]:
         seen: set[int] = set()
         stack = [node_id]
@@ -881,6 +888,173 @@ def _floormod(a, b):
 """
 
 
+# -- value ranges: which integer casts of 64 bits can run in 32 ---------------------------------
+
+#: The integers of 32 bits.
+_INT32 = (-(2.0**31), 2.0**31 - 1)
+#: Room for float32's rounding (and the kernels' approximate log and exp) around the bounds of
+#: a float value worked out here in float64, where a cast turns it into an integer.
+_ROUNDING = 1e-4
+
+_Range = tuple[float, float, bool]  # low, high, may be NaN
+_ANY: _Range = (-math.inf, math.inf, True)
+
+
+def _combine(values: list[float], nan: bool) -> _Range:
+    if any(math.isnan(v) for v in values):
+        return _ANY
+    return (min(values), max(values), nan)
+
+
+def _value_ranges(traced: TracedMods) -> list[_Range]:
+    """Bounds of every node's value over all calls (indices in ``[0, 2**31)``, the scores and
+    float tables anything), with the trace's numbers: interval arithmetic, each bound
+    conservative."""
+    ranges: list[_Range] = []
+    positions = (0.0, 2.0**31 - 1, False)
+    for node in traced.nodes:
+        op, args = node.op, node.args
+        a = ranges[args[0]] if op not in ("input", "const", "bool", "load") else None
+        b = ranges[args[1]] if op in _BINARY_OPS else None
+        result: _Range
+        if op == "input":
+            result = _ANY if args[0] == "score" else positions
+        elif op == "const":
+            value = float(traced.consts[args[0]])
+            result = (value, value, math.isnan(value))
+        elif op == "bool" or node.kind == "bool":
+            result = (0.0, 1.0, False)
+        elif op == "load":
+            dtype = traced.params[args[0]].dtype
+            if dtype.is_floating_point:
+                result = _ANY
+            else:
+                info = torch.iinfo(dtype)
+                result = (float(info.min), float(info.max), False)
+        else:
+            assert a is not None
+            source_float = traced.nodes[args[0]].kind == "float"
+            result = _node_range(op, node, a, b, ranges, source_float)
+        ranges.append(result)
+    return ranges
+
+
+_BINARY_OPS = frozenset(
+    ("add", "sub", "mul", "truediv", "floordiv", "mod", "and", "or", "xor", "minimum", "maximum")
+)
+
+
+def _node_range(
+    op: str, node: Node, a: _Range, b: _Range | None, ranges: list[_Range], source_float: bool
+) -> _Range:
+    nan = a[2] or (b is not None and b[2])
+    if b is not None:
+        if op == "add":
+            return _combine([a[0] + b[0], a[1] + b[1]], nan)
+        if op == "sub":
+            return _combine([a[0] - b[1], a[1] - b[0]], nan)
+        if op == "mul":
+            return _combine([x * y for x in a[:2] for y in b[:2]], nan)
+        if op in ("truediv", "floordiv") and (b[0] > 0 or b[1] < 0):
+            quotients = [x / y for x in a[:2] for y in b[:2]]
+            low, high, nan = _combine(quotients, nan)
+            return (
+                (math.floor(low), math.floor(high), nan) if op == "floordiv" else (low, high, nan)
+            )
+        if op == "mod" and math.isfinite(max(abs(b[0]), abs(b[1]))):
+            reach = max(abs(b[0]), abs(b[1]))
+            return (0.0 if b[0] > 0 else -reach, 0.0 if b[1] < 0 else reach, nan)
+        if op == "minimum":
+            return (min(a[0], b[0]), min(a[1], b[1]), nan)
+        if op == "maximum":
+            return (max(a[0], b[0]), max(a[1], b[1]), nan)
+        if op in ("and", "or", "xor") and min(a[0], b[0]) >= 0 and math.isfinite(a[1] + b[1]):
+            top = 2.0 ** max(int(a[1]).bit_length(), int(b[1]).bit_length()) - 1
+            return (0.0, top, nan)
+        return _ANY
+    args = node.args
+    if op == "where":
+        first, second = ranges[args[1]], ranges[args[2]]
+        return (min(first[0], second[0]), max(first[1], second[1]), first[2] or second[2])
+    if op == "neg":
+        return (-a[1], -a[0], nan)
+    if op == "invert":
+        return (-a[1] - 1, -a[0] - 1, nan)
+    if op == "abs":
+        if a[0] >= 0:
+            return a
+        if a[1] <= 0:
+            return (-a[1], -a[0], nan)
+        return (0.0, max(-a[0], a[1]), nan)
+    if op == "cast":
+        kind, width = args[1], args[2]
+        if kind == "float":
+            return a
+        if nan or not (math.isfinite(a[0]) and math.isfinite(a[1])):
+            return _ANY
+        low, high = a[0], a[1]
+        if source_float:
+            low, high = low - abs(low) * _ROUNDING - 1, high + abs(high) * _ROUNDING + 1
+        low, high = float(math.trunc(low)), float(math.trunc(high))
+        if width == 32 and not (low >= _INT32[0] and high <= _INT32[1]):
+            return _ANY  # wraps
+        return (low, high, False)
+    if op == "exp":
+        return (_exp(a[0]), _exp(a[1]), nan)
+    if op == "log":
+        if a[0] < 0:
+            return _ANY
+        return (math.log(a[0]) if a[0] > 0 else -math.inf, _log(a[1]), nan)
+    if op == "sqrt":
+        return _ANY if a[0] < 0 else (math.sqrt(a[0]), math.sqrt(a[1]), nan)
+    if op == "tanh":
+        return (math.tanh(a[0]), math.tanh(a[1]), nan)
+    if op == "sigmoid":
+        return (0.0, 1.0, nan)
+    return _ANY
+
+
+def _exp(x: float) -> float:
+    return math.inf if x > 700 else math.exp(x)
+
+
+def _log(x: float) -> float:
+    return math.inf if math.isinf(x) else math.log(x)
+
+
+def _narrow_casts(traced: TracedMods) -> frozenset[int]:
+    """The casts to int64 whose value, and every integer computed from it, stays within
+    ``±2**30`` on every call: they run in 32 bits (64-bit integer arithmetic costs the kernels
+    several instructions per score)."""
+    ranges = _value_ranges(traced)
+    users: dict[int, list[int]] = {}
+    for node_id, node in enumerate(traced.nodes):
+        for arg in _node_inputs(node):
+            users.setdefault(arg, []).append(node_id)
+
+    def fits(node_id: int) -> bool:
+        low, high, nan = ranges[node_id]
+        return not nan and low >= _INT32[0] and high <= _INT32[1]
+
+    narrow = set()
+    for node_id, node in enumerate(traced.nodes):
+        if node.op != "cast" or node.args[1] != "int" or node.args[2] != 64:
+            continue
+        stack, seen, ok = [node_id], set(), True
+        while stack and ok:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if traced.nodes[current].kind != "int":
+                continue  # a comparison or a float: the integer's width ends here
+            ok = fits(current)
+            stack.extend(users.get(current, []))
+        if ok:
+            narrow.add(node_id)
+    return frozenset(narrow)
+
+
 class _Emitter:
     """Writes the Triton statements of a graph's nodes, each once, as local variables."""
 
@@ -891,6 +1065,7 @@ class _Emitter:
         # d node / d seed (the score input unless ``seed`` names a node): None is 0, "1" one
         self.tangents: dict[int, str | None] = {}
         self.seed = traced.inputs["score"] if seed is None else seed
+        self.narrow = traced.narrow_casts()
         # where each parameter's runtime arguments start in the flat argument tuple
         self.param_slot: list[int] = []
         slot = len(traced.consts)
@@ -910,7 +1085,7 @@ class _Emitter:
             for arg in _node_inputs(node):
                 self.value(arg, tangent)
             var = f"v{node_id}"
-            self.lines.append(f"{var} = {self._expr(node)}")
+            self.lines.append(f"{var} = {self._expr(node, node_id)}")
             self.names[node_id] = var
             if tangent:
                 self.tangents[node_id] = (
@@ -920,7 +1095,7 @@ class _Emitter:
             self.tangents[node_id] = None
         return self.names[node_id]
 
-    def _expr(self, node: Node) -> str:
+    def _expr(self, node: Node, node_id: int = -1) -> str:
         op, args = node.op, node.args
         n = self.names
         if op == "const":
@@ -947,6 +1122,7 @@ class _Emitter:
             if kind == "bool":
                 return f"({n[args[0]]} != 0)"
             if kind == "int":
+                width = 32 if node_id in self.narrow else width
                 return f"{n[args[0]]}.to(tl.int{width})"
             return f"{n[args[0]]}.to(tl.float32)" if source != "float" else n[args[0]]
         binary = {

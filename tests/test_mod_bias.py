@@ -779,3 +779,51 @@ def test_new_numbers_and_lengths_compile_nothing_new() -> None:
     # the values differ, the code does not
     assert made_a.traced.consts != made_b.traced.consts
     assert made_a.traced.params[0] is first and made_b.traced.params[0] is second
+
+
+# --------------------------------------------------------------------------------------------
+# Integer widths: a cast to int64 runs in 32 bits only where no value derived from it can leave
+# 32 bits
+
+
+def test_a_bounded_bucket_cast_runs_in_32_bits() -> None:
+    """T5's ``.to(torch.int64)`` of a log-spaced bucket is bounded by the trace's numbers."""
+    traced = T5Bias(random_table(2, 0))._traced()
+    casts = [i for i, n in enumerate(traced.nodes) if n.op == "cast" and n.args[1:] == ("int", 64)]
+    assert len(casts) == 1
+    assert traced.narrow_casts() == frozenset(casts)
+
+
+def _scaled_index(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # kv * 1e10 leaves 32 bits: int64's remainder differs from a saturated int32's (a term of
+    # the key position: one of the query's alone would cancel in the softmax)
+    bucket = (kv_idx.to(torch.float32) * 1e10).to(torch.int64) % 7
+    return score + TABLE_7[bucket]
+
+
+def _multiplied_index(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # the cast fits in 32 bits, its product with 2**28 does not
+    bucket = (kv_idx.to(torch.float32).to(torch.int64) * 2**28 + q_idx) % 7
+    return score + TABLE_7[bucket]
+
+
+def _log_index(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # log of a negative distance is NaN, and a NaN's integer is undefined
+    bucket = torch.log((q_idx - kv_idx).to(torch.float32)).to(torch.int64)
+    return score + TABLE_7[bucket.clamp(0, 6)]
+
+
+TABLE_7 = torch.linspace(-1.0, 1.0, 7, device=DEVICE)
+
+
+@pytest.mark.parametrize("fn", [_scaled_index, _multiplied_index, _log_index])
+def test_casts_that_may_leave_32_bits_stay_64_bits(fn: Callable[..., Tensor]) -> None:
+    traced = ModBias(score_mod=fn)._traced()
+    assert traced.narrow_casts() == frozenset()
+
+
+@pytest.mark.parametrize("fn", [_scaled_index, _multiplied_index])
+def test_an_index_past_32_bits_matches_the_oracle_on_the_kernel(fn: Callable[..., Tensor]) -> None:
+    case = Case(lambda: ModBias(score_mod=fn) + causal_upper_left(), (1, 2, 2, 40, 40))
+    with use_backends("triton"):
+        check(case, FP32, fused=True, param_grads=False)
