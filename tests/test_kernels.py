@@ -685,6 +685,8 @@ class _FakeKernel:
 
             class Compiled:
                 def __getitem__(self, grid: tuple[int, ...]) -> Any:
+                    # a compiled kernel's launcher reads grid[0], grid[1] and grid[2]
+                    assert len(grid) == 3, grid
                     return lambda *a: kernel.launches.append(("compiled", grid, a))
 
             return Compiled()
@@ -695,7 +697,8 @@ class _FakeKernel:
 def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch cache reuses a compiled kernel only for equal scalars (integers of a
     ``do_not_specialize`` parameter: equal width), constexprs, launch options and tensor
-    dtypes and 16-byte alignment; it passes the constexprs through."""
+    dtypes and 16-byte alignment; it passes the constexprs through, and a grid of one or two
+    dimensions as three."""
     from attnbias.kernels import launch as launch_module
     from attnbias.kernels.launch import CachedLaunch
 
@@ -707,9 +710,9 @@ def test_cached_launch_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     x, y = base[:16], base[16:32]  # both 16-byte aligned
     launch[(1,)](x, None, 1, 7, 0.5, BLOCK=16, num_warps=4)
     launch[(2,)](y, None, 1, 7, 0.5, BLOCK=16, num_warps=4)  # same key: compiled launcher
-    assert fake.launches[-1] == ("compiled", (2,), (y, None, 1, 7, 0.5, 16))
-    launch[(2,)](y, None, 1, 9, 0.5, BLOCK=16, num_warps=4)  # n is not specialized on
-    assert fake.launches[-1] == ("compiled", (2,), (y, None, 1, 9, 0.5, 16))
+    assert fake.launches[-1] == ("compiled", (2, 1, 1), (y, None, 1, 7, 0.5, 16))
+    launch[(2, 3)](y, None, 1, 9, 0.5, BLOCK=16, num_warps=4)  # n is not specialized on
+    assert fake.launches[-1] == ("compiled", (2, 3, 1), (y, None, 1, 9, 0.5, 16))
     variants = [
         (base[1:17], None, 1, 7, 0.5),  # misaligned
         (x.double(), None, 1, 7, 0.5),  # dtype
