@@ -351,3 +351,22 @@ def test_the_registered_op_with_every_packed_tensor_present() -> None:
         expected = run_with_grads(eager, (q, k, v), grad_out)
         for mine, theirs in zip(got, expected, strict=True):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_list_blocks_cut_by_the_keys_end_read_no_key_past_it() -> None:
+    """S = 80 is a whole number of 16-key tiles but not of 64-key list blocks: the last listed
+    block has one tile inside the keys and three past their end, which are never read (keys
+    and values there are NaN in the buffer the inputs are views of)."""
+    length = 80
+    q, k, v = make_qkv(1, 2, 2, length, length, torch.float32)
+    padded = [torch.full((1, 2, 96, 16), float("nan"), device=DEVICE) for _ in range(2)]
+    for buffer, values in zip(padded, (k, v), strict=True):
+        buffer[:, :, :length] = values
+    k_view, v_view = (buffer[:, :, :length] for buffer in padded)
+    program = lower(causal_upper_left(), length, length, q.device, batch=1).program
+    keep = program_keep(program, length, length)
+    lists = block_lists_of_keep(keep, 32, 64)
+    out, _ = attention_forward(q, k_view, v_view, program.replace(blocks=lists), scale=0.3)
+    want, _ = attention_forward(q, k, v, program, scale=0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
