@@ -353,20 +353,27 @@ def test_the_registered_op_with_every_packed_tensor_present() -> None:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
-def test_list_blocks_cut_by_the_keys_end_read_no_key_past_it() -> None:
-    """S = 80 is a whole number of 16-key tiles but not of 64-key list blocks: the last listed
-    block has one tile inside the keys and three past their end, which are never read (keys
-    and values there are NaN in the buffer the inputs are views of)."""
+def test_list_blocks_cut_by_the_sequences_end_read_nothing_past_it() -> None:
+    """L = S = 80 is a whole number of 16-row tiles but not of 32 x 64 list blocks: the last
+    listed blocks hold tiles past the queries' and the keys' end, which are never read (the
+    inputs are views of buffers that hold NaN there), forward and backward."""
     length = 80
-    q, k, v = make_qkv(1, 2, 2, length, length, torch.float32)
-    padded = [torch.full((1, 2, 96, 16), float("nan"), device=DEVICE) for _ in range(2)]
-    for buffer, values in zip(padded, (k, v), strict=True):
-        buffer[:, :, :length] = values
-    k_view, v_view = (buffer[:, :, :length] for buffer in padded)
-    program = lower(causal_upper_left(), length, length, q.device, batch=1).program
-    keep = program_keep(program, length, length)
-    lists = block_lists_of_keep(keep, 32, 64)
-    out, _ = attention_forward(q, k_view, v_view, program.replace(blocks=lists), scale=0.3)
-    want, _ = attention_forward(q, k, v, program, scale=0.3)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    inputs = make_qkv(1, 2, 2, length, length, torch.float32)
+    grad_out = torch.randn_like(inputs[0])
+    program = lower(causal_upper_left(), length, length, DEVICE, batch=1).program
+    lists = block_lists_of_keep(program_keep(program, length, length), 32, 64)
+
+    def results(padded: bool, program: MaskProgram) -> list[Tensor]:
+        views = []
+        for values in inputs:
+            buffer = torch.full((1, 2, 96 if padded else length, 16), float("nan"))
+            buffer[:, :, :length] = values
+            views.append(buffer.to(DEVICE).requires_grad_()[:, :, :length])
+        out = block_sparse_attention(*views, program, scale=0.3)
+        return [out.detach(), *torch.autograd.grad(out, views, grad_out)]
+
+    got = results(True, program.replace(blocks=lists))
+    want = results(False, program)
+    for what, a, b in zip(["out", "dq", "dk", "dv"], got, want, strict=True):
+        assert torch.isfinite(a).all(), what
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=what)
