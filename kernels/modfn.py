@@ -1106,15 +1106,7 @@ class _Emitter:
             gathered = self._gathered_load(node)
             if gathered is not None:
                 return gathered
-            slot = self.param_slot[args[0]]
-            dims = len(args) - 1
-            offset = "0"
-            for dim, index in enumerate(args[1:]):
-                size = f"MOD[{slot + 1 + dim}]"
-                stride = f"MOD[{slot + 1 + dims + dim}]"
-                clamped = f"tl.minimum(tl.maximum({n[index]}, 0), {size} - 1)"
-                offset = f"{offset} + {clamped}.to(tl.int64) * {stride}"
-            load = f"tl.load(MOD[{slot}] + {offset})"
+            load = f"tl.load(MOD[{self.param_slot[args[0]]}] + {self.offset(node)})"
             return f"{load}.to(tl.float32)" if node.kind == "float" else load
         if op == "cast":
             kind, width = args[1], args[2]
@@ -1161,6 +1153,30 @@ class _Emitter:
             "sigmoid": f"(1.0 / (1.0 + tl.exp(0.0 - {x})))",
         }[op]
 
+    # -- a parameter read ``node`` (op "load"): its runtime arguments, by dimension ------------
+
+    def size(self, node: Node, dim: int) -> str:
+        return f"MOD[{self.param_slot[node.args[0]] + 1 + dim}]"
+
+    def stride(self, node: Node, dim: int) -> str:
+        dims = len(node.args) - 1
+        return f"MOD[{self.param_slot[node.args[0]] + 1 + dims + dim}]"
+
+    def clamped(self, node: Node, dim: int) -> str:
+        """The read's index along ``dim``, clamped into the tensor."""
+        index = self.names[node.args[1 + dim]]
+        return f"tl.minimum(tl.maximum({index}, 0), {self.size(node, dim)} - 1)"
+
+    def offset(self, node: Node, skip: int | None = None) -> str:
+        """The read's element offset, in int64, over every dimension but ``skip``."""
+        offset = "0"
+        for dim in range(len(node.args) - 1):
+            if dim != skip:
+                offset = (
+                    f"{offset} + {self.clamped(node, dim)}.to(tl.int64) * {self.stride(node, dim)}"
+                )
+        return offset
+
     def _gathered_load(self, node: Node) -> str | None:
         """A tile's reads of a small table row through a register gather, or None where the
         read is not of that form.
@@ -1181,25 +1197,15 @@ class _Emitter:
         entries = int(param.shape[dim])
         if not 0 < entries <= GATHER_LIMIT:
             return None
-        n = self.names
         slot = self.param_slot[args[0]]
-        dims = len(args) - 1
-        offset = "0"
-        for d, index in enumerate(args[1:]):
-            if d != dim:
-                size = f"MOD[{slot + 1 + d}]"
-                stride = f"MOD[{slot + 1 + dims + d}]"
-                clamped = f"tl.minimum(tl.maximum({n[index]}, 0), {size} - 1)"
-                offset = f"{offset} + {clamped}.to(tl.int64) * {stride}"
         width = 1 << (entries - 1).bit_length()
-        size = f"MOD[{slot + 1 + dim}]"
-        stride = f"MOD[{slot + 1 + dims + dim}]"
+        size, stride = self.size(node, dim), self.stride(node, dim)
         tag = f"{len(self.lines)}"
         self.lines += [
             f"te{tag} = tl.arange(0, {width})[None, :]",
-            f"tr{tag} = tl.load(MOD[{slot}] + {offset} + te{tag} * {stride}, "
+            f"tr{tag} = tl.load(MOD[{slot}] + {self.offset(node, skip=dim)} + te{tag} * {stride}, "
             f"mask=te{tag} < {size}, other=0)",
-            f"ti{tag} = tl.minimum(tl.maximum({n[args[1 + dim]]}, 0), {size} - 1).to(tl.int32)",
+            f"ti{tag} = {self.clamped(node, dim)}.to(tl.int32)",
             f"tg{tag} = tl.gather("
             f"tl.broadcast_to(tr{tag}, (ti{tag}.shape[0], {width})), ti{tag}, 1)",
         ]
@@ -1342,16 +1348,12 @@ def _param_grads(traced: TracedMods) -> list[str]:
         if tangent is None:
             continue
         slot = node.args[0]
-        base = emitter.param_slot[slot]
         dims = len(node.args) - 1
         grad = f"MOD[{grad_slot + floats.index(slot)}]"
-        sizes = [f"MOD[{base + 1 + d}]" for d in range(dims)]
+        sizes = [emitter.size(node, d) for d in range(dims)]
         # contiguous strides of the float32 gradient buffer
         strides = [" * ".join(sizes[d + 1 :]) or "1" for d in range(dims)]
-        index = [
-            f"tl.minimum(tl.maximum({emitter.names[i]}, 0), {sizes[d]} - 1)"
-            for d, i in enumerate(node.args[1:])
-        ]
+        index = [emitter.clamped(node, d) for d in range(dims)]
         varying = [d for d, i in enumerate(node.args[1:]) if traced._ancestors(i) & positions]
         uniform = [d for d in range(dims) if d not in varying]
         g = f"g{node_id}"
