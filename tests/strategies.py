@@ -37,16 +37,32 @@ class Problem:
     scale: float | None
 
     def tensors(self, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed)
+        shape = (self.batch, self.heads_q, self.heads_kv, self.length_q, self.length_kv)
+        return draw_inputs(shape, self.head_dim, self.dtype, seed)
 
-        def draw(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator).to(self.dtype)
 
-        q = draw(self.batch, self.heads_q, self.length_q, self.head_dim)
-        k = draw(self.batch, self.heads_kv, self.length_kv, self.head_dim)
-        v = draw(self.batch, self.heads_kv, self.length_kv, self.head_dim)
-        grad_out = draw(self.batch, self.heads_q, self.length_q, self.head_dim)
-        return q, k, v, grad_out
+def draw_inputs(
+    shape: tuple[int, int, int, int, int],
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v, grad_out`` of a ``(B, Hq, Hkv, L, S)`` call, standard normal, drawn in that
+    order from a generator seeded with ``seed``, in ``dtype`` on ``device``."""
+    batch, heads_q, heads_kv, length_q, length_kv = shape
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(heads: int, length: int) -> torch.Tensor:
+        x = torch.randn(batch, heads, length, head_dim, generator=generator)
+        return x.to(device=device, dtype=dtype)
+
+    return (
+        draw(heads_q, length_q),
+        draw(heads_kv, length_kv),
+        draw(heads_kv, length_kv),
+        draw(heads_q, length_q),
+    )
 
 
 @st.composite

@@ -337,10 +337,12 @@ def test_softcap(dtype: torch.dtype, cap: float) -> None:
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
-def test_all_features_with_gqa(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("with_key_range", [False, True], ids=["no_key_range", "key_range"])
+def test_all_features_with_gqa(dtype: torch.dtype, with_key_range: bool) -> None:
     q_doc = torch.stack([docs_from_seqlens([30, 20]), docs_from_seqlens([5, 45])])
     kv_doc = torch.stack([docs_from_seqlens([25, 19]), docs_from_seqlens([10, 34])])
     slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
+    start, end = key_range((3, 41), (0, 19)) if with_key_range else (None, None)
     q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
     mask = Mask(
         scale_of(24),
@@ -351,6 +353,8 @@ def test_all_features_with_gqa(dtype: torch.dtype) -> None:
             kv_doc=kv_doc,
             alibi_slopes=slopes,
             softcap=5.0,
+            kv_start=start,
+            kv_end=end,
         ),
     )
     check(q, k, v, mask)
@@ -503,29 +507,6 @@ def test_key_ranges(ranges: str, band: str) -> None:
     out, lse = check(q, k, v, mask)
     empty = start >= end
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
-
-
-@pytest.mark.parametrize("dtype", [FP16, BF16, FP32])
-def test_key_ranges_with_every_feature(dtype: torch.dtype) -> None:
-    q_doc = torch.stack([docs_from_seqlens([30, 20]), docs_from_seqlens([5, 45])])
-    kv_doc = torch.stack([docs_from_seqlens([25, 19]), docs_from_seqlens([10, 34])])
-    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], device=DEVICE)
-    start, end = key_range((3, 41), (0, 19))
-    q, k, v = make_qkv(2, 4, 2, 50, 44, 24, dtype)
-    mask = Mask(
-        scale_of(24),
-        MaskProgram(
-            band_lo=44 - 50 - 20,
-            band_hi=44 - 50 + 2,
-            q_doc=q_doc,
-            kv_doc=kv_doc,
-            alibi_slopes=slopes,
-            softcap=5.0,
-            kv_start=start,
-            kv_end=end,
-        ),
-    )
-    check(q, k, v, mask)
 
 
 def test_key_range_shared_by_the_batch() -> None:

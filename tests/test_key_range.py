@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from oracle import assert_close_to_oracle, attention, flash_rounding, run_with_grads
+from strategies import draw_inputs
 from torch import Tensor
 
 import attnbias
@@ -86,18 +87,8 @@ def runs_on(route: str, bias: AttnBias, dtype: torch.dtype) -> bool:
 
 
 def tensors(dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(heads: int, length: int) -> Tensor:
-        x = torch.randn(BATCH, heads, length, HEAD_DIM, generator=generator)
-        return x.to(device=DEVICE, dtype=dtype)
-
-    return (
-        draw(HEADS_Q, LENGTH_Q),
-        draw(HEADS_KV, LENGTH_KV),
-        draw(HEADS_KV, LENGTH_KV),
-        draw(HEADS_Q, LENGTH_Q),
-    )
+    shape = (BATCH, HEADS_Q, HEADS_KV, LENGTH_Q, LENGTH_KV)
+    return draw_inputs(shape, HEAD_DIM, dtype, seed, DEVICE)
 
 
 def outside(bias: AttnBias) -> Tensor:

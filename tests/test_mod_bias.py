@@ -36,7 +36,7 @@ from oracle import (
     mod_functions,
     pointwise,
 )
-from strategies import DTYPES, Problem
+from strategies import DTYPES, Problem, draw_inputs
 from torch import Tensor
 
 import attnbias
@@ -287,19 +287,7 @@ def tensors(
     head_dim: int = HEAD_DIM,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``q, k, v, grad_out`` drawn in ``dtype`` on the device."""
-    batch, heads_q, heads_kv, length_q, length_kv = shape
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(heads: int, length: int) -> Tensor:
-        x = torch.randn(batch, heads, length, head_dim, generator=generator)
-        return x.to(device=DEVICE, dtype=dtype)
-
-    return (
-        draw(heads_q, length_q),
-        draw(heads_kv, length_kv),
-        draw(heads_kv, length_kv),
-        draw(heads_q, length_q),
-    )
+    return draw_inputs(shape, head_dim, dtype, seed, DEVICE)
 
 
 def results(
