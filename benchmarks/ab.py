@@ -8,8 +8,9 @@ over two rounds (the GPU's clock follows its power draw), each pinned to one bac
 table gives new ms / old ms (below 1: the new tree is faster).
 
 Cases: the training kernel on the benchmark's biases (bf16, H=16, E=128, B·S=16k, forward and
-forward + backward), the decode kernel (B=8, Hq=32, Hkv=8, CUDA-graph replays) and the host
-time of a repeated tiny call.
+forward + backward), the same on the custom-bias benchmark's mask and score functions (``mods``:
+one ``ModBias`` per tree over the same plain functions), the decode kernel (B=8, Hq=32, Hkv=8,
+CUDA-graph replays) and the host time of a repeated tiny call.
 
 Usage::
 
@@ -76,10 +77,41 @@ def training_biases(lib: Any, seq_len: int, heads: int) -> dict[str, Any]:
     }
 
 
+def mod_biases(lib: Any, seq_len: int, table: torch.Tensor) -> dict[str, Any]:
+    """The custom-bias benchmark's cases as ``lib.ModBias`` over plain functions (the same
+    functions for both trees; ``table`` requires grad)."""
+    from mod_bench import (
+        IMAGE,
+        WINDOW_2D,
+        ChunkedLocal,
+        Neighbourhood2D,
+        PrefixLM,
+        WindowMod,
+        t5_bucket,
+    )
+
+    def t5(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + table[h, t5_bucket(q_idx - kv_idx)]
+
+    made = {
+        "prefix-LM": lib.ModBias(mask_mod=PrefixLM(seq_len // 8).mask_mod),
+        "chunked local": lib.ModBias(mask_mod=ChunkedLocal(1024).mask_mod),
+        "T5 table + causal": lib.ModBias(score_mod=t5) + lib.causal_upper_left(),
+        "window as mask_mod": lib.ModBias(mask_mod=WindowMod(1024).mask_mod),
+    }
+    if seq_len == IMAGE[0] * IMAGE[1]:
+        made["2-D neighbourhood"] = lib.ModBias(
+            mask_mod=Neighbourhood2D(*IMAGE, WINDOW_2D).mask_mod
+        )
+    return made
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--make-old", nargs=2, metavar=("REV", "DIR"))
-    parser.add_argument("--skip", nargs="*", default=[], choices=["training", "decode", "host"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["training", "mods", "decode", "host"]
+    )
     parser.add_argument("--cases", nargs="*", help="training cases (default: all)")
     parser.add_argument("--seqs", nargs="*", type=int, default=[4096, 16384])
     args = parser.parse_args()
@@ -105,7 +137,8 @@ def main() -> None:
         print(f"{label}: new {new:.4f} old {old:.4f} ratio {new / old:.3f}", flush=True)
 
     dt = torch.bfloat16
-    if "training" not in args.skip:
+    groups = [g for g in ("training", "mods") if g not in args.skip]
+    for group in groups:
         heads, head_dim = 16, 128
         for seq_len in args.seqs:
             batch = 16384 // seq_len
@@ -116,8 +149,14 @@ def main() -> None:
                 for i in range(3)
             )
             grad = torch.randn_like(q)
-            biases = {name: training_biases(lib, seq_len, heads) for name, lib in trees.items()}
+            if group == "mods":
+                table = (torch.randn(heads, 32, device="cuda") * 0.5).requires_grad_()
+                biases = {name: mod_biases(lib, seq_len, table) for name, lib in trees.items()}
+            else:
+                biases = {name: training_biases(lib, seq_len, heads) for name, lib in trees.items()}
             for case in args.cases or biases["new"]:
+                if case not in biases["new"]:
+                    continue
 
                 def fwd(
                     lib: Any, bias: Any, q: Any = q, k: Any = k, v: Any = v
