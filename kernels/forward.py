@@ -77,7 +77,12 @@ def _attn_fwd_inner(
     POSITIVE_SCALE: tl.constexpr,
     MASK_FN: tl.constexpr,
     SCORE_FN: tl.constexpr,
+    entries=0,
+    LISTED_TILES: tl.constexpr = 0,
 ):
+    """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
+    tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
+    in list order, so that one loop (one software pipeline) runs over every listed block."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -90,7 +95,12 @@ def _attn_fwd_inner(
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
-    for _ in range(block_first, block_end):
+    for t in range(block_first, block_end):
+        if LISTED_TILES > 0:
+            tile = tl.load(entries + 1 + t // LISTED_TILES) * LISTED_TILES + t % LISTED_TILES
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+            v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -199,21 +209,26 @@ def _attn_fwd_listed(
     SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
-    keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full."""
+    keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full, in one
+    loop over the tiles of every block."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
-    last_tile = tl.cdiv(seq_k, BLOCK_N)
     count = tl.load(entries)
-    for i in range(0, count):
-        first = tl.load(entries + 1 + i) * TILES
-        acc, l_i, m_i = _attn_fwd_inner(
-            acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-            offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
-            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        )  # fmt: skip
+    # every block has TILES tiles but the sequence's last, which lists put last
+    tiles = count * TILES
+    if count > 0:
+        end = (tl.load(entries + count) + 1) * TILES
+        tiles -= tl.maximum(end - tl.cdiv(seq_k, BLOCK_N), 0)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, tl.zeros([], dtype=tl.int32), tiles, seq_k, kv_lo, kv_hi, shift,
+        qk_scale, softcap_in,
+        softcap_out, alibi_coef, MODC,
+        MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        entries=entries, LISTED_TILES=TILES,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
