@@ -22,6 +22,8 @@ from .common import (
     _key_block_range,
     _key_range,
     _list_row,
+    _listed_tile,
+    _listed_tiles,
     _load_key_tile,
     _load_tile,
     _log2_scores,
@@ -79,8 +81,12 @@ def _attn_bwd_dkdv_inner(
     DOT_PRECISION: tl.constexpr,
     MASK_FN: tl.constexpr,
     SCORE_GRAD_FN: tl.constexpr,
+    entries=0,
+    LISTED_TILES: tl.constexpr = 0,
 ):
-    """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile.
+    """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile
+    over query tiles ``[block_first, block_end)`` (with ``LISTED_TILES``: of the list at
+    ``entries``, as ``_attn_fwd_inner`` counts them).
 
     Works on transposed tiles ``[BLOCK_N, BLOCK_M]`` so that ``dK``/``dV`` rows stay in place.
     """
@@ -89,7 +95,12 @@ def _attn_bwd_dkdv_inner(
     start = (block_first * BLOCK_M).to(tl.int64)
     q_ptrs = _tile_ptrs(q_head, start, stride_qm, stride_qk, BLOCK_M, BLOCK_E)
     do_ptrs = _tile_ptrs(do_head, start, stride_dom, stride_dok, BLOCK_M, BLOCK_E)
-    for _ in range(block_first, block_end):
+    for t in range(block_first, block_end):
+        if LISTED_TILES > 0:
+            tile = _listed_tile(entries, t, LISTED_TILES)
+            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            q_ptrs = _tile_ptrs(q_head, tile * BLOCK_M, stride_qm, stride_qk, BLOCK_M, BLOCK_E)
+            do_ptrs = _tile_ptrs(do_head, tile * BLOCK_M, stride_dom, stride_dok, BLOCK_M, BLOCK_E)
         q = _load_tile(q_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         if BOUNDS:
             in_rows = offs_m < seq_q
@@ -156,20 +167,17 @@ def _attn_bwd_dkdv_listed(
     """The query blocks of one list (``entries``: a count, then list blocks of ``SPARSE_M``
     queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``) or all full."""
     TILES: tl.constexpr = SPARSE_M // BLOCK_M
-    last_tile = tl.cdiv(seq_q, BLOCK_M)
-    count = tl.load(entries)
-    for i in range(0, count):
-        first = tl.load(entries + 1 + i) * TILES
-        dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-            stride_qm, stride_qk, stride_dom, stride_dok,
-            offs_n, col_lo, col_hi, first, tl.minimum(first + TILES, last_tile), seq_q, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-            ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-            BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
-            SCORE_GRAD_FN=SCORE_GRAD_FN,
-        )  # fmt: skip
+    dk, dv = _attn_bwd_dkdv_inner(
+        dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+        stride_qm, stride_qk, stride_dom, stride_dok,
+        offs_n, col_lo, col_hi, tl.zeros([], dtype=tl.int32),
+        _listed_tiles(entries, seq_q, BLOCK_M, TILES), seq_q, shift,
+        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
+        MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
+        SCORE_GRAD_FN=SCORE_GRAD_FN, entries=entries, LISTED_TILES=TILES,
+    )  # fmt: skip
     return dk, dv
 
 
@@ -424,8 +432,12 @@ def _attn_bwd_dq_inner(
     MASK_FN: tl.constexpr,
     SCORE_GRAD_FN: tl.constexpr,
     PARAM_GRAD_FN: tl.constexpr,
+    entries=0,
+    LISTED_TILES: tl.constexpr = 0,
 ):
-    """Accumulate ``dQ`` (unscaled) of a query tile over key tiles, and with ``HAS_DSLOPE``
+    """Accumulate ``dQ`` (unscaled) of a query tile over key tiles (``[block_first,
+    block_end)``, or with ``LISTED_TILES`` those of the list at ``entries`` as
+    ``_attn_fwd_inner`` counts them), and with ``HAS_DSLOPE``
     three ``[BLOCK_M]`` row sums for the gradient of ALiBi's slope: ``sum P dP r``,
     ``sum P r`` and ``sum P dP``, where ``r = |i + (S - L) - j|`` and ``dP`` is the gradient of
     the probabilities. The slope's part of a row is ``sum dS r = sum P dP r - (sum P r)(sum P
@@ -437,7 +449,12 @@ def _attn_bwd_dq_inner(
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
-    for _ in range(block_first, block_end):
+    for t in range(block_first, block_end):
+        if LISTED_TILES > 0:
+            tile = _listed_tile(entries, t, LISTED_TILES)
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+            v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -513,20 +530,18 @@ def _attn_bwd_dq_listed(
 ):  # fmt: skip
     """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
-    last_tile = tl.cdiv(seq_k, BLOCK_N)
-    count = tl.load(entries)
-    for i in range(0, count):
-        first = tl.load(entries + 1 + i) * TILES
-        dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
-            dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
-            k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-            offs_m, row_lo, row_hi, first, tl.minimum(first + TILES, last_tile), seq_k, kv_lo,
-            kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
-        )  # fmt: skip
+    dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
+        dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
+        k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
+        offs_m, row_lo, row_hi, tl.zeros([], dtype=tl.int32),
+        _listed_tiles(entries, seq_k, BLOCK_N, TILES), seq_k, kv_lo,
+        kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
+        MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
+        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
+        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
+        entries=entries, LISTED_TILES=TILES,
+    )  # fmt: skip
     return dq, slope_pdr, slope_pr, slope_pd
 
 

@@ -261,6 +261,25 @@ def _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE: tl.constexpr):
 
 
 @triton.jit
+def _listed_tiles(entries, length, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """How many tiles of ``BLOCK`` the list at ``entries`` (a count, then list blocks of
+    ``TILES`` tiles) holds: every block's ``TILES`` but the sequence's last block's (cut at
+    ``length``), which a list holds last."""
+    count = tl.load(entries)
+    tiles = count * TILES
+    if count > 0:
+        end = (tl.load(entries + count) + 1) * TILES
+        tiles -= tl.maximum(end - tl.cdiv(length, BLOCK), 0)
+    return tiles
+
+
+@triton.jit
+def _listed_tile(entries, t, TILES: tl.constexpr):
+    """Tile ``t`` of the list at ``entries``, counted in list order (``TILES`` per block)."""
+    return tl.load(entries + 1 + t // TILES) * TILES + t % TILES
+
+
+@triton.jit
 def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
     matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""

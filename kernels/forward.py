@@ -20,6 +20,8 @@ from .common import (
     _key_block_range,
     _key_range,
     _list_row,
+    _listed_tile,
+    _listed_tiles,
     _load_key_tile,
     _load_tile,
     _log2_scores,
@@ -97,7 +99,7 @@ def _attn_fwd_inner(
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     for t in range(block_first, block_end):
         if LISTED_TILES > 0:
-            tile = tl.load(entries + 1 + t // LISTED_TILES) * LISTED_TILES + t % LISTED_TILES
+            tile = _listed_tile(entries, t, LISTED_TILES)
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
@@ -212,12 +214,7 @@ def _attn_fwd_listed(
     keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full, in one
     loop over the tiles of every block."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
-    count = tl.load(entries)
-    # every block has TILES tiles but the sequence's last, which lists put last
-    tiles = count * TILES
-    if count > 0:
-        end = (tl.load(entries + count) + 1) * TILES
-        tiles -= tl.maximum(end - tl.cdiv(seq_k, BLOCK_N), 0)
+    tiles = _listed_tiles(entries, seq_k, BLOCK_N, TILES)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, tl.zeros([], dtype=tl.int32), tiles, seq_k, kv_lo, kv_hi, shift,
