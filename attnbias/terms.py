@@ -201,8 +201,8 @@ class Terms:
             self.q_doc is None
             and self.slopes is None
             and self.softcap is None
-            and not self.others
-            and not self.mods
+            and len(self.others) == 0
+            and len(self.mods) == 0  # (`not` of a tuple of objects stops torch.compile)
         )
 
     @property

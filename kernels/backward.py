@@ -832,7 +832,7 @@ def attention_backward(
         else None
     )
     extra = dmods or []
-    launcher(mask.kernel(_attn_bwd_dq, len(extra)))[grid](
+    launcher(mask.kernel(_attn_bwd_dq, len(extra), param_grads=dmods is not None))[grid](
         q, k, v, out, grad_out, lse, grad_lse, delta, dq,
         mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
         mask.kv_lists,
@@ -849,10 +849,10 @@ def attention_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
-        PARAM_GRAD_FN=mods.param_grad_fn if dmods is not None and mods is not None else None,
         HAS_DLSE=grad_lse is not None,
         EVEN_N=seq_k % block_n == 0,
         HAS_DSLOPE=dslope_parts is not None,
+        **mask.param_grad_option(),
         num_warps=cfg.num_warps,
         num_stages=mask.stages(cfg.num_stages),
         **common,

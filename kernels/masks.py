@@ -57,31 +57,34 @@ class MaskArgs:
     mods: CompiledMods | None = None  # generated mask and score functions
 
     def mod_options(self, *, backward: bool) -> dict[str, Any]:
-        """The ``tl.constexpr`` generated functions of the training kernels (``None`` without;
-        passed all the same: a traced launch takes every parameter explicitly)."""
-        mods = self.mods
-        score_name = "SCORE_GRAD_FN" if backward else "SCORE_FN"
-        if mods is None:
-            return {"MASK_FN": None, score_name: None}
-        score = mods.score_grad_fn if backward else mods.score_fn
-        return {
-            "MASK_FN": mods.mask_fn if mods.has_mask else None,
-            score_name: score if mods.has_score else None,
-        }
+        """The ``tl.constexpr`` generated-function parameters of a training kernel without
+        generated functions: ``None`` each (passed all the same: a traced launch takes every
+        parameter explicitly). With them, :meth:`kernel` binds them and this is empty."""
+        if self.mods is not None:
+            return {}
+        return {"MASK_FN": None, "SCORE_GRAD_FN" if backward else "SCORE_FN": None}
+
+    def param_grad_option(self) -> dict[str, Any]:
+        """The dQ kernel's ``PARAM_GRAD_FN`` without generated functions (with them,
+        :meth:`kernel` binds it)."""
+        return {} if self.mods is not None else {"PARAM_GRAD_FN": None}
 
     def mod_args(self) -> list[Any]:
         """The runtime arguments in the place of a kernel's ``MOD`` parameter: ``None``, or
         the generated functions' flat arguments (for :meth:`kernel`)."""
         return [None] if self.mods is None else self.mods.args()
 
-    def kernel(self, base: Any, extra: int = 0) -> Any:
+    def kernel(self, base: Any, extra: int = 0, *, param_grads: bool = False) -> Any:
         """``base``, or with generated functions, its form taking their flat arguments (and
-        ``extra`` more after them: gradient buffers)."""
-        if self.mods is None:
+        ``extra`` more after them: gradient buffers) with the functions bound to its
+        ``MASK_FN``, ``SCORE_FN``, ``SCORE_GRAD_FN`` and (with ``param_grads``)
+        ``PARAM_GRAD_FN`` parameters."""
+        mods = self.mods
+        if mods is None:
             return base
         from .modfn import with_flat_mods
 
-        return with_flat_mods(base, len(self.mods.args()) + extra)
+        return with_flat_mods(base, len(mods.args()) + extra, mods.bound(param_grads))
 
     def flags(self, q: Tensor) -> dict[str, Any]:
         """The ``tl.constexpr`` flags every attention kernel takes for this mask and for
@@ -370,13 +373,13 @@ def _mod_block_lists(
     grid = (triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n), rows * list_heads)
     states = torch.empty((rows, list_heads, grid[0], grid[1]), dtype=torch.int8, device=q.device)
     args = mods.args()
-    kernel = with_flat_mods(_classify_blocks, len(args))
+    kernel = with_flat_mods(_classify_blocks, len(args), mods.bound(False))
     launcher(kernel)[grid](
         states, row_lo, row_hi, kv_start, kv_end, seq_q if docs_per_batch else 0, list_heads,
         seq_q, seq_k, band_lo, band_hi, *args,
         HAS_LO=has_lo, HAS_HI=has_hi, HAS_DOCS=row_lo is not None,
         HAS_KV_RANGE=kv_start is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        ROWS=min(block_m, 32), MASK_FN=mods.mask_fn,
+        ROWS=min(block_m, 32),
     )  # fmt: skip
     lists = block_lists_on_device(states, block_m, block_n)
     if cacheable:

@@ -27,7 +27,7 @@ import inspect
 import linecache
 import math
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1435,7 +1435,7 @@ class CompiledMods:
     def of(cls, traced: TracedMods) -> CompiledMods:
         source = _generate(traced)
         namespace = jit_from_source(source, "mods")
-        return cls(
+        made = cls(
             traced,
             namespace["mask_fn"],
             namespace["score_fn"],
@@ -1443,6 +1443,10 @@ class CompiledMods:
             namespace["param_grad_fn"],
             source,
         )
+        # registered now, outside any torch.compile trace: a registration traced there would
+        # only be applied after the graph is built, and the ops' fake forms look it up before
+        made.register()
+        return made
 
     @property
     def has_mask(self) -> bool:
@@ -1454,6 +1458,17 @@ class CompiledMods:
 
     def args(self) -> list[Any]:
         return self.traced.runtime_args()
+
+    def bound(self, param_grads: bool) -> dict[str, Any]:
+        """The kernels' generated-function parameters and this form's functions for them
+        (``None`` where it has none; the parameters' gradient function only with
+        ``param_grads``)."""
+        return {
+            "MASK_FN": self.mask_fn if self.has_mask else None,
+            "SCORE_FN": self.score_fn if self.has_score else None,
+            "SCORE_GRAD_FN": self.score_grad_fn if self.has_score else None,
+            "PARAM_GRAD_FN": self.param_grad_fn if param_grads else None,
+        }
 
     def describe(self) -> str:
         names = [f.name for f in (*self.traced.masks, *self.traced.scores)]
@@ -1499,27 +1514,42 @@ _REGISTERED: dict[tuple[str, tuple[type, ...]], int] = {}
 _TEMPLATES: list[CompiledMods] = []
 
 
-_WRAPPERS: dict[tuple[Any, int], Any] = {}
+_WRAPPERS: dict[tuple[Any, ...], Any] = {}
 
 
-def with_flat_mods(kernel: Any, count: int) -> Any:
+def with_flat_mods(kernel: Any, count: int, bound: Mapping[str, Any] | None = None) -> Any:
     """A kernel that takes ``kernel``'s runtime parameter ``MOD`` (the tuple of generated
     functions' arguments) as ``count`` flat parameters in its place and calls ``kernel`` with
     them as one tuple: a launch, ``torch.compile``'s tracing of a launch and the compiled
-    kernel's own launcher all take flat arguments only."""
-    key = (kernel, count)
+    kernel's own launcher all take flat arguments only.
+
+    ``bound`` fixes ``tl.constexpr`` parameters of ``kernel`` to generated functions (or
+    ``None``): the new kernel calls them by name, so they are not among its own parameters
+    (``torch.compile`` writes a kernel's source with the functions it calls, but cannot write
+    a function passed as a launch argument). Names ``kernel`` does not take are ignored."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    names = [p.name for p in params]
+    if "MOD" not in names:
+        raise TypeError(f"{kernel} has no MOD parameter")
+    fixed = {name: fn for name, fn in (bound or {}).items() if name in names}
+    key = (kernel, count, tuple((name, id(fn)) for name, fn in fixed.items()))
     found = _WRAPPERS.get(key)
     if found is not None:
         return found
-    # the Python function's own signature (the interpreter's kernels have no ``params``)
-    params = inspect.signature(kernel.fn).parameters.values()
-    names = [p.name for p in params]
+    # the functions by their own names (generated together, so distinct), the kernel by its
+    namespace: dict[str, Any] = {kernel.__name__: kernel}
+    for fn in fixed.values():
+        if fn is not None:
+            namespace[fn.__name__] = fn
     flat = [f"MOD{i}" for i in range(count)]
     signature, call = [], []
     for param in params:
         if param.name == "MOD":
             signature += flat
             call.append(f"({', '.join(flat)},)" if flat else "()")
+        elif param.name in fixed:
+            fn = fixed[param.name]
+            call.append(f"{param.name}={'None' if fn is None else fn.__name__}")
         elif "constexpr" in str(param.annotation):
             default = "" if param.default is inspect.Parameter.empty else " = None"
             signature.append(f"{param.name}: tl.constexpr{default}")
@@ -1527,13 +1557,14 @@ def with_flat_mods(kernel: Any, count: int) -> Any:
         else:
             signature.append(param.name)
             call.append(param.name)
-    if "MOD" not in names:
-        raise TypeError(f"{kernel} has no MOD parameter")
-    name = f"{kernel.__name__}_mods{count}"
+    # one name per set of functions: their generated module's name holds its source's digest
+    origin = "".join(sorted({fn.fn.__module__ for fn in fixed.values() if fn is not None}))
+    suffix = hashlib.sha256(origin.encode()).hexdigest()[:8] if origin else "free"
+    name = f"{kernel.__name__}_mods{count}_{suffix}"
     source = (
         "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
-        f"def {name}({', '.join(signature)}):\n    _kernel({', '.join(call)})\n"
+        f"def {name}({', '.join(signature)}):\n    {kernel.__name__}({', '.join(call)})\n"
     )
-    namespace = jit_from_source(source, name, {"_kernel": kernel})
-    _WRAPPERS[key] = namespace[name]
-    return namespace[name]
+    made = jit_from_source(source, name, namespace)[name]
+    _WRAPPERS[key] = made
+    return made

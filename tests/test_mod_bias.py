@@ -718,11 +718,6 @@ def test_real_size_on_the_gpu(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.compile over a ModBias call: inductor's launch of the dQ kernel asks for 288 KB "
-    "of shared memory on the H100 (out of resources); eager calls run",
-)
 def test_torch_compile_fullgraph_on_the_gpu() -> None:
     torch._dynamo.reset()
 
@@ -734,6 +729,53 @@ def test_torch_compile_fullgraph_on_the_gpu() -> None:
     # twice, on new contents: the second call runs what the first one compiled
     for seed in (0, 1):
         check(case, BF16, fused=True, param_grads=False, call=compiled, seed=seed)
+
+
+def test_torch_compile_fullgraph_over_a_bias_never_called_before() -> None:
+    """A ModBias traces its functions when it is built, so ``torch.compile(fullgraph=True)``
+    takes a call whose bias (a sum of two ModBias parts and a built-in, with a learnable table)
+    meets the library for the first time inside the compiled function; forward and every
+    gradient against the oracle (the CPU's route here: the GPU test compiles the kernels)."""
+    torch._dynamo.reset()
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: AttnBias, enable_gqa: bool) -> Tensor:
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    case = Case(
+        lambda table: PrefixLM(12) + T5Bias(table) + causal_lower_right(),
+        (2, 4, 2, 40, 56),
+        FP32,
+        (random_table(4, 3),),
+    )
+    for seed in (0, 1):
+        check(case, FP32, fused=False, param_grads=True, call=compiled, seed=seed)
+
+
+def test_a_bias_built_inside_torch_compile_is_refused_naming_the_fix() -> None:
+    torch._dynamo.reset()
+    table = random_table(2, 0)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa(q, k, v, attn_mask=PrefixLM(8) + T5Bias(table))
+
+    q = torch.randn(1, 2, 16, 8, device=DEVICE)
+    with pytest.raises(Exception, match="build the bias, or the sum of ModBias parts, outside"):
+        torch.compile(attend, fullgraph=True, backend="eager")(q, q, q)
+
+
+def test_a_sum_keeps_the_code_of_its_parts_together() -> None:
+    """A sum of ModBias parts generates its code once, when built: its calls and a second
+    identical-parts sum reuse it, a sum of other parts gets its own."""
+    from attnbias.biases.mod import compiled_mods
+
+    prefix, t5 = PrefixLM(8), T5Bias(random_table(2, 0))
+    made = compiled_mods((prefix, t5))
+    assert compiled_mods((prefix, t5)) is made
+    assert (prefix + t5 + causal_lower_right()).parts[:2] == (prefix, t5)
+    assert compiled_mods((prefix, t5)) is made
+    other = compiled_mods((prefix, T5Bias(random_table(2, 1))))
+    assert other is not made and other.traced.params[0] is not made.traced.params[0]
 
 
 def test_double_backward_through_a_learnable_table_is_refused() -> None:

@@ -249,6 +249,11 @@ class AttnBias(ABC):
         """The tensors of this bias that may require grad (a call then records gradients)."""
         return ()
 
+    def in_sum(self, parts: tuple[AttnBias, ...]) -> None:
+        """Called once on each part as a sum of ``parts`` (this bias among them) is built:
+        work a kind does for its parts together, ahead of the calls. Nothing by default."""
+        return None
+
 
 # The library's dispatcher, which runs a bias that lowers into the kernels' terms. Set by
 # ``attnbias.dispatch`` when it is imported: the biases sit below the dispatcher and do not
@@ -310,6 +315,8 @@ class CompositeBias(AttnBias):
                     f"a bias can hold at most one {kind.__name__}, got {same}; applying it "
                     f"twice is ambiguous, keep the one you mean"
                 )
+        for part in self.parts:
+            part.in_sum(self.parts)
 
     def needs_materialization(self) -> bool:
         kernel_parts = [p for p in self.parts if isinstance(p, KernelBias)]

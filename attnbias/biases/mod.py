@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape, resolve_lengths
+from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.terms import Call, Terms
 
@@ -91,6 +93,16 @@ class ModBias(KernelBias):
             )
         object.__setattr__(self, "mask_mod", mask_mod)
         object.__setattr__(self, "score_mod", score_mod)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        """Trace and generate the functions' code as the bias is built, outside any
+        ``torch.compile`` region (its tracing cannot run inside one). A function the compiler
+        refuses is left to raise at the first call, where the error names it."""
+        if torch.compiler.is_compiling():
+            return
+        with contextlib.suppress(ModTraceError):
+            compiled_mods((self,))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -119,9 +131,18 @@ class ModBias(KernelBias):
         if found is None:
             from attnbias.kernels.modfn import trace_mods
 
+            _refuse_inside_compile(self)
             found = trace_mods(*self.functions())
             object.__setattr__(self, "_traced_mods", found)
         return found
+
+    def in_sum(self, parts: tuple[Any, ...]) -> None:
+        """As a sum is built: the first ModBias of ``parts`` prepares the code of all of them
+        together (outside ``torch.compile``, as :meth:`__post_init__` does for one)."""
+        mods = tuple(p for p in parts if isinstance(p, ModBias))
+        if len(mods) > 1 and mods[0] is self and not torch.compiler.is_compiling():
+            with contextlib.suppress(ModTraceError):
+                compiled_mods(mods)
 
     def validate_call(self, call: Call) -> None:
         traced = self._traced()  # refuses what cannot be compiled, at the first call
@@ -224,30 +245,35 @@ def _grid(device: Device, shape: Shape, owner: str) -> tuple[Tensor, Tensor, Ten
     )
 
 
-# The generated code of the ModBias parts of a sum, per tuple of parts (a bias of one part
-# keeps its own trace): kept while the parts live, for the repeated calls of one model.
-_COMBINED: dict[tuple[int, ...], tuple[tuple[ModBias, ...], Any]] = {}
+# The generated code of the ModBias parts of a sum is kept by the first of them, for this
+# many combinations (a bias of one part keeps its own): it lives as long as the parts do.
+_MAX_COMBINED = 8
 _LOCK = threading.Lock()
-_MAX_COMBINED = 64
 
 
 def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
     """The kernels' form (:class:`~attnbias.kernels.modfn.CompiledMods`) of the ModBias parts
-    of a sum: masks intersect, score functions apply in the order of the sum."""
+    of a sum: masks intersect, score functions apply in the order of the sum.
+
+    Made once per bias (or per combination, kept by its first part), when the bias or the
+    sum is built; inside ``torch.compile`` only the kept form is read."""
     from attnbias.kernels.modfn import CompiledMods, trace_mods
 
+    first = parts[0]
     if len(parts) == 1:
-        part = parts[0]
-        found = part.__dict__.get("_compiled_mods")
+        found = first.__dict__.get("_compiled_mods")
         if found is None:
-            found = CompiledMods.of(part._traced())
-            object.__setattr__(part, "_compiled_mods", found)
+            _refuse_inside_compile(first)
+            found = CompiledMods.of(first._traced())
+            object.__setattr__(first, "_compiled_mods", found)
         return found
-    key = tuple(id(p) for p in parts)
-    with _LOCK:
-        entry = _COMBINED.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], parts, strict=True)):
-            return entry[1]
+    kept: list[tuple[tuple[ModBias, ...], Any]] = first.__dict__.get("_combined_mods", [])
+    for kept_parts, compiled in kept:
+        if len(kept_parts) == len(parts) and all(
+            a is b for a, b in zip(kept_parts, parts, strict=True)
+        ):
+            return compiled
+    _refuse_inside_compile(*parts)
     masks: list[Callable[..., Any]] = []
     scores: list[Callable[..., Any]] = []
     for part in parts:
@@ -256,7 +282,21 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
         scores += part_scores
     compiled = CompiledMods.of(trace_mods(masks, scores))
     with _LOCK:
-        if len(_COMBINED) >= _MAX_COMBINED:
-            _COMBINED.clear()
-        _COMBINED[key] = (parts, compiled)
+        kept = [*first.__dict__.get("_combined_mods", [])[-(_MAX_COMBINED - 1) :]]
+        kept.append((parts, compiled))
+        object.__setattr__(first, "_combined_mods", kept)
     return compiled
+
+
+def _refuse_inside_compile(*parts: ModBias) -> None:
+    """Inside ``torch.compile``, a ModBias whose functions were not traced yet (built inside
+    the compiled function, or a subclass whose own ``__post_init__`` skips ModBias's): the
+    tracer cannot run there, so say what to do instead."""
+    if torch.compiler.is_compiling():
+        names = " + ".join(part.describe() for part in parts)
+        raise TypeError(
+            f"{names}: a ModBias traces its functions when it is built, and this one was not "
+            f"traced before torch.compile reached it (built inside the compiled function, or "
+            f"a subclass __post_init__ that does not call super().__post_init__()); build the "
+            f"bias, or the sum of ModBias parts, outside the compiled function and pass it in"
+        )
