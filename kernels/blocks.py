@@ -112,10 +112,15 @@ def _classify_blocks(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     MASK_FN: tl.constexpr = None,
+    TILE_FN: tl.constexpr = None,
 ):
     """The state of block ``(program 0, program 1)`` of list row ``program 2`` (batch row times
     ``heads`` plus head): :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`, in ``ROWS``-row
-    slices. A block cut by ``L`` or ``S`` is at most partial."""
+    slices. A block cut by ``L`` or ``S`` is at most partial.
+
+    ``TILE_FN`` (the masks' bounds over a block, see ``modfn._tile_function``) settles a block
+    without evaluating its pairs where the masks drop all of them, or, with no other mask term,
+    keep all of them."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -124,22 +129,35 @@ def _classify_blocks(
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
     MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kept = 0
-    for r in tl.static_range(0, BLOCK_M, ROWS):
-        offs_m = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
-        row_lo, row_hi = _row_bounds(
-            offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, off_b * stride_db, kv_lo,
-            kv_hi, HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        )  # fmt: skip
-        keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-        keep = keep & (offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :]
-        if MASK_FN is not None:
-            keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
-        kept += tl.sum(keep.to(tl.int32))
-    state = tl.where(kept == BLOCK_M * BLOCK_N, 2, tl.where(kept > 0, 1, 0))
+    verdict = 1  # 0: every pair dropped, 2: every pair kept, 1: evaluate the pairs
+    if TILE_FN is not None:
+        q_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seq_q) - 1
+        k_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, seq_k) - 1
+        may_keep, may_drop = TILE_FN(
+            MODC[0], MODC[1], pid_m * BLOCK_M, q_last, pid_n * BLOCK_N, k_last, MOD
+        )
+        verdict = tl.where(may_keep == 0, 0, 1)
+        if not (HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE):
+            whole = (pid_m * BLOCK_M + BLOCK_M <= seq_q) & (pid_n * BLOCK_N + BLOCK_N <= seq_k)
+            verdict = tl.where((may_keep != 0) & (may_drop == 0) & whole, 2, verdict)
+    state = verdict
+    if verdict == 1:
+        kept = 0
+        for r in tl.static_range(0, BLOCK_M, ROWS):
+            offs_m = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
+            row_lo, row_hi = _row_bounds(
+                offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, off_b * stride_db, kv_lo,
+                kv_hi, HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
+            )  # fmt: skip
+            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            keep = keep & (offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :]
+            if MASK_FN is not None:
+                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
+            kept += tl.sum(keep.to(tl.int32))
+        state = tl.where(kept == BLOCK_M * BLOCK_N, 2, tl.where(kept > 0, 1, 0))
     blocks_m = tl.num_programs(0)
     blocks_n = tl.num_programs(1)
-    tl.store(States + (pid_bh * blocks_m + pid_m) * blocks_n + pid_n, state.to(tl.int8))
+    tl.store(States + (pid_bh * blocks_m + pid_m) * blocks_n + pid_n, tl.cast(state, tl.int8))
 
 
 @triton.jit

@@ -1308,6 +1308,7 @@ def _generate(traced: TracedMods) -> str:
             name = "score_fn"
         parts.append(_function(name, f"score, {index_args}, MOD", body))
     parts.append(_function("param_grad_fn", f"score, {index_args}, MOD, ds", _param_grads(traced)))
+    parts.append(_tile_function(traced))
     return "\n".join(parts)
 
 
@@ -1396,6 +1397,233 @@ def _function(name: str, params: str, body: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- tile classification by intervals: whether the masks may keep, or may drop, any pair of a
+# block of queries and keys, from bounds on every value over the block ---------------------------
+
+#: Bounds past this magnitude make a value unknown (no sum of two known values overflows).
+_TILE_LIMIT = 2**40
+#: Factors of a product whose bounds stay within this magnitude (the product fits 64 bits).
+_TILE_FACTOR = 2**31
+
+
+class _TileEmitter:
+    """Writes ``tile_fn``: interval arithmetic over the masks' graph for one block of pairs
+    (scalar bounds of each integer: ``lo``, ``hi``, and ``unknown``; of each bool: whether it
+    may be true, whether it may be false). Floats, table reads and bitwise integer operators
+    are unknown: only their users' verdicts widen, so the answer stays sound."""
+
+    def __init__(self, traced: TracedMods) -> None:
+        self.traced = traced
+        self.lines: list[str] = []
+        self.done: dict[int, tuple[str, ...]] = {}
+
+    def bounds(self, node_id: int) -> tuple[str, ...]:
+        """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or ``("float",)``."""
+        found = self.done.get(node_id)
+        if found is None:
+            node = self.traced.nodes[node_id]
+            for arg in _node_inputs(node):
+                self.bounds(arg)
+            found = self.done[node_id] = self._node(node_id, node)
+        return found
+
+    def as_int(self, node_id: int) -> tuple[str, str, str]:
+        found = self.bounds(node_id)
+        if found[0] == "int":
+            return found[1], found[2], found[3]
+        if found[0] == "bool":
+            low = f"tl.where({found[2]}, 0, 1).to(tl.int64)"
+            return low, f"tl.where({found[1]}, 1, 0).to(tl.int64)", "NO"
+        return "ZERO", "ZERO", "YES"
+
+    def _int(self, i: int, lo: str, hi: str, unknown: str) -> tuple[str, ...]:
+        self.lines += [f"l{i} = {lo}", f"h{i} = {hi}"]
+        self.lines.append(f"u{i} = {unknown} | (l{i} < -{_TILE_LIMIT}) | (h{i} > {_TILE_LIMIT})")
+        return ("int", f"l{i}", f"h{i}", f"u{i}")
+
+    def _bool(self, i: int, may_true: str, may_false: str) -> tuple[str, ...]:
+        self.lines += [f"t{i} = {may_true}", f"f{i} = {may_false}"]
+        return ("bool", f"t{i}", f"f{i}")
+
+    def _node(self, i: int, node: Node) -> tuple[str, ...]:
+        op, args, kind = node.op, node.args, node.kind
+        inputs = {self.traced.inputs[n]: n for n in (*INDEX_NAMES, "score")}
+        if op == "input":
+            name = inputs[i]
+            if name == "score":
+                return ("float",)
+            low, high = {"b": ("b", "b"), "h": ("h", "h"), "q_idx": ("q_lo", "q_hi"),
+                         "kv_idx": ("kv_lo", "kv_hi")}[name]  # fmt: skip
+            return self._int(i, f"{low}.to(tl.int64)", f"{high}.to(tl.int64)", "NO")
+        if kind == "float":
+            return ("float",)
+        if op == "bool":
+            return self._bool(i, "YES" if args[0] else "NO", "NO" if args[0] else "YES")
+        if op == "const":
+            value = f"MOD[{args[0]}].to(tl.int64)"
+            return self._int(i, value, value, "NO")
+        if op == "load" or (op in ("and", "or", "xor") and kind == "int"):
+            if kind == "bool":
+                return self._bool(i, "YES", "YES")
+            return self._int(i, "ZERO", "ZERO", "YES")
+        if kind == "bool":
+            return self._bool_node(i, node)
+        return self._int_node(i, node)
+
+    def _bool_node(self, i: int, node: Node) -> tuple[str, ...]:
+        op, args = node.op, node.args
+        if op in ("and", "or", "xor", "not", "invert") and all(
+            self.bounds(a)[0] == "bool" for a in args
+        ):
+            a = self.bounds(args[0])
+            if op in ("not", "invert"):
+                return self._bool(i, a[2], a[1])
+            b = self.bounds(args[1])
+            if op == "and":
+                return self._bool(i, f"{a[1]} & {b[1]}", f"{a[2]} | {b[2]}")
+            if op == "or":
+                return self._bool(i, f"{a[1]} | {b[1]}", f"{a[2]} & {b[2]}")
+            true = f"({a[1]} & {b[2]}) | ({a[2]} & {b[1]})"
+            return self._bool(i, true, f"({a[1]} & {b[1]}) | ({a[2]} & {b[2]})")
+        if op == "not":  # of an integer: true where it is 0
+            la, ha, ua = self.as_int(args[0])
+            return self._bool(
+                i, f"(({la} <= 0) & ({ha} >= 0)) | {ua}", f"~(({la} == 0) & ({ha} == 0)) | {ua}"
+            )
+        if op == "where":
+            c = self.bounds(args[0])
+            x, y = self.bounds(args[1]), self.bounds(args[2])
+            if c[0] != "bool" or x[0] != "bool" or y[0] != "bool":
+                return self._bool(i, "YES", "YES")
+            true = f"({c[1]} & {x[1]}) | ({c[2]} & {y[1]})"
+            return self._bool(i, true, f"({c[1]} & {x[2]}) | ({c[2]} & {y[2]})")
+        if op == "cast":
+            la, ha, ua = self.as_int(args[0])
+            return self._bool(
+                i, f"~(({la} == 0) & ({ha} == 0)) | {ua}", f"(({la} <= 0) & ({ha} >= 0)) | {ua}"
+            )
+        if op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            if any(self.bounds(a)[0] == "float" for a in args):
+                return self._bool(i, "YES", "YES")
+            la, ha, ua = self.as_int(args[0])
+            lb, hb, ub = self.as_int(args[1])
+            unknown = f"{ua} | {ub}"
+            true, false = {
+                "lt": (f"{la} < {hb}", f"{ha} >= {lb}"),
+                "le": (f"{la} <= {hb}", f"{ha} > {lb}"),
+                "gt": (f"{ha} > {lb}", f"{la} <= {hb}"),
+                "ge": (f"{ha} >= {lb}", f"{la} < {hb}"),
+                "eq": (
+                    f"({la} <= {hb}) & ({lb} <= {ha})",
+                    f"~(({la} == {ha}) & ({lb} == {hb}) & ({la} == {lb}))",
+                ),
+                "ne": (
+                    f"~(({la} == {ha}) & ({lb} == {hb}) & ({la} == {lb}))",
+                    f"({la} <= {hb}) & ({lb} <= {ha})",
+                ),
+            }[op]
+            return self._bool(i, f"({true}) | {unknown}", f"({false}) | {unknown}")
+        return self._bool(i, "YES", "YES")
+
+    def _int_node(self, i: int, node: Node) -> tuple[str, ...]:
+        op, args = node.op, node.args
+        if op == "cast":
+            source = self.bounds(args[0])
+            if source[0] == "float":
+                return self._int(i, "ZERO", "ZERO", "YES")
+            la, ha, ua = self.as_int(args[0])
+            if args[2] == 32:
+                ua = f"{ua} | ({la} < -{2**31}) | ({ha} > {2**31 - 1})"
+            return self._int(i, la, ha, ua)
+        if op == "where":
+            c = self.bounds(args[0])
+            lx, hx, ux = self.as_int(args[1])
+            ly, hy, uy = self.as_int(args[2])
+            t, f = (c[1], c[2]) if c[0] == "bool" else ("YES", "YES")
+            return self._int(
+                i,
+                f"tl.where({t} & {f}, tl.minimum({lx}, {ly}), tl.where({t}, {lx}, {ly}))",
+                f"tl.where({t} & {f}, tl.maximum({hx}, {hy}), tl.where({t}, {hx}, {hy}))",
+                f"({t} & {ux}) | ({f} & {uy})",
+            )
+        la, ha, ua = self.as_int(args[0])
+        if op == "neg":
+            return self._int(i, f"0 - {ha}", f"0 - {la}", ua)
+        if op == "invert":
+            return self._int(i, f"-1 - {ha}", f"-1 - {la}", ua)
+        if op == "abs":
+            return self._int(
+                i,
+                f"tl.where({la} >= 0, {la}, tl.where({ha} <= 0, 0 - {ha}, 0))",
+                f"tl.maximum(0 - {la}, {ha})",
+                ua,
+            )
+        if len(args) != 2:
+            return self._int(i, "ZERO", "ZERO", "YES")
+        lb, hb, ub = self.as_int(args[1])
+        unknown = f"{ua} | {ub}"
+        if op == "add":
+            return self._int(i, f"{la} + {lb}", f"{ha} + {hb}", unknown)
+        if op == "sub":
+            return self._int(i, f"{la} - {hb}", f"{ha} - {lb}", unknown)
+        if op in ("minimum", "maximum"):
+            return self._int(i, f"tl.{op}({la}, {lb})", f"tl.{op}({ha}, {hb})", unknown)
+        if op == "mul":
+            corners = [f"{x} * {y}" for x in (la, ha) for y in (lb, hb)]
+            big = " | ".join(
+                f"({x} < -{_TILE_FACTOR}) | ({x} > {_TILE_FACTOR})" for x in (la, ha, lb, hb)
+            )
+            pairs = [f"{corners[0]}, {corners[1]}", f"{corners[2]}, {corners[3]}"]
+            low = f"tl.minimum(tl.minimum({pairs[0]}), tl.minimum({pairs[1]}))"
+            high = f"tl.maximum(tl.maximum({pairs[0]}), tl.maximum({pairs[1]}))"
+            return self._int(i, low, high, f"{unknown} | {big}")
+        if op == "floordiv":
+            # a positive divisor: floor(a / b) grows with a, and moves with b the other way
+            # from a's sign, so the corners bound it
+            safe_lb = f"tl.maximum({lb}, 1)"
+            safe_hb = f"tl.maximum({hb}, 1)"
+            low = f"tl.minimum(_floordiv({la}, {safe_lb}), _floordiv({la}, {safe_hb}))"
+            high = f"tl.maximum(_floordiv({ha}, {safe_lb}), _floordiv({ha}, {safe_hb}))"
+            return self._int(i, low, high, f"{unknown} | ({lb} <= 0)")
+        if op == "mod":
+            # a positive divisor: the remainder is in [0, b); exactly a's when a's interval
+            # stays within one multiple of a single divisor
+            safe = f"tl.maximum({lb}, 1)"
+            same = f"({lb} == {hb}) & (_floordiv({la}, {safe}) == _floordiv({ha}, {safe}))"
+            return self._int(
+                i,
+                f"tl.where({same}, _floormod({la}, {safe}), 0)",
+                f"tl.where({same}, _floormod({ha}, {safe}), {hb} - 1)",
+                f"{unknown} | ({lb} <= 0)",
+            )
+        return self._int(i, "ZERO", "ZERO", "YES")
+
+
+def _tile_function(traced: TracedMods) -> str:
+    """``tile_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, MOD) -> (may_keep, may_drop)``: whether the
+    masks may keep some pair, and may drop some pair, of queries ``[q_lo, q_hi]`` and keys
+    ``[kv_lo, kv_hi]`` of batch row ``b`` and head ``h`` (bounds included; sound, not exact:
+    both may be true where the block is in fact all kept or all dropped)."""
+    emitter = _TileEmitter(traced)
+    keep, drop = [], []
+    for function in traced.masks:
+        result = emitter.bounds(function.result)
+        if result[0] != "bool":
+            keep.append("YES")
+            drop.append("YES")
+        else:
+            keep.append(result[1])
+            drop.append(result[2])
+    body = [
+        "YES = q_lo == q_lo",
+        "NO = q_lo != q_lo",
+        "ZERO = q_lo.to(tl.int64) * 0",
+        *emitter.lines,
+        f"return {' & '.join(keep) or 'YES'}, {' | '.join(drop) or 'NO'}",
+    ]
+    return _function("tile_fn", "b, h, q_lo, q_hi, kv_lo, kv_hi, MOD", body)
+
+
 _SOURCES: dict[str, dict[str, Any]] = {}
 
 
@@ -1430,6 +1658,7 @@ class CompiledMods:
     score_grad_fn: Any
     param_grad_fn: Any
     source: str
+    tile_fn: Any = None
 
     @classmethod
     def of(cls, traced: TracedMods) -> CompiledMods:
@@ -1442,6 +1671,7 @@ class CompiledMods:
             namespace["score_grad_fn"],
             namespace["param_grad_fn"],
             source,
+            namespace["tile_fn"],
         )
         # registered now, outside any torch.compile trace: a registration traced there would
         # only be applied after the graph is built, and the ops' fake forms look it up before
@@ -1468,6 +1698,7 @@ class CompiledMods:
             "SCORE_FN": self.score_fn if self.has_score else None,
             "SCORE_GRAD_FN": self.score_grad_fn if self.has_score else None,
             "PARAM_GRAD_FN": self.param_grad_fn if param_grads else None,
+            "TILE_FN": self.tile_fn if self.has_mask else None,
         }
 
     def describe(self) -> str:

@@ -857,3 +857,65 @@ def test_an_index_past_32_bits_matches_the_oracle_on_the_kernel(fn: Callable[...
     case = Case(lambda: ModBias(score_mod=fn) + causal_upper_left(), (1, 2, 2, 40, 40))
     with use_backends("triton"):
         check(case, FP32, fused=True, param_grads=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Block states from the masks' bounds: a block settled by intervals (all dropped, all kept) is
+# exactly what the pairs say; an unsettled one is evaluated pair by pair
+
+
+def _every_operator(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    distance = q_idx - kv_idx
+    stepped = torch.where(distance >= 0, distance * 3 // 2, (-distance) % 5)
+    clamped = torch.clamp(torch.abs(kv_idx - 40), 3, 30)
+    same = torch.minimum(q_idx // 7, kv_idx // 7) == torch.maximum(q_idx % 9, kv_idx % 11)
+    narrow = q_idx.to(torch.int32) != kv_idx
+    late = ((h * 8 + b) > 5) & (kv_idx > q_idx)
+    return ((stepped < 20) | ~(clamped > 10)) ^ (same & narrow) | late
+
+
+def _bands(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # bands of keys by a product and a floor division of both positions
+    return ((q_idx // 16) * 2 - kv_idx // 16 >= 0) & ((q_idx * 3) // 50 <= kv_idx // 10 + 2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PrefixLM(20),
+        lambda: ChunkedLocal(32),
+        lambda: Neighbourhood2D(8, 12, 3, 5),
+        lambda: HeadWindows(3),
+        lambda: ModBias(mask_mod=_every_operator),
+        lambda: ModBias(mask_mod=_bands),
+        lambda: ModBias(mask_mod=flex_document_pair(documents(2, 96), 2.0)[0]),
+    ],
+    ids=["prefix", "chunked", "2d", "head_windows", "every_operator", "bands", "documents"],
+)
+@pytest.mark.parametrize("lengths", [(96, 96), (40, 90), (90, 37)])
+def test_block_states_from_bounds_match_the_pairs(
+    make: Callable[[], ModBias], lengths: tuple[int, int]
+) -> None:
+    from attnbias.kernels.blocks import block_lists_of_keep
+    from attnbias.kernels.masks import list_block_sizes, with_mod_lists
+    from attnbias.spec import lower
+
+    bias = make()
+    batch, heads = 2, 4
+    length_q, length_kv = lengths
+    q = torch.zeros(batch, heads, length_q, 16, device=DEVICE)
+    k = torch.zeros(batch, heads, length_kv, 16, device=DEVICE)
+    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
+    got = with_mod_lists(q, k, program).blocks
+    assert got is not None
+    keep = grid_mask(bias, batch, heads, length_q, length_kv, device=DEVICE)
+    block_m, block_n = list_block_sizes()
+    expected = block_lists_of_keep(keep, block_m, block_n)
+    rows, list_heads = got.kv_lists.shape[:2]
+    for name in ("kv_lists", "q_lists"):
+        # [..., slot, 0] counts the blocks, [..., slot, 1:] lists them first (the rest differs)
+        mine = getattr(got, name)
+        exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
+        assert torch.equal(mine[..., 0], exact[..., 0]), name
+        listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
+        assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
