@@ -1758,15 +1758,16 @@ def with_flat_mods(kernel: Any, count: int, bound: Mapping[str, Any] | None = No
     ``None``): the new kernel calls them by name, so they are not among its own parameters
     (``torch.compile`` writes a kernel's source with the functions it calls, but cannot write
     a function passed as a launch argument). Names ``kernel`` does not take are ignored."""
+    # looked up on every launch: the key first (a signature costs the host tens of µs)
+    key = (kernel, count, *((name, id(fn)) for name, fn in (bound or {}).items()))
+    found = _WRAPPERS.get(key)
+    if found is not None:
+        return found
     params = list(inspect.signature(kernel.fn).parameters.values())
     names = [p.name for p in params]
     if "MOD" not in names:
         raise TypeError(f"{kernel} has no MOD parameter")
     fixed = {name: fn for name, fn in (bound or {}).items() if name in names}
-    key = (kernel, count, tuple((name, id(fn)) for name, fn in fixed.items()))
-    found = _WRAPPERS.get(key)
-    if found is not None:
-        return found
     # the functions by their own names (generated together, so distinct), the kernel by its
     namespace: dict[str, Any] = {kernel.__name__: kernel}
     for fn in fixed.values():
