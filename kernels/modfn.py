@@ -1416,6 +1416,7 @@ class _TileEmitter:
         self.traced = traced
         self.lines: list[str] = []
         self.done: dict[int, tuple[str, ...]] = {}
+        self.input_names = {node: name for name, node in traced.inputs.items()}
 
     def bounds(self, node_id: int) -> tuple[str, ...]:
         """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or ``("float",)``."""
@@ -1447,9 +1448,8 @@ class _TileEmitter:
 
     def _node(self, i: int, node: Node) -> tuple[str, ...]:
         op, args, kind = node.op, node.args, node.kind
-        inputs = {self.traced.inputs[n]: n for n in (*INDEX_NAMES, "score")}
         if op == "input":
-            name = inputs[i]
+            name = self.input_names[i]
             if name == "score":
                 return ("float",)
             low, high = {"b": ("b", "b"), "h": ("h", "h"), "q_idx": ("q_lo", "q_hi"),

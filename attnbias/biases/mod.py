@@ -99,10 +99,7 @@ class ModBias(KernelBias):
         """Trace and generate the functions' code as the bias is built, outside any
         ``torch.compile`` region (its tracing cannot run inside one). A function the compiler
         refuses is left to raise at the first call, where the error names it."""
-        if torch.compiler.is_compiling():
-            return
-        with contextlib.suppress(ModTraceError):
-            compiled_mods((self,))
+        _prepare((self,))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -140,9 +137,8 @@ class ModBias(KernelBias):
         """As a sum is built: the first ModBias of ``parts`` prepares the code of all of them
         together (outside ``torch.compile``, as :meth:`__post_init__` does for one)."""
         mods = tuple(p for p in parts if isinstance(p, ModBias))
-        if len(mods) > 1 and mods[0] is self and not torch.compiler.is_compiling():
-            with contextlib.suppress(ModTraceError):
-                compiled_mods(mods)
+        if len(mods) > 1 and mods[0] is self:
+            _prepare(mods)
 
     def validate_call(self, call: Call) -> None:
         traced = self._traced()  # refuses what cannot be compiled, at the first call
@@ -286,6 +282,16 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
         kept.append((parts, compiled))
         object.__setattr__(first, "_combined_mods", kept)
     return compiled
+
+
+def _prepare(parts: tuple[ModBias, ...]) -> None:
+    """:func:`compiled_mods` of ``parts`` ahead of the calls, unless ``torch.compile`` is
+    tracing (the tracer cannot run there); a function the compiler refuses is left to raise
+    at the first call, where the error names it."""
+    if torch.compiler.is_compiling():
+        return
+    with contextlib.suppress(ModTraceError):
+        compiled_mods(parts)
 
 
 def _refuse_inside_compile(*parts: ModBias) -> None:
