@@ -12,8 +12,9 @@ Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; `
 kernels; a row only where it runs); ``builtin`` = the built-in bias where one exists. Times
 are medians of ``do_bench`` over two rounds in alternating order; ``first call`` is the first
 ``sdpa`` call of a fresh bias (tracing, lists, and compiling where the generated code is new);
-``lists ms`` is the time to build the block lists for a new length (the classification kernel
-and the list writer).
+``lists`` is the cost of building the block lists for a new length (the classification kernel
+and the list writers): their GPU time (the kernels' own time, from the profiler) and the wall
+time of the whole build, host included, when nothing else is queued.
 
 Run on the GPU: ``python benchmarks/mod_bench.py [--seq 8192 16384]``; prints markdown.
 """
@@ -205,7 +206,7 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
         ms = {key: statistics.fmean(values) for key, values in times.items()}
         memory = peak_mib(forward_backward(calls["attnbias"]))
         flex_memory = peak_mib(forward_backward(calls["flex"]))
-        lists_ms = _lists_ms(bias, q, k)
+        lists_gpu_ms, lists_wall_ms = _lists_ms(bias, q, k)
         for contender in calls:
             fwd, fb = ms[contender + " fwd"], ms[contender + " f+b"]
             ratio = (
@@ -221,7 +222,8 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
                 else ""
             )
             detail = (
-                f"route {route}; first call {first_ms:.0f} ms; lists {lists_ms:.3f} ms; "
+                f"route {route}; first call {first_ms:.0f} ms; lists {lists_gpu_ms:.3f} ms GPU, "
+                f"{lists_wall_ms:.3f} ms wall; "
                 f"max diff vs flex {diff:.1e}"
                 if contender == "attnbias"
                 else ""
@@ -266,20 +268,41 @@ def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
         return attnbias.sdpa(q, k, v, attn_mask=bias)
 
 
-def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> float:
-    """Building the block lists of ``bias`` for these shapes once more (a new length)."""
+def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> tuple[float, float]:
+    """Building the block lists of ``bias`` for these shapes once more (a new length):
+    ``(GPU ms, wall ms)``, each per build."""
     from attnbias.kernels.masks import _MOD_LISTS, mask_args
     from attnbias.spec import lower
 
     program = lower(bias, q.shape[2], k.shape[2], q.device, batch=q.shape[0]).program
     if program.mods is None or not program.mods.has_mask:
-        return 0.0
+        return 0.0, 0.0
 
     def build() -> None:
         _MOD_LISTS.pop(program, None)
         mask_args(q, k, program, scale=1.0, rows=True, cols=False)
 
-    return timed(build)
+    builds = 20
+    build()
+    torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity]) as profile:
+        for _ in range(builds):
+            build()
+        torch.cuda.synchronize()
+    gpu_us = sum(  # the kernels' events (an operator's event would count its kernels again)
+        getattr(event, "self_device_time_total", 0)
+        for event in profile.key_averages()
+        if not event.key.startswith("aten::")
+    )
+    walls = []
+    for _ in range(builds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        build()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) * 1e3)
+    return gpu_us / 1e3 / builds, statistics.median(walls)
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ from .common import (
     _load_tile,
     _log2_scores,
     _mod_context,
-    _mod_keep,
     _mod_param_grads,
     _mod_score_grad,
+    _partial_keep,
     _query_block_range,
     _row_bounds,
     _tile_ptrs,
@@ -83,6 +83,7 @@ def _attn_bwd_dkdv_inner(
     SCORE_GRAD_FN: tl.constexpr,
     entries=0,
     LISTED_TILES: tl.constexpr = 0,
+    BOUNDED: tl.constexpr = True,
 ):
     """Accumulate one query head's contribution to ``dK`` (unscaled) and ``dV`` of a key tile
     over query tiles ``[block_first, block_end)`` (with ``LISTED_TILES``: of the list at
@@ -133,9 +134,10 @@ def _attn_bwd_dkdv_inner(
         do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         if MASKED:
             # masked pairs select 0 whatever their score
-            keep = (offs_m[None, :] >= col_lo[:, None]) & (offs_m[None, :] < col_hi[:, None])
-            if MASK_FN is not None:
-                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN, TRANSPOSED=True)
+            keep = _partial_keep(
+                offs_m, offs_n, col_lo, col_hi, seq_q, MODC,
+                MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS, TRANSPOSED=True,
+            )  # fmt: skip
             pT = tl.where(keep, pT, 0.0)
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
@@ -162,7 +164,7 @@ def _attn_bwd_dkdv_listed(
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_GRAD_FN: tl.constexpr,
+    SCORE_GRAD_FN: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The query blocks of one list (``entries``: a count, then list blocks of ``SPARSE_M``
     queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``) or all full."""
@@ -176,7 +178,7 @@ def _attn_bwd_dkdv_listed(
         MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
-        SCORE_GRAD_FN=SCORE_GRAD_FN, entries=entries, LISTED_TILES=TILES,
+        SCORE_GRAD_FN=SCORE_GRAD_FN, entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
     )  # fmt: skip
     return dk, dv
 
@@ -279,6 +281,7 @@ def _attn_bwd_dkdv(
     doc_off = off_b * stride_db
     if HAS_BLOCK_LISTS:
         tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
         # the query blocks listed for this tile's list column, per query head below
         list_width = tl.cdiv(seq_q, SPARSE_M) + 1
         list_col = start_n // SPARSE_N
@@ -322,7 +325,7 @@ def _attn_bwd_dkdv(
                 MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
-                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, BOUNDED=BOUNDED,
             )  # fmt: skip
             dk, dv = _attn_bwd_dkdv_listed(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
@@ -332,7 +335,7 @@ def _attn_bwd_dkdv(
                 MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
-                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+                MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, BOUNDED=BOUNDED,
             )  # fmt: skip
         else:
             dk, dv = _attn_bwd_dkdv_inner(
@@ -434,6 +437,7 @@ def _attn_bwd_dq_inner(
     PARAM_GRAD_FN: tl.constexpr,
     entries=0,
     LISTED_TILES: tl.constexpr = 0,
+    BOUNDED: tl.constexpr = True,
 ):
     """Accumulate ``dQ`` (unscaled) of a query tile over key tiles (``[block_first,
     block_end)``, or with ``LISTED_TILES`` those of the list at ``entries`` as
@@ -487,9 +491,10 @@ def _attn_bwd_dq_inner(
         ds = p * (dp - delta[:, None])
         if MASKED:
             # masked pairs select 0 whatever p and dp are
-            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            if MASK_FN is not None:
-                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
+            keep = _partial_keep(
+                offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
+                MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
+            )  # fmt: skip
             ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
             dist = tl.abs(rel)
@@ -526,7 +531,7 @@ def _attn_bwd_dq_listed(
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DSLOPE: tl.constexpr,
     SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr,
-    PARAM_GRAD_FN: tl.constexpr,
+    PARAM_GRAD_FN: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
     TILES: tl.constexpr = SPARSE_N // BLOCK_N
@@ -540,7 +545,7 @@ def _attn_bwd_dq_listed(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
         MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
-        entries=entries, LISTED_TILES=TILES,
+        entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
     )  # fmt: skip
     return dq, slope_pdr, slope_pr, slope_pd
 
@@ -685,6 +690,7 @@ def _attn_bwd_dq(
     if HAS_BLOCK_LISTS:
         # the listed key blocks of this tile's list row, partial then full (as the forward)
         tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
         width = tl.cdiv(seq_k, SPARSE_N) + 1
         entries = _list_row(
             Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
@@ -699,7 +705,7 @@ def _attn_bwd_dq(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
-            PARAM_GRAD_FN=PARAM_GRAD_FN,
+            PARAM_GRAD_FN=PARAM_GRAD_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
@@ -710,7 +716,7 @@ def _attn_bwd_dq(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
-            PARAM_GRAD_FN=PARAM_GRAD_FN,
+            PARAM_GRAD_FN=PARAM_GRAD_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
     else:
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(

@@ -563,6 +563,37 @@ def _mod_keep(offs_m, offs_n, MODC, MASK_FN: tl.constexpr, TRANSPOSED: tl.conste
 
 
 @triton.jit
+def _partial_keep(
+    offs_m,
+    offs_n,
+    lo,
+    hi,
+    length,
+    MODC,
+    MASK_FN: tl.constexpr,
+    BOUNDED: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    TRANSPOSED: tl.constexpr = False,
+):
+    """Which pairs of a partial tile are kept, ``[BLOCK_M, BLOCK_N]`` (``TRANSPOSED``:
+    ``[BLOCK_N, BLOCK_M]``, a key tile's rows): ``lo``, ``hi`` give each tile row's kept
+    columns ``[lo, hi)`` (keys; queries when ``TRANSPOSED``), ``BOUNDED`` says whether band,
+    document or key-range terms set them (else they are ``[0, length)``), ``BOUNDS`` whether
+    columns may lie past ``length``. Without such terms a mask function's tile compares
+    only what it must: the row bounds would cost two compares per pair."""
+    cols = offs_m if TRANSPOSED else offs_n
+    if MASK_FN is None or BOUNDED:
+        keep = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        if MASK_FN is not None:
+            keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN, TRANSPOSED)
+    else:
+        keep = _mod_keep(offs_m, offs_n, MODC, MASK_FN, TRANSPOSED)
+        if BOUNDS:
+            keep = keep & (cols[None, :] < length)
+    return keep
+
+
+@triton.jit
 def _mod_score(s2, offs_m, offs_n, MODC, SCORE_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Base-2 scores ``s2`` through the generated score functions."""
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)

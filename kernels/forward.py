@@ -26,8 +26,8 @@ from .common import (
     _load_tile,
     _log2_scores,
     _mod_context,
-    _mod_keep,
     _mod_score,
+    _partial_keep,
     _row_bounds,
     _tile_ptrs,
 )
@@ -81,10 +81,12 @@ def _attn_fwd_inner(
     SCORE_FN: tl.constexpr,
     entries=0,
     LISTED_TILES: tl.constexpr = 0,
+    BOUNDED: tl.constexpr = True,
 ):
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
-    in list order, so that one loop (one software pipeline) runs over every listed block."""
+    in list order, so that one loop (one software pipeline) runs over every listed block.
+    ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``)."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -123,9 +125,10 @@ def _attn_fwd_inner(
                 qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN)
         if MASKED:
             # masked pairs select -inf whatever their score (a NaN key there stays out)
-            keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
-            if MASK_FN is not None:
-                keep = keep & _mod_keep(offs_m, offs_n, MODC, MASK_FN)
+            keep = _partial_keep(
+                offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
+                MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
+            )  # fmt: skip
             qk = tl.where(keep, qk, float("-inf"))
         # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
         if PLAIN:
@@ -209,6 +212,7 @@ def _attn_fwd_listed(
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
     SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
     keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full, in one
@@ -224,7 +228,7 @@ def _attn_fwd_listed(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        entries=entries, LISTED_TILES=TILES,
+        entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -332,6 +336,7 @@ def _attn_fwd(
     if HAS_BLOCK_LISTS:
         # the listed key blocks of this tile's list row, partial then full
         tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
         width = tl.cdiv(seq_k, SPARSE_N) + 1
         entries = _list_row(
             Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
@@ -345,7 +350,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN,
+            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -355,7 +360,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN,
+            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_runs(
@@ -467,7 +472,7 @@ def plan_forward(
         return ForwardPlan(identity, (), (), None)
     mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
     block_e = padded_head_dim(head_dim)
-    cfg = pick_config(FORWARD_CONFIGS, q, block_e)
+    cfg = pick_config(FORWARD_CONFIGS, q, block_e, mask.listed_mask_forward_configs())
     block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
     grid = (triton.cdiv(seq_q, block_m), num_heads, batch)
     options = dict(

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .common import LOG2E
-from .configs import tanh_mode
+from .configs import LISTED_MASK_FORWARD_CONFIGS, tanh_mode
 from .launch import launcher, launches_traceable
 from .program import BlockLists, MaskProgram
 
@@ -55,6 +55,13 @@ class MaskArgs:
     softcap_out: float
     blocks: BlockLists | None = None  # the block-list iteration source, if the program has one
     mods: CompiledMods | None = None  # generated mask and score functions
+
+    def listed_mask_forward_configs(self) -> dict[tuple[int, int, int], Any] | None:
+        """The forward's configs to prefer where block lists drive it and partial tiles
+        evaluate generated mask functions (``None`` elsewhere)."""
+        if self.blocks is None or self.mods is None or not self.mods.has_mask:
+            return None
+        return LISTED_MASK_FORWARD_CONFIGS
 
     def mod_options(self, *, backward: bool) -> dict[str, Any]:
         """The ``tl.constexpr`` generated-function parameters of a training kernel without
