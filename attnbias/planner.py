@@ -1,8 +1,14 @@
 """Choosing the backend of a call: the policy's priority list for it (``attnbias.policy``),
-walked in order.
+walked in order, then weighed by predicted time.
 
-The first backend in the list that gives no reason against the call runs it; ``explain`` shows
-the list and every other backend's reasons. The lists come from the measurements in
+The first backend in the list that gives no reason against the call is the list's choice.
+Where the policy has costs for the GPU generation (``attnbias.policy.COSTS``), the planner
+predicts the time of a call on each weighed backend that can take it, the larger of its host
+time and its GPU time (calls issued back to back overlap one call's host work with the GPU
+work of those before it; a call captured in a CUDA graph pays no host time), and takes a
+backend predicted ``SWITCH_FACTOR`` times faster than the list's choice: a tiny call then
+skips a backend whose host time is far above its GPU time. ``explain`` shows the list, the
+predictions and every other backend's reasons. The lists come from the measurements in
 ``benchmarks/RESULTS.md``; :func:`use_backends` pins or excludes backends for a region.
 """
 
@@ -19,7 +25,16 @@ import torch
 
 from attnbias.backends import BACKENDS, ROUTES, Backend
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
-from attnbias.policy import CAPTURED_FA4_FIRST, FALLBACK, FORM_ROUTES, PRIORITY, Order
+from attnbias.policy import (
+    CAPTURED_FA4_FIRST,
+    COSTS,
+    FALLBACK,
+    FORM_ROUTES,
+    PRIORITY,
+    SWITCH_FACTOR,
+    Cost,
+    Order,
+)
 from attnbias.spec import Spec, capturable
 
 __all__ = [
@@ -32,7 +47,9 @@ __all__ = [
     "captured_fa4_first",
     "current_policy",
     "generation",
+    "kept_pairs",
     "plan",
+    "predict",
     "use_backends",
 ]
 
@@ -125,6 +142,8 @@ class Plan:
     pinned: bool  # the order is use_backends' own
     skipped: dict[str, list[str]] = field(default_factory=dict)  # reasons, in order
     fixed: bool = False  # the call's form has one route (FORM_ROUTES): nothing was weighed
+    # the weighed backends' predicted (host µs, GPU µs), in the order tried
+    predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.spec)
@@ -138,6 +157,12 @@ class Plan:
             self.backend.headline(spec),
             f"  order ({self.heading}): {' > '.join(self.order)}",
         ]
+        if self.predicted:
+            times = ", ".join(
+                f"{name} {max(host, gpu):.0f} µs (host {host:.0f}, GPU {gpu:.0f})"
+                for name, (host, gpu) in self.predicted.items()
+            )
+            lines.append(f"  predicted per call: {times}")
         for name, backend in BACKENDS.items():
             if backend is self.backend:
                 continue
@@ -224,6 +249,61 @@ def _order(
 _cached_order = functools.lru_cache(maxsize=256)(_order)
 
 
+def kept_pairs(length_q: int, length_kv: int, band_lo: int | None, band_hi: int | None) -> int:
+    """How many pairs ``(i, j)``, ``0 <= i < L``, ``0 <= j < S``, have ``band_lo <= j - i <=
+    band_hi`` (``None``: no limit on that side): exact, in O(1)."""
+
+    def at_most(offset: int) -> int:
+        # pairs with j - i <= offset: row i keeps min(max(i + offset + 1, 0), S) keys
+        first, last = offset + 1, offset + length_q  # the rows' counts before clamping
+        return _clamped_sum(last, length_kv) - _clamped_sum(first - 1, length_kv)
+
+    hi = at_most(length_kv if band_hi is None else band_hi)
+    lo = 0 if band_lo is None else at_most(band_lo - 1)
+    return max(hi - lo, 0)
+
+
+def _clamped_sum(n: int, cap: int) -> int:
+    """``sum(min(max(t, 0), cap) for t in range(n + 1))`` for ``n`` of any sign."""
+    if n <= 0:
+        return 0
+    if n <= cap:
+        return n * (n + 1) // 2
+    return cap * (cap + 1) // 2 + (n - cap) * cap
+
+
+def predict(spec: Spec, cost: Cost) -> tuple[float, float]:
+    """``(host µs, GPU µs)`` of ``spec`` on a backend of ``cost``: the GPU's share from the
+    pairs the band keeps (documents and key ranges are not counted: an upper bound)."""
+    batch, heads, length_q, length_kv = spec.shape
+    pairs = kept_pairs(length_q, length_kv, spec.terms.band_lo, spec.terms.band_hi)
+    flops = 2.0 * batch * heads * pairs * (spec.head_dim + spec.head_dim_v)
+    if spec.needs_grad:
+        host, gpu = cost.host_us_training, 3.5 * flops / (cost.tflops_training * 1e6)
+    else:
+        host, gpu = cost.host_us, flops / (cost.tflops * 1e6)
+    return (0.0 if spec.capturing else host), gpu
+
+
+def _weigh(
+    spec: Spec, order: tuple[str, ...], costs: dict[str, Cost]
+) -> tuple[str, dict[str, tuple[float, float]]]:
+    """The backend to run ``spec``: ``order[0]`` (the list's choice, which takes it) unless a
+    weighed backend after it that takes it too is predicted ``SWITCH_FACTOR`` times faster;
+    and the predictions."""
+    first = order[0]
+    if first not in costs:
+        return first, {}
+    predicted = {first: predict(spec, costs[first])}
+    for name in order[1:]:
+        if name in costs and not BACKENDS[name].not_supported_reasons(spec):
+            predicted[name] = predict(spec, costs[name])
+    best = min(predicted, key=lambda name: max(predicted[name]))
+    if max(predicted[first]) > SWITCH_FACTOR * max(predicted[best]):
+        return best, predicted
+    return first, predicted
+
+
 def plan(spec: Spec) -> Plan:
     """Walk the priority list for ``spec`` and take the first backend with no reason against it
     (a call of a form with one route takes that route, :data:`FORM_ROUTES`)."""
@@ -243,17 +323,23 @@ def plan(spec: Spec) -> Plan:
         fa4_first = spec.capturing and captured_fa4_first(gen, spec)
         order, heading = _cached_order(gen, kind, spec.needs_grad, policy, fa4_first)
     skipped: dict[str, list[str]] = {}
-    for name in order:
+    for at, name in enumerate(order):
         reasons = BACKENDS[name].not_supported_reasons(spec)
         if not reasons:
+            costs = {} if spec.compiling or policy.only is not None else COSTS.get(gen, {})
+            chosen, predicted = _weigh(spec, order[at:], costs)
+            if chosen != name:
+                ratio = max(predicted[name]) / max(predicted[chosen])
+                heading += f"; {chosen} before {name}: predicted {ratio:.1f}x faster per call"
             return Plan(
                 spec,
-                BACKENDS[name],
+                BACKENDS[chosen],
                 order,
                 heading,
                 policy.exclude,
                 policy.only is not None,
                 skipped,
+                predicted=predicted,
             )
         skipped[name] = reasons
     detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "CAPTURED_FA4_FIRST",
+    "COSTS",
     "FALLBACK",
     "FORM_ROUTES",
     "PRIORITY",
+    "SWITCH_FACTOR",
     "CapturedFa4First",
+    "Cost",
     "Order",
 ]
 
@@ -74,6 +77,38 @@ FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 CAPTURED_FA4_FIRST = CapturedFa4First(
     kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
 )
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a call costs on a backend, per GPU generation: host time per call (µs: validation,
+    planning, launches, the backend's own Python side) and the GPU's rate on the pairs a call
+    keeps (TFLOP/s, counting 4·E flops per kept pair and head forward, 3.5 times that forward
+    and backward), for calls without gradients and for training calls (forward + backward
+    through autograd)."""
+
+    host_us: float
+    host_us_training: float
+    tflops: float
+    tflops_training: float
+
+
+# Per GPU generation, the backends the planner weighs against each other (others are never
+# moved ahead of the priority list's choice). Hopper: rates on causal bf16 calls at head dim
+# 128 (benchmarks/RESULTS.md: FlashAttention 4 ~570 / 510 TFLOP/s, cuDNN through stock SDPA
+# ~540 / 450, the Triton kernel ~400 / 350), host times of whole calls on an H100 host
+# (benchmarks/NOTES.md, "Host time"): FlashAttention 4's Python side is most of its ~200 µs
+# forward and ~850 µs forward + backward, where stock SDPA and the Triton kernel's prepared
+# launches take tens of µs forward and ~250 µs with the backward through autograd.
+_HOPPER_COSTS: dict[str, Cost] = {
+    "fa4": Cost(host_us=200.0, host_us_training=850.0, tflops=570.0, tflops_training=510.0),
+    "sdpa": Cost(host_us=15.0, host_us_training=225.0, tflops=540.0, tflops_training=450.0),
+    "triton": Cost(host_us=30.0, host_us_training=250.0, tflops=400.0, tflops_training=350.0),
+}
+COSTS: dict[str, dict[str, Cost]] = {"hopper": _HOPPER_COSTS, "blackwell": _HOPPER_COSTS}
+# The planner leaves the priority list's choice for a weighed backend only when that one is
+# predicted this many times faster: the lists are measured, the predictions are estimates.
+SWITCH_FACTOR = 1.5
 
 # The calls that are not a bias object lowering into the kernels' terms (``spec.FORMS``) have
 # one route each, whatever the GPU and whatever use_backends says: a plain tensor mask and no

@@ -278,10 +278,11 @@ def test_fa4_documents(name: str) -> None:
 
 @needs_fa4
 def test_fa4_is_chosen_where_the_priority_list_says() -> None:
-    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
-    docs = DocumentBias.from_seqlens([100, 156], device="cuda")
-    gemma2 = SlidingWindowBias(31) + SoftcapBias(30.0) + causal_lower_right()
-    for bias in (SlidingWindowBias(31), causal_upper_left(), gemma2, docs):
+    # large enough that the GPU's time, not FlashAttention 4's host time, decides
+    q = torch.randn(1, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    docs = DocumentBias.from_seqlens([3000, 5192], device="cuda")
+    gemma2 = SlidingWindowBias(4095) + SoftcapBias(30.0) + causal_lower_right()
+    for bias in (SlidingWindowBias(4095), causal_upper_left(), gemma2, docs):
         assert attnbias.explain(q, q, q, attn_mask=bias).startswith("fa4:")
     # ALiBi: the Triton kernel's forward is as fast; FlashAttention 4's backward is faster
     alibi = AlibiBias(num_heads=4) + causal_lower_right()
@@ -289,8 +290,17 @@ def test_fa4_is_chosen_where_the_priority_list_says() -> None:
     leaf = q.detach().requires_grad_()
     assert attnbias.explain(leaf, leaf, leaf, attn_mask=alibi).startswith("fa4:")
     # documents beyond batch size 1 would need copies: the Triton kernel takes them
-    q2 = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    q2 = torch.randn(2, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)
     assert attnbias.explain(q2, q2, q2, attn_mask=docs).startswith("triton:")
+
+
+@needs_fa4
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_a_tiny_call_does_not_pay_fa4s_host_time(needs_grad: bool) -> None:
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=needs_grad)
+    text = attnbias.explain(q, q, q, attn_mask=SlidingWindowBias(31))
+    assert text.startswith("triton:"), text
+    assert "triton before fa4: predicted" in text and "predicted per call: fa4" in text
 
 
 @needs_fa4

@@ -1,6 +1,7 @@
 """The planner on CPU: its walk over the priority lists, ``use_backends``, ``explain``, the choice
-for every kind of bias on a faked Hopper GPU, FlashAttention 4's reasons, and FlashAttention 4's
-argument translation checked against the oracle through a pure-torch stand-in.
+for every kind of bias on a faked Hopper GPU, the weighing of predicted times, FlashAttention 4's
+reasons, and FlashAttention 4's argument translation checked against the oracle through a
+pure-torch stand-in.
 
 Nothing here needs a GPU: the GPU generation, FlashAttention 4's install and device checks and
 ``flash_attn.cute.flash_attn_func`` itself are replaced with monkeypatch.
@@ -42,7 +43,8 @@ from attnbias import (
     use_backends,
 )
 from attnbias.backends import BACKENDS, Backend
-from attnbias.planner import PRIORITY, plan
+from attnbias.planner import PRIORITY, kept_pairs, plan
+from attnbias.policy import Cost
 from attnbias.spec import Spec, make_spec
 
 NAMES = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
@@ -53,6 +55,13 @@ FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 
 # ------------------------------------------------------------------------------------------
 # Building calls
+
+
+@pytest.fixture(autouse=True)
+def lists_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests of the walk see the priority lists alone (their small calls would otherwise
+    be weighed by predicted host time); the weighing's tests set the costs they need."""
+    monkeypatch.setattr(planner, "COSTS", {})
 
 
 def qkv(
@@ -294,6 +303,130 @@ def test_orders(
 
 
 HOPPER_BAND = ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference")
+
+
+# ------------------------------------------------------------------------------------------
+# Weighing predicted times
+
+
+@pytest.mark.parametrize("length_q", [0, 1, 5, 16, 23])
+@pytest.mark.parametrize("length_kv", [0, 1, 7, 16, 40])
+def test_kept_pairs_counts_the_band(length_q: int, length_kv: int) -> None:
+    for lo, hi in itertools.product([None, -50, -9, -1, 0, 3], [None, -20, -2, 0, 1, 12, 60]):
+        rows = torch.arange(length_q)[:, None]
+        cols = torch.arange(length_kv)[None, :]
+        keep = torch.ones(length_q, length_kv, dtype=torch.bool)
+        if lo is not None:
+            keep &= cols - rows >= lo
+        if hi is not None:
+            keep &= cols - rows <= hi
+        assert kept_pairs(length_q, length_kv, lo, hi) == int(keep.sum()), (lo, hi)
+
+
+# A backend of large host time and high rate against two of small host time and lower rates.
+WEIGHED = {
+    "fa4": Cost(host_us=200.0, host_us_training=800.0, tflops=600.0, tflops_training=500.0),
+    "sdpa": Cost(host_us=25.0, host_us_training=300.0, tflops=300.0, tflops_training=250.0),
+    "triton": Cost(host_us=20.0, host_us_training=250.0, tflops=400.0, tflops_training=350.0),
+}
+
+
+def weigh_on_hopper(monkeypatch: pytest.MonkeyPatch, costs: dict[str, Cost] = WEIGHED) -> None:
+    set_generation(monkeypatch, "hopper")
+    monkeypatch.setattr(planner, "COSTS", {"hopper": costs})
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_a_tiny_call_skips_the_backend_of_large_host_time(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch, needs_grad: bool
+) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")  # first in the inference list, unweighed
+    spec = spec_of(SlidingWindowBias(3), needs_grad=needs_grad)  # (1, 2, 16, 16): band
+    chosen = plan(spec)
+    # the list: fa4 then triton; predicted: fa4 its host time, triton 10x (forward) or 3.2x
+    # (training) less, the GPU's share a few ns; sdpa's host time above triton's
+    assert chosen.order[:3] == (
+        ("fa4", "triton", "triton-decode") if needs_grad else HOPPER_BAND[:3]
+    )
+    assert chosen.backend is fakes.backends["triton"]
+    assert set(chosen.predicted) == {"fa4", "triton", "sdpa"}
+    host, gpu = chosen.predicted["fa4"]
+    assert host == (800.0 if needs_grad else 200.0) and gpu < 0.01
+    assert "triton before fa4: predicted" in chosen.heading
+    # a backend that refuses the call is not weighed
+    fakes.refuse("triton", "no")
+    chosen = plan(spec)
+    assert chosen.backend is fakes.backends["sdpa"]
+    assert set(chosen.predicted) == {"fa4", "sdpa"}
+
+
+def test_a_large_call_keeps_the_lists_choice(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")
+    # B=1, H=2, L=S=8192, E=64, causal: 2 * 2 * 33.6M pairs * 128 flops = 17 GFLOP, 29 µs on
+    # fa4 at 600 TFLOP/s, below its host time of 200 µs; 1.5x that is 300 µs > triton's 43 µs
+    spec = spec_of(SlidingWindowBias(8191), length_q=8192, length_kv=8192, dtype=torch.float32)
+    assert plan(spec).backend is fakes.backends["triton"]
+    # at 32x the heads and a quarter of the head dim, fa4's GPU time (229 µs) is above its
+    # host time and the fastest (triton's 344 µs)
+    spec = spec_of(
+        SlidingWindowBias(8191),
+        length_q=8192,
+        length_kv=8192,
+        heads_q=64,
+        heads_kv=64,
+        head_dim=16,
+        dtype=torch.float32,
+    )
+    chosen = plan(spec)
+    assert chosen.backend is fakes.backends["fa4"], chosen.predicted
+    host, gpu = chosen.predicted["fa4"]
+    assert host == 200.0
+    pairs = 8192 * 8193 // 2
+    assert gpu == pytest.approx(2 * 64 * pairs * 32 / 600e6)
+    assert chosen.heading == "hopper, causal, inference"  # the window covers every key
+
+
+def test_a_backend_only_somewhat_faster_does_not_move_ahead(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    close = dict(WEIGHED, fa4=Cost(25.0, 300.0, 600.0, 500.0))  # triton 20 µs: 1.25x faster
+    weigh_on_hopper(monkeypatch, close)
+    fakes.refuse("triton-decode", "not a decode")
+    chosen = plan(spec_of(SlidingWindowBias(3)))
+    assert chosen.backend is fakes.backends["fa4"]
+    assert max(chosen.predicted["fa4"]) / max(chosen.predicted["triton"]) == pytest.approx(1.25)
+    assert planner.SWITCH_FACTOR > 1.25
+
+
+def test_a_captured_call_pays_no_host_time(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")
+    spec = dataclasses.replace(spec_of(SlidingWindowBias(3)), capturing=True)
+    chosen = plan(spec)
+    assert chosen.backend is fakes.backends["fa4"]
+    assert all(host == 0.0 for host, _ in chosen.predicted.values())
+
+
+def test_pinned_or_unweighed_backends_are_not_weighed(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weigh_on_hopper(monkeypatch)
+    with use_backends("fa4", "triton"):
+        chosen = plan(spec_of(SlidingWindowBias(3)))
+    assert chosen.backend is fakes.backends["fa4"] and not chosen.predicted
+    # the decode kernel, first for a short query, has no cost: the list's choice stands
+    chosen = plan(spec_of(SlidingWindowBias(3), length_q=1))
+    assert chosen.backend is fakes.backends["triton-decode"] and not chosen.predicted
+
+
+def test_explain_shows_the_predictions(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")
+    text = plan(spec_of(SlidingWindowBias(3))).explain()
+    assert "triton before fa4: predicted 10.0x faster per call" in text
+    assert "predicted per call: fa4 200 µs (host 200, GPU 0), triton 20 µs (host 20, GPU 0)" in text
 
 
 @pytest.mark.parametrize("refusing", range(len(HOPPER_BAND)))
