@@ -96,14 +96,14 @@ class Cost:
 # Per GPU generation, the backends the planner weighs against each other (others are never
 # moved ahead of the priority list's choice). Hopper: rates on causal bf16 calls at head dim
 # 128 (benchmarks/RESULTS.md: FlashAttention 4 ~570 / 510 TFLOP/s, cuDNN through stock SDPA
-# ~540 / 450, the Triton kernel ~400 / 350), host times of whole calls on an H100 host
-# (benchmarks/NOTES.md, "Host time"): FlashAttention 4's Python side is most of its ~200 µs
-# forward and ~850 µs forward + backward, where stock SDPA and the Triton kernel's prepared
-# launches take tens of µs forward and ~250 µs with the backward through autograd.
+# ~540 / 450, the Triton kernel ~400 / 350); host times of whole calls issued back to back on
+# an H100 host at shapes from 1x1x128x64 to 1x16x2048x128 (benchmarks/NOTES.md, "Host time
+# per backend"): FlashAttention 4 130-250 µs forward, 800-1000 forward + backward; the Triton
+# kernel 30-75 and 780-1130; stock SDPA 40-60 and 310-380.
 _HOPPER_COSTS: dict[str, Cost] = {
     "fa4": Cost(host_us=200.0, host_us_training=850.0, tflops=570.0, tflops_training=510.0),
-    "sdpa": Cost(host_us=15.0, host_us_training=225.0, tflops=540.0, tflops_training=450.0),
-    "triton": Cost(host_us=30.0, host_us_training=250.0, tflops=400.0, tflops_training=350.0),
+    "sdpa": Cost(host_us=45.0, host_us_training=330.0, tflops=540.0, tflops_training=450.0),
+    "triton": Cost(host_us=45.0, host_us_training=950.0, tflops=400.0, tflops_training=350.0),
 }
 COSTS: dict[str, dict[str, Cost]] = {"hopper": _HOPPER_COSTS, "blackwell": _HOPPER_COSTS}
 # The planner leaves the priority list's choice for a weighed backend only when that one is
