@@ -212,7 +212,10 @@ def sdpa(
     )
 
 
-@torch.compiler.disable
+@torch.compiler.disable(
+    reason="attnbias.distributed.sdpa runs eagerly: its ring of point-to-point transfers "
+    "and its schedule, which depends on the bias's values, does not trace"
+)
 def _ring_sdpa(
     query: Tensor,
     key: Tensor,
@@ -226,33 +229,138 @@ def _ring_sdpa(
     layout: str,
 ) -> Tensor:
     rank, world = _world(group)
-    if isinstance(attn_mask, Tensor):
-        raise TypeError(
-            "attnbias.distributed.sdpa takes a bias object over the whole sequence as "
-            "attn_mask, not a plain tensor; wrap the whole (L, S) mask in attnbias.TensorBias"
-        )
-    if attn_mask is not None and not isinstance(attn_mask, AttnBias):
-        raise TypeError(
-            f"attnbias.distributed.sdpa: attn_mask must be an AttnBias over the whole sequence "
-            f"or None, got {type(attn_mask).__name__}"
-        )
-    # this rank's tensors as an ordinary call; the bias is checked against the whole call
-    dropout, scale = _validate(query, key, value, None, dropout_p, is_causal, scale, enable_gqa)
-    if dropout != 0.0:
+    # A rank that refuses its call still joins the one gather of the call, so that the others
+    # learn it and raise too instead of waiting for it.
+    try:
+        local: _Local | None = _Local.make(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rank, world,
+            layout,
+        )  # fmt: skip
+        failure: Exception | None = None
+    except (TypeError, ValueError) as error:
+        local, failure = None, error
+    summary = _Local.summary(local, world, _gather_device(group))
+    gathered = [torch.empty_like(summary) for _ in range(world)]
+    dist.all_gather(gathered, summary, group=group)
+    rows = [g.tolist() for g in gathered]
+    if failure is not None:
+        raise failure
+    refused = [r for r, row in enumerate(rows) if row[0]]
+    if refused:
         raise ValueError(
-            f"attnbias.distributed.sdpa: dropout_p={dropout_p!r} is not supported (each "
-            f"shard pair would need the dropout mask of the whole sequence); pass 0.0"
+            f"attnbias.distributed.sdpa: rank(s) {refused} of the group refused their part of "
+            f"the call (their error says why); every rank must make the same call"
         )
-    length_q, length_kv = query.shape[2] * world, key.shape[2] * world
-    _chunks(length_q, world, layout)  # a length the layout cannot split: ValueError
-    _chunks(length_kv, world, layout)
-    bias = with_causal(attn_mask, is_causal)
-    ring = _Ring.make(
-        query, key, value, bias, scale, enable_gqa, group, rank, world, layout,
-        (length_q, length_kv),
-    )  # fmt: skip
-    params = () if bias is None else bias.parameters()
-    return _RingAttention.apply(query, key, value, ring, *params)
+    assert local is not None  # no failure here
+    _check_agreement([row[1 : 1 + _HEADER] for row in rows])
+    ring = _Ring.of(local, rows, group)
+    return _RingAttention.apply(query, key, value, ring, *local.params)
+
+
+# the header of a rank's summary: B, Hq, L / W, E of the query, B, Hkv, S / W, E of the key,
+# Ev, the dtype, the layout, enable_gqa, whether the scale is the default
+_HEADER = 13
+
+
+@dataclass(frozen=True, eq=False)
+class _Local:
+    """This rank's call, checked: the bias over the whole call, and its chunk pairs per step
+    with whether each may keep a pair (a bool, or a 0-d tensor not read yet)."""
+
+    bias: AttnBias | None
+    call: Call
+    scale: float | None
+    enable_gqa: bool
+    needs_grad: bool
+    params: tuple[Tensor, ...]
+    header: list[int]
+    pairs: list[list[_Pair]]
+    keeps: list[bool | Tensor]
+
+    @classmethod
+    def make(
+        cls,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Any,
+        dropout_p: Any,
+        is_causal: Any,
+        scale: Any,
+        enable_gqa: Any,
+        rank: int,
+        world: int,
+        layout: str,
+    ) -> _Local:
+        if isinstance(attn_mask, Tensor):
+            raise TypeError(
+                "attnbias.distributed.sdpa takes a bias object over the whole sequence as "
+                "attn_mask, not a plain tensor; wrap the whole (L, S) mask in "
+                "attnbias.TensorBias"
+            )
+        if attn_mask is not None and not isinstance(attn_mask, AttnBias):
+            raise TypeError(
+                f"attnbias.distributed.sdpa: attn_mask must be an AttnBias over the whole "
+                f"sequence or None, got {type(attn_mask).__name__}"
+            )
+        # this rank's tensors as an ordinary call; the bias is checked against the whole call
+        dropout, scale = _validate(query, key, value, None, dropout_p, is_causal, scale, enable_gqa)
+        if dropout != 0.0:
+            raise ValueError(
+                f"attnbias.distributed.sdpa: dropout_p={dropout_p!r} is not supported (each "
+                f"shard pair would need the dropout mask of the whole sequence); pass 0.0"
+            )
+        if query.dtype not in _DTYPES:
+            raise TypeError(f"attnbias.distributed.sdpa: dtype {query.dtype} is not supported")
+        length_q, length_kv = query.shape[2] * world, key.shape[2] * world
+        q_chunks = _chunks(length_q, world, layout)  # a length it cannot split: ValueError
+        kv_chunks = _chunks(length_kv, world, layout)
+        bias = with_causal(attn_mask, is_causal)
+        batch, heads_q = query.shape[0], query.shape[1]
+        call = Call(batch, heads_q, length_q, length_kv, query.device)
+        if bias is not None:
+            bias.validate_call(call)
+        pairs: list[list[_Pair]] = []
+        keeps: list[bool | Tensor] = []
+        for step in range(world):
+            step_pairs = []
+            for row_start, (qa, qb) in _local(q_chunks[rank]):
+                for col_start, (ka, kb) in _local(kv_chunks[(rank - step) % world]):
+                    block = Block(qa, ka, qb - qa, kb - ka)
+                    step_pairs.append(
+                        _Pair(slice(row_start, row_start + qb - qa),
+                              slice(col_start, col_start + kb - ka), block)
+                    )  # fmt: skip
+                    keeps.append(_may_keep(bias, call, block, query.dtype))
+            pairs.append(step_pairs)
+        header = [
+            *query.shape, *key.shape, value.shape[-1], _DTYPES.index(query.dtype),
+            LAYOUTS.index(layout), int(enable_gqa), int(scale is None),
+        ]  # fmt: skip
+        params = () if bias is None else bias.parameters()
+        tensors = [query, key, value, *params]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return cls(bias, call, scale, enable_gqa, needs_grad, params, header, pairs, keeps)
+
+    @staticmethod
+    def summary(local: _Local | None, world: int, device: torch.device) -> Tensor:
+        """What this rank tells the others, int64 of one size on every rank: whether it
+        refused the call, its header, then whether each chunk pair may keep a pair (4 per
+        step, the unused ones 0)."""
+        if local is None:
+            found = torch.zeros(1 + _HEADER + 4 * world, dtype=torch.int64, device=device)
+            found[0] = 1
+            return found
+        flags = torch.stack(
+            [torch.as_tensor(k, dtype=torch.bool).to(device) for k in local.keeps]
+        ).to(torch.int64)
+        return torch.cat(
+            [
+                torch.tensor([0, *local.header], dtype=torch.int64, device=device),
+                flags,
+                flags.new_zeros(4 * world - flags.numel()),
+            ]
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -285,74 +393,24 @@ class _Ring:
     pairs: list[list[_Pair]]  # this rank's, per step: those that may keep a pair
 
     @classmethod
-    def make(
-        cls,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        bias: AttnBias | None,
-        scale: float | None,
-        enable_gqa: bool,
-        group: Any,
-        rank: int,
-        world: int,
-        layout: str,
-        lengths: tuple[int, int],
-    ) -> _Ring:
-        length_q, length_kv = lengths
-        q_chunks = _chunks(length_q, world, layout)
-        kv_chunks = _chunks(length_kv, world, layout)
-        batch, heads_q = query.shape[0], query.shape[1]
-        call = Call(batch, heads_q, length_q, length_kv, query.device)
-        if bias is not None:
-            bias.validate_call(call)
-        # this rank's chunk pairs per step, and whether each may keep a pair
-        pairs: list[list[_Pair]] = []
-        keeps: list[bool | Tensor] = []
-        for step in range(world):
-            step_pairs = []
-            for row_start, (qa, qb) in _local(q_chunks[rank]):
-                for col_start, (ka, kb) in _local(kv_chunks[(rank - step) % world]):
-                    block = Block(qa, ka, qb - qa, kb - ka)
-                    step_pairs.append(
-                        _Pair(slice(row_start, row_start + qb - qa),
-                              slice(col_start, col_start + kb - ka), block)
-                    )  # fmt: skip
-                    keeps.append(_may_keep(bias, call, block, query.dtype))
-            pairs.append(step_pairs)
-        # one gather settles both that the ranks agree and the schedule
-        header = [
-            *query.shape, *key.shape, value.shape[-1], _DTYPES.index(query.dtype),
-            LAYOUTS.index(layout), int(enable_gqa), int(scale is None),
-        ]  # fmt: skip
-        flags = torch.stack(
-            [torch.as_tensor(k, dtype=torch.bool, device=query.device) for k in keeps]
-        ).to(torch.int64)
-        padding = 4 * world - flags.numel()  # a contiguous layout has one pair per step
-        local = torch.cat(
-            [
-                torch.tensor(header, dtype=torch.int64, device=query.device),
-                flags,
-                flags.new_zeros(padding),
-            ]
-        )
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=group)
-        rows = [g.tolist() for g in gathered]
-        _check_agreement([r[: len(header)] for r in rows], layout)
-        per_step = len(keeps) // world
-        need: list[list[bool]] = []
-        for row in rows:
-            bits = row[len(header) : len(header) + len(keeps)]
-            need.append([any(bits[t * per_step : (t + 1) * per_step]) for t in range(world)])
-        mine = rows[rank][len(header) :]
+    def of(cls, local: _Local, rows: list[list[int]], group: Any) -> _Ring:
+        """The schedule from every rank's summary (``rows``, in rank order)."""
+        rank, world = _world(group)
+        per_step = len(local.keeps) // world
+        start = 1 + _HEADER
+        need = [
+            [any(row[start + t * per_step : start + (t + 1) * per_step]) for t in range(world)]
+            for row in rows
+        ]
+        mine = rows[rank][start:]
         pairs = [
             [p for i, p in enumerate(step_pairs) if mine[t * per_step + i]]
-            for t, step_pairs in enumerate(pairs)
+            for t, step_pairs in enumerate(local.pairs)
         ]
-        tensors = [query, key, value, *(() if bias is None else bias.parameters())]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        return cls(rank, world, group, bias, call, scale, enable_gqa, needs_grad, need, pairs)
+        return cls(
+            rank, world, group, local.bias, local.call, local.scale, local.enable_gqa,
+            local.needs_grad, need, pairs,
+        )  # fmt: skip
 
     # -- who sends what, the same on every rank ----------------------------------------------
 
@@ -566,7 +624,14 @@ def _local(chunks: list[tuple[int, int]]) -> list[tuple[int, tuple[int, int]]]:
     return found
 
 
-def _check_agreement(headers: list[list[int]], layout: str) -> None:
+def _gather_device(group: Any) -> torch.device:
+    """Where the group's collectives take tensors: the current CUDA device for NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_agreement(headers: list[list[int]]) -> None:
     if all(h == headers[0] for h in headers):
         return
 
