@@ -466,3 +466,56 @@ def test_an_unknown_layout_is_refused_by_name() -> None:
 def test_a_dim_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="dim=4 is out of range"):
         distributed._check_dim(torch.zeros(1, 1, 4, 1), 4)
+
+
+@dataclass(frozen=True, eq=False)
+class _Relative(ModBias):
+    table: Tensor  # (Hq, 9)
+
+    def score_mod(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + self.table[h, (kv_idx - q_idx).clamp(-4, 4) + 4]
+
+
+@pytest.mark.parametrize("kind", ["alibi", "mod"])
+def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str) -> None:
+    """A shard pair's log-sum-exp and its share of a merged output's gradients (the bias's
+    learnable tensors' included) from the Triton kernel (under Triton's interpreter on a CPU)
+    within the oracle's budget: the exact eager path in float64, stock bfloat16's error (the
+    kernels' usual dtype)."""
+    from attnbias.backends.registry import BACKENDS
+    from attnbias.spec import make_spec
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 16, 16, device=device)
+    k, v = (torch.randn(1, 1, 24, 16, device=device) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    param = (torch.rand(2, device=device) / 2) if kind == "alibi" else torch.randn(2, 9)
+    param = param.to(device)
+
+    def run(name: str, dtype: torch.dtype) -> list[Tensor]:
+        tensor = param.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        tensor = tensor.requires_grad_()
+        bias = (
+            causal_lower_right() + AlibiBias(slopes=tensor)
+            if kind == "alibi"
+            else _Relative(tensor) + SlidingWindowBias(5)
+        )
+        # bfloat16 inputs, as the kernel's; its float32 table or slopes stay float32
+        inputs = [t.to(dtype) for t in (q, k, v)]
+        with torch.enable_grad():
+            spec = make_spec(*inputs, bias, False, None, 0.0, True, needs_lse=True)
+        backend = BACKENDS[name]
+        assert backend.not_supported_reasons(spec) == []
+        out, lse = backend.forward_lse(spec)
+        dq, dk, dv, (dparam,) = backend.backward_lse(
+            spec, grad_out.to(dtype), out.to(dtype), lse, [tensor]
+        )
+        assert dparam is not None
+        return [out, lse, dq, dk, dv, dparam]
+
+    got = run("triton", torch.bfloat16)
+    exact = run("reference", torch.float64)
+    low = run("reference", torch.bfloat16)
+    names = ("out", "lse", "dq", "dk", "dv", "dparam")
+    assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
