@@ -449,7 +449,7 @@ class _Ring:
             tensors = held if relay and held is not None else own
             ops += _sends(tensors, receiver, self.group, _KV_TAG)
         if self.need[me][nxt]:
-            incoming = tuple(torch.empty_like(t) for t in own)
+            incoming = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in own)
             ops += _receives(incoming, self.source(me, nxt), self.group, _KV_TAG)
         return ops, incoming
 
