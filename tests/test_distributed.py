@@ -140,6 +140,24 @@ class Case:
     nan_keys: Callable[[int], list[int]] | None = None
 
 
+@dataclass(frozen=True)
+class Strided(AttnBias):
+    """A user's bias that only materializes: every other key, and the query's own."""
+
+    def materialize(
+        self, device: Any = None, *, shape: Any = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        length_q, length_kv = shape[-2], shape[-1]
+        i = torch.arange(length_q, device=device)[:, None]
+        j = torch.arange(length_kv, device=device)[None, :]
+        keep = (j % 2 == 0) | (i == j)
+        zeros = torch.zeros(length_q, length_kv, dtype=dtype or torch.float32, device=device)
+        return zeros.masked_fill(~keep, -math.inf)
+
+    def needs_materialization(self) -> bool:
+        return True
+
+
 def _docs(length: int, count: int, seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, count, (length,), generator=generator).sort().values
@@ -187,6 +205,7 @@ def _cases() -> list[Case]:
             ),
         ),
         Case("mask_mod", lambda L, S, p: PrefixLM(3)),
+        Case("a user's materialized bias", lambda L, S, p: Strided() + causal_upper_left()),
         Case(
             "learnable score_mod + mask_mod + window",
             lambda L, S, p: RelativeTable(p[0]) + PrefixLM(2) + SlidingWindowBias(7),
@@ -519,3 +538,39 @@ def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str
     low = run("reference", torch.bfloat16)
     names = ("out", "lse", "dq", "dk", "dv", "dparam")
     assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+
+
+def test_a_block_of_every_bias_is_its_materialized_form_sliced() -> None:
+    """``AttnBias.sub_block`` of each kind, a sum and a user's materializing bias: exactly the
+    whole call's materialized form at the block's rows and columns."""
+    from attnbias.terms import Block, Call
+
+    batch, heads, length_q, length_kv = 2, 2, 12, 16
+    docs_q = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    docs_kv = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3])
+    biases = [
+        causal_upper_left(),
+        causal_lower_right(),
+        SlidingWindowBias(3, 1),
+        SlidingWindowBias(None, 2),
+        AlibiBias(num_heads=heads),
+        AlibiBias(slopes=torch.rand(batch, heads)),
+        DocumentBias(docs_q, docs_kv),
+        KeyRangeBias([1, 3], [9, 14]),
+        TensorBias(torch.randn(batch, 1, length_q, length_kv)),
+        TensorBias(torch.randn(length_kv)),
+        PrefixLM(5),
+        RelativeTable(torch.randn(heads, 2 * RELATIVE + 1)),
+        Strided(),
+        causal_lower_right() + DocumentBias(docs_q, docs_kv) + AlibiBias(num_heads=heads),
+    ]
+    call = Call(batch, heads, length_q, length_kv)
+    for bias in biases:
+        whole = bias.materialize(shape=(batch, heads, length_q, length_kv))
+        whole = whole.expand(batch, heads, length_q, length_kv)
+        for q_start, kv_start, rows, cols in [(0, 0, 4, 4), (4, 8, 4, 8), (8, 0, 4, 4),
+                                               (3, 5, 6, 7), (0, 0, 12, 16)]:  # fmt: skip
+            block = Block(q_start, kv_start, rows, cols)
+            part = bias.sub_block(call, block).materialize(shape=(batch, heads, rows, cols))
+            expected = whole[..., q_start : q_start + rows, kv_start : kv_start + cols]
+            assert torch.equal(part.expand(batch, heads, rows, cols), expected), (bias, block)
