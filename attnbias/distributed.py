@@ -537,6 +537,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # asked to build a graph of the gradients
+            raise RuntimeError(
+                "attnbias.distributed.sdpa: double backward (create_graph=True) is not "
+                "supported: the ring's gradients are not themselves differentiable"
+            )
         ring: _Ring = ctx.ring
         query, key, value, out, lse, *params = ctx.saved_tensors
         compute = compute_dtype(query.dtype)

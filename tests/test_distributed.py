@@ -356,6 +356,10 @@ def _refusals(rank: int, world: int) -> None:
         distributed.sdpa(mine, mine, mine, layout="contiguous")
     with pytest.raises(ValueError, match="dropout_p=0.5 is not supported"):
         distributed.sdpa(part, part, part, dropout_p=0.5, layout="contiguous")
+    leaf = part.clone().requires_grad_()
+    out = distributed.sdpa(leaf, part, part, attn_mask=causal_upper_left(), layout="contiguous")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), leaf, create_graph=True)
     with pytest.raises(TypeError, match="TensorBias"):
         distributed.sdpa(part, part, part, attn_mask=torch.zeros(3, 3), layout="contiguous")
     # one rank's bias does not fit: that rank says why, the others that it refused
