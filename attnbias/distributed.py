@@ -324,8 +324,8 @@ class _Local:
         keeps: list[bool | Tensor] = []
         for step in range(world):
             step_pairs = []
-            for row_start, (qa, qb) in _local(q_chunks[rank]):
-                for col_start, (ka, kb) in _local(kv_chunks[(rank - step) % world]):
+            for row_start, (qa, qb) in _with_offsets(q_chunks[rank]):
+                for col_start, (ka, kb) in _with_offsets(kv_chunks[(rank - step) % world]):
                     block = Block(qa, ka, qb - qa, kb - ka)
                     step_pairs.append(
                         _Pair(slice(row_start, row_start + qb - qa),
@@ -620,7 +620,7 @@ _KV_TAG = 0
 _GRAD_TAG = 2
 
 
-def _local(chunks: list[tuple[int, int]]) -> list[tuple[int, tuple[int, int]]]:
+def _with_offsets(chunks: list[tuple[int, int]]) -> list[tuple[int, tuple[int, int]]]:
     """Each chunk with its first row in the rank's part."""
     found, start = [], 0
     for a, b in chunks:
