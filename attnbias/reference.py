@@ -11,6 +11,7 @@ masked positions out of the results (:class:`FiniteInputs`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,13 @@ from torch import Tensor
 from attnbias.biases.base import AttnBias, materialize_masked
 from attnbias.materialize import MaskedBias, compute_dtype
 
-__all__ = ["FiniteInputs", "masked_reference_attention", "reference_attention"]
+__all__ = [
+    "FiniteInputs",
+    "attention_with_lse",
+    "attention_with_lse_backward",
+    "masked_reference_attention",
+    "reference_attention",
+]
 
 
 def _zero_nonfinite(tensor: Tensor) -> Tensor:
@@ -163,23 +170,9 @@ def masked_reference_attention(
     enable_gqa: bool,
 ) -> Tensor:
     """:func:`reference_attention` for a bias already materialized as ``masked``."""
-    head_dim = query.shape[-1]
-    compute = compute_dtype(query.dtype)
     inputs = FiniteInputs.of(query, key, value)
-    q, k, v = inputs.query.to(compute), inputs.key.to(compute), inputs.value.to(compute)
-    heads_q, heads_kv = q.shape[1], k.shape[1]
-    if enable_gqa and heads_kv not in (0, heads_q):
-        k = k.repeat_interleave(heads_q // heads_kv, dim=1)
-        v = v.repeat_interleave(heads_q // heads_kv, dim=1)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, Hq, L, S)
-    if cap is not None:
-        scores = cap * torch.tanh(scores / cap)
-    if masked.additive is not None:
-        scores = scores + masked.additive
-    for score_fn in masked.score_fns:
-        scores = score_fn(scores)
+    q, k, v = _computed(inputs, enable_gqa)
+    scores = _scores(q, k, masked, cap, _scale(query, scale))
     if masked.keep is not None:
         scores = scores.masked_fill(~masked.keep, -math.inf)
 
@@ -197,3 +190,127 @@ def masked_reference_attention(
         weights = torch.nn.functional.dropout(weights, p=dropout_p)
     out = inputs.poison(weights @ v, masked.keep)
     return out.to(query.dtype)
+
+
+def _scale(query: Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def _computed(inputs: FiniteInputs, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The finite query, key and value in the compute dtype, the key/value heads repeated
+    for the query heads (GQA)."""
+    compute = compute_dtype(inputs.query.dtype)
+    q, k, v = inputs.query.to(compute), inputs.key.to(compute), inputs.value.to(compute)
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if enable_gqa and heads_kv not in (0, heads_q):
+        k = k.repeat_interleave(heads_q // heads_kv, dim=1)
+        v = v.repeat_interleave(heads_q // heads_kv, dim=1)
+    return q, k, v
+
+
+def _scores(q: Tensor, k: Tensor, masked: MaskedBias, cap: float | None, scale: float) -> Tensor:
+    """``(B, Hq, L, S)`` scores in the semantics' order (scale, soft-cap, additive terms,
+    score functions), not masked."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    if masked.additive is not None:
+        scores = scores + masked.additive
+    for score_fn in masked.score_fns:
+        scores = score_fn(scores)
+    return scores
+
+
+def _kept_scores(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias | None,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor, MaskedBias, FiniteInputs]:
+    """The scores with masked pairs ``-inf``, the value (heads repeated), the materialized
+    bias and the finite inputs, all differentiable (tensors that require grad)."""
+    batch, heads_q, length_q, _ = query.shape
+    shape = (batch, heads_q, length_q, key.shape[-2])
+    masked = materialize_masked(bias, query.device, shape, query.dtype)
+    inputs = FiniteInputs.of(query, key, value)
+    q, k, v = _computed(inputs, enable_gqa)
+    scores = _scores(q, k, masked, masked.cap, _scale(query, scale))
+    if masked.keep is not None:
+        scores = torch.where(masked.keep, scores, -math.inf)
+    return scores, v, masked, inputs
+
+
+def _finite_or_zero(lse: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype))
+
+
+def attention_with_lse(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias | None,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """Eager attention and its log-sum-exp, for merging with other keys' (no autograd: the
+    gradients come from :func:`attention_with_lse_backward`).
+
+    Shapes: ``query`` ``(B, Hq, L, E)``, ``key`` ``(B, Hkv, S, E)``, ``value`` ``(B, Hkv, S,
+    Ev)``. Returns ``out`` ``(B, Hq, L, Ev)`` and ``lse`` ``(B, Hq, L)`` (natural log), both in
+    :func:`~attnbias.materialize.compute_dtype` of the inputs: a row that keeps no key has
+    ``out = 0`` and ``lse = -inf``; a row that attends a non-finite key or value (or whose own
+    query is not finite and keeps a key) has both NaN; a non-finite entry it does not attend
+    reaches nothing.
+    """
+    with torch.no_grad():
+        scores, v, masked, inputs = _kept_scores(query, key, value, bias, scale, enable_gqa)
+        lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is kept
+        out = torch.exp(scores - _finite_or_zero(lse)[..., None]) @ v
+        poisoned = inputs.poisoned_rows(masked.keep)
+        out = out.masked_fill(poisoned[..., None], math.nan)
+        return out, lse.masked_fill(poisoned, math.nan)
+
+
+def attention_with_lse_backward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias | None,
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    wrt: Sequence[Tensor] = (),
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """The gradients of this call's keys' share of a merged attention output (flash-style).
+
+    ``out`` ``(B, Hq, L, Ev)`` and ``lse`` ``(B, Hq, L)`` are the output and log-sum-exp of the
+    whole attention these keys are part of (other keys' shares merged in), ``grad_out`` the
+    gradient of that output. With ``P = exp(s - lse)`` over this call's pairs, ``dV = P^T dO``
+    and ``dS = P * (dO V^T - rowsum(dO * out))``, carried by autograd through the scores to
+    the query, the key and ``wrt`` (tensors the bias's scores are computed from: ALiBi slopes,
+    a tensor bias, a ModBias table; ``None`` for one they do not reach). Returns ``(dq, dk,
+    dv, [d wrt])``, ``dq, dk, dv`` in the inputs' dtypes.
+    """
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+        scores, v_rep, _, _ = _kept_scores(q, k, v, bias, scale, enable_gqa)
+        compute = scores.dtype
+        weights = torch.exp(scores - _finite_or_zero(lse.to(compute))[..., None])
+        grad = grad_out.to(compute)
+        delta = (grad * out.to(compute)).sum(-1)  # (B, Hq, L)
+        # d/dP of this surrogate is dO V^T - delta, and d/dV is P^T dO
+        surrogate = (grad * (weights @ v_rep)).sum() - (delta * weights.sum(-1)).sum()
+        wanted = [q, k, v, *(t for t in wrt if t.requires_grad)]
+        grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
+    dq, dk, dv = (
+        torch.zeros_like(t) if g is None else g.to(t.dtype)
+        for t, g in zip((query, key, value), grads[:3], strict=True)
+    )
+    found = iter(grads[3:])
+    return dq, dk, dv, [next(found) if t.requires_grad else None for t in wrt]

@@ -96,6 +96,9 @@ class Spec:
     form: str = "bias"
     mask: Tensor | None = None  # the attn_mask of a "tensor" call
     is_causal: bool = False  # the flag as passed (folded into ``bias`` for bias objects)
+    # a shard pair of context parallelism: the backend must give the log-sum-exp
+    # (``Backend.returns_lse``)
+    needs_lse: bool = False
 
     @property
     def program(self) -> MaskProgram:
@@ -150,11 +153,13 @@ def make_spec(
     enable_gqa: bool,
     *,
     form: str = "bias",
+    needs_lse: bool = False,
 ) -> Spec:
     """Lower a validated call once; everything the planner and the backends need.
 
     ``form`` is the call's form (:func:`call_form`, which the dispatcher passes); a spec made
-    without it is a bias call, planned by its terms' kind."""
+    without it is a bias call, planned by its terms' kind. ``needs_lse``: only backends that
+    give the log-sum-exp may run it (context parallelism's shard pairs)."""
     mask = attn_mask if isinstance(attn_mask, Tensor) else None
     bias = None if isinstance(attn_mask, Tensor) else attn_mask
     if form in ("bias", "materialize"):
@@ -182,6 +187,7 @@ def make_spec(
         form=form,
         mask=mask,
         is_causal=causal,
+        needs_lse=needs_lse,
     )
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from attnbias.kernels.program import MaskProgram
 
-__all__ = ["Call", "Terms"]
+__all__ = ["Block", "Call", "Terms"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,27 @@ class Call:
     def batch_size(self) -> int:
         """``B``, or 1 when lowered without a batch size."""
         return 1 if self.batch is None else self.batch
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block of a call's ``(L, S)`` scores: the queries ``[q_start, q_start + length_q)``
+    and the keys ``[kv_start, kv_start + length_kv)``.
+
+    :meth:`attnbias.AttnBias.sub_block` gives the bias of such a block as a bias of its own,
+    for a call of ``(length_q, length_kv)`` (context parallelism runs each shard pair so)."""
+
+    q_start: int
+    kv_start: int
+    length_q: int
+    length_kv: int
+
+    @property
+    def offset(self) -> int:
+        """What a diagonal ``j - i`` of the whole call is minus the same pair's ``j - i`` in
+        the block: a band ``lo <= j - i <= hi`` of the call is ``lo - offset <= j - i <= hi -
+        offset`` in the block."""
+        return self.kv_start - self.q_start
 
 
 def _dense_ranks(query_ids: Tensor, key_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -193,6 +214,29 @@ class Terms:
     @property
     def has_key_range(self) -> bool:
         return self.kv_start is not None
+
+    def may_keep(self, length_q: int, length_kv: int) -> bool | Tensor:
+        """Whether a call of ``(L, S)`` with these terms may keep a pair: ``False`` when the
+        band, the key ranges or the documents alone keep none (nothing runs then), a 0-d bool
+        tensor where that depends on tensors (key ranges, document ids; read on the device,
+        without a host synchronisation), and ``True`` where only running the call can tell
+        (generated masks, materialized parts)."""
+        if length_q == 0 or length_kv == 0:
+            return False
+        lo = -(length_q - 1) if self.band_lo is None else max(self.band_lo, -(length_q - 1))
+        hi = length_kv - 1 if self.band_hi is None else min(self.band_hi, length_kv - 1)
+        if lo > hi:
+            return False
+        found: Tensor | None = None
+        if self.kv_start is not None and self.kv_end is not None:
+            found = (self.kv_end.clamp(max=length_kv) > self.kv_start).any()
+        if self.q_doc is not None and self.kv_doc is not None:
+            # non-decreasing ids: the rows' id ranges overlap
+            overlap = (self.q_doc[..., 0] <= self.kv_doc[..., -1]) & (
+                self.kv_doc[..., 0] <= self.q_doc[..., -1]
+            )
+            found = overlap.any() if found is None else found & overlap.any()
+        return True if found is None else found
 
     @property
     def _band_only(self) -> bool:

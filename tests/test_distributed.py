@@ -4,20 +4,44 @@ Each test with ranks spawns ``W`` CPU processes joined by the gloo backend on 12
 every check of that ``W`` in them, and fails if they take longer than ``TIMEOUT_S``. The
 expected values are built here from the layouts' definitions (rank ``r`` holds chunk ``r`` of
 ``W``, or chunks ``r`` and ``2W - 1 - r`` of ``2W``), not by the functions under test.
+
+Attention over a sharded sequence (``distributed.sdpa``) is checked, for every bias kind, sums
+and ``ModBias`` parts, against single-process ``attnbias.sdpa`` in float64 (output and every
+gradient, the bias's tensors' included) and against the fp64 oracle (``tests/oracle.py``) in
+float32 and bfloat16 with the oracle's error budget.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from oracle import assert_close_to_oracle, attention
+from torch import Tensor
 
-from attnbias import distributed
+import attnbias
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    KeyRangeBias,
+    ModBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    TensorBias,
+    causal_lower_right,
+    causal_upper_left,
+    distributed,
+)
 
 TIMEOUT_S = 120
 
@@ -76,6 +100,349 @@ def _worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+# -- attention over a sharded sequence ---------------------------------------------------------
+
+BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 4, 2, 8
+RELATIVE = 6  # the relative-position table's reach
+
+
+@dataclass(frozen=True)
+class PrefixLM(ModBias):
+    prefix: int
+
+    def mask_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeTable(ModBias):
+    """A learnable per-head table of clipped relative positions (T5-like)."""
+
+    table: Tensor  # (Hq, 2 * RELATIVE + 1)
+
+    def score_mod(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + self.table[h, (kv_idx - q_idx).clamp(-RELATIVE, RELATIVE) + RELATIVE]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A call over the whole sequence: its bias from ``(L, S, parameters)``, the learnable
+    parameters' shapes, the query and key lengths per rank (per chunk of 2W), flags."""
+
+    name: str
+    make: Callable[[int, int, list[Tensor]], AttnBias | None]
+    params: tuple[tuple[int, ...], ...] = ()
+    chunk_q: int = 4
+    chunk_kv: int = 4
+    is_causal: bool = False
+    gqa: bool = True
+    # key/value positions set to NaN, all masked for every row: they must reach nothing
+    nan_keys: Callable[[int], list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Strided(AttnBias):
+    """A user's bias that only materializes: every other key, and the query's own."""
+
+    def materialize(
+        self, device: Any = None, *, shape: Any = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        length_q, length_kv = shape[-2], shape[-1]
+        i = torch.arange(length_q, device=device)[:, None]
+        j = torch.arange(length_kv, device=device)[None, :]
+        keep = (j % 2 == 0) | (i == j)
+        zeros = torch.zeros(length_q, length_kv, dtype=dtype or torch.float32, device=device)
+        return zeros.masked_fill(~keep, -math.inf)
+
+    def needs_materialization(self) -> bool:
+        return True
+
+
+def _docs(length: int, count: int, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, count, (length,), generator=generator).sort().values
+
+
+def _cases() -> list[Case]:
+    return [
+        Case("none", lambda L, S, p: None, gqa=False),
+        Case("is_causal", lambda L, S, p: None, is_causal=True),
+        Case("causal upper-left", lambda L, S, p: causal_upper_left()),
+        # L = 2S: the first L - S rows of lower-right causal keep nothing anywhere
+        Case("causal lower-right, L = 2S", lambda L, S, p: causal_lower_right(), chunk_kv=2),
+        Case("window", lambda L, S, p: SlidingWindowBias(3, 1)),
+        Case("alibi + causal", lambda L, S, p: AlibiBias(num_heads=HEADS_Q) + causal_upper_left()),
+        # positive slopes, as ALiBi's are
+        Case(
+            "learnable alibi",
+            lambda L, S, p: AlibiBias(slopes=p[0].abs()),
+            ((BATCH, HEADS_Q),),
+        ),
+        Case(
+            "documents",
+            lambda L, S, p: DocumentBias(_docs(L, 3, 1)) + causal_lower_right(),
+        ),
+        # batch row 1 keeps no key: its rows give 0; keys outside the ranges are NaN
+        Case(
+            "key ranges",
+            lambda L, S, p: KeyRangeBias([1, 3], [S - 2, 3]),
+            nan_keys=lambda S: [0, S - 2, S - 1],
+        ),
+        Case("soft-cap", lambda L, S, p: SoftcapBias(1.5) + SlidingWindowBias(5)),
+        Case(
+            "tensor bias",
+            lambda L, S, p: TensorBias(p[0]) + causal_upper_left(),
+            ((BATCH, 1, None, None),),  # type: ignore[arg-type]
+        ),
+        Case(
+            "sum",
+            lambda L, S, p: (
+                causal_lower_right()
+                + SlidingWindowBias(6)
+                + DocumentBias(_docs(L, 2, 2))
+                + AlibiBias(num_heads=HEADS_Q)
+                + SoftcapBias(2.0)
+            ),
+        ),
+        Case("mask_mod", lambda L, S, p: PrefixLM(3)),
+        Case("a user's materialized bias", lambda L, S, p: Strided() + causal_upper_left()),
+        Case(
+            "learnable score_mod + mask_mod + window",
+            lambda L, S, p: RelativeTable(p[0]) + PrefixLM(2) + SlidingWindowBias(7),
+            ((HEADS_Q, 2 * RELATIVE + 1),),
+        ),
+    ]
+
+
+def _parameters(case: Case, length_q: int, length_kv: int, dtype: torch.dtype) -> list[Tensor]:
+    shapes = [
+        tuple(length_q if n is None and i == 2 else length_kv if n is None else n
+              for i, n in enumerate(shape))
+        for shape in case.params
+    ]  # fmt: skip
+    return [(torch.randn(shape, dtype=dtype) / 2).requires_grad_() for shape in shapes]
+
+
+def _inputs(
+    case: Case, world: int, dtype: torch.dtype
+) -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """``([q, k, v], grad_out, parameters)`` of the whole call, the same on every rank."""
+    torch.manual_seed(0)
+    length_q, length_kv = case.chunk_q * 2 * world, case.chunk_kv * 2 * world
+    heads_kv = HEADS_KV if case.gqa else HEADS_Q
+    q = torch.randn(BATCH, HEADS_Q, length_q, HEAD_DIM, dtype=dtype)
+    k = torch.randn(BATCH, heads_kv, length_kv, HEAD_DIM, dtype=dtype)
+    v = torch.randn(BATCH, heads_kv, length_kv, HEAD_DIM, dtype=dtype)
+    if case.nan_keys is not None:
+        for j in case.nan_keys(length_kv):
+            k[0, :, j] = math.nan
+            v[0, :, j] = math.nan
+        k[1, :, 0] = math.nan  # batch row 1 keeps no key at all
+    grad_out = torch.randn(BATCH, HEADS_Q, length_q, HEAD_DIM, dtype=dtype)
+    return [q, k, v], grad_out, _parameters(case, length_q, length_kv, dtype)
+
+
+def _whole(
+    case: Case, inputs: list[Tensor], grad_out: Tensor, params: list[Tensor], fn: Any
+) -> list[Tensor]:
+    """``[out, dq, dk, dv, dparams...]`` of a call on the whole sequence."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    params = [p.detach().clone().requires_grad_() for p in params]
+    length_q, length_kv = inputs[0].shape[2], inputs[1].shape[2]
+    bias = case.make(length_q, length_kv, params)
+    out = fn(*leaves, bias)
+    grads = torch.autograd.grad(out, leaves + params, grad_out.to(out.dtype))
+    return [out.detach(), *(g.detach() for g in grads)]
+
+
+def _sharded(
+    case: Case, inputs: list[Tensor], grad_out: Tensor, params: list[Tensor], layout: str
+) -> list[Tensor]:
+    """The same from ``distributed.sdpa`` on this rank's parts, gathered whole; the bias's
+    parameters' gradients summed over the ranks (each rank's holds its own queries' part)."""
+    parts = [distributed.shard(t, layout=layout).requires_grad_() for t in inputs]
+    params = [p.detach().clone().requires_grad_() for p in params]
+    length_q, length_kv = inputs[0].shape[2], inputs[1].shape[2]
+    bias = case.make(length_q, length_kv, params)
+    out = distributed.sdpa(
+        *parts, attn_mask=bias, is_causal=case.is_causal, enable_gqa=case.gqa, layout=layout
+    )
+    grads = torch.autograd.grad(out, parts + params, distributed.shard(grad_out, layout=layout))
+    results = [distributed.unshard(t.detach(), layout=layout) for t in (out, *grads[:3])]
+    for grad in grads[3:]:
+        grad = grad.detach().clone()
+        dist.all_reduce(grad)
+        results.append(grad)
+    return results
+
+
+def _names(case: Case) -> tuple[str, ...]:
+    return ("out", "dq", "dk", "dv", *(f"dparam{n}" for n in range(len(case.params))))
+
+
+def _check_case(case: Case, world: int, layout: str) -> None:
+    where = f"{case.name}, W={world}, {layout}"
+
+    def single(q: Tensor, k: Tensor, v: Tensor, bias: AttnBias | None) -> Tensor:
+        return attnbias.sdpa(q, k, v, attn_mask=bias, is_causal=case.is_causal,
+                             enable_gqa=case.gqa)  # fmt: skip
+
+    def oracle_in(dtype: torch.dtype) -> Any:
+        def run(q: Tensor, k: Tensor, v: Tensor, bias: AttnBias | None) -> Tensor:
+            return attention(q, k, v, bias, is_causal=case.is_causal, enable_gqa=case.gqa,
+                             dtype=dtype)  # fmt: skip
+
+        return run
+
+    # float64: the sharded call computes what the single-process call does
+    inputs, grad_out, params = _inputs(case, world, torch.float64)
+    got = _sharded(case, inputs, grad_out, params, layout)
+    expected = _whole(case, inputs, grad_out, params, single)
+    for name, result, wanted in zip(_names(case), got, expected, strict=True):
+        assert torch.isfinite(result).all(), f"{where}: {name} is not finite"
+        # ALiBi slopes become float32 on every route: their gradient is rounded to float32
+        # there, once per rank here
+        tolerance = 1e-6 * max(1.0, wanted.abs().max().item()) if "param" in name else 1e-11
+        error = (result - wanted).abs().max().item()
+        assert error <= tolerance, f"{where}: {name} differs by {error:.3g}"
+    # float32: within the oracle's budget (twice stock float32's error, plus a floor)
+    inputs, grad_out, params = _inputs(case, world, torch.float32)
+    got = _sharded(case, inputs, grad_out, params, layout)
+    wide = [t.double() for t in inputs]
+    exact = _whole(
+        case, wide, grad_out.double(), [p.double() for p in params], oracle_in(torch.float64)
+    )
+    low = _whole(case, inputs, grad_out, params, oracle_in(torch.float32))
+    if case.nan_keys is not None:  # the oracle lets masked NaN keys reach every row
+        exact = _whole(case, wide, grad_out.double(), [], single)
+        low = _whole(case, inputs, grad_out, params, single)
+    assert_close_to_oracle(got, exact, low, torch.float32, _names(case))
+
+
+def _empty_rows(rank: int, world: int) -> None:
+    """Rows that keep no key anywhere: output 0, gradients 0, all finite."""
+    for layout in distributed.LAYOUTS:
+        case = _cases()[8]  # key ranges: batch row 1 keeps nothing
+        inputs, grad_out, params = _inputs(case, world, torch.float32)
+        got = _sharded(case, inputs, grad_out, params, layout)
+        out, dq = got[0], got[1]
+        assert torch.equal(out[1], torch.zeros_like(out[1])), layout
+        assert torch.equal(dq[1], torch.zeros_like(dq[1])), layout
+        assert all(torch.isfinite(g).all() for g in got), layout
+
+
+def _half_precision(rank: int, world: int) -> None:
+    """bfloat16 and GQA within the oracle's budget."""
+    case = _cases()[11]  # the sum
+    inputs, grad_out, params = _inputs(case, world, torch.bfloat16)
+    for layout in distributed.LAYOUTS:
+        got = _sharded(case, inputs, grad_out, params, layout)
+        exact = _whole(case, [t.double() for t in inputs], grad_out.double(), params,
+                       lambda q, k, v, b: attention(q, k, v, b, enable_gqa=True))  # fmt: skip
+        low = _whole(case, inputs, grad_out, params,
+                     lambda q, k, v, b: attention(q, k, v, b, enable_gqa=True,
+                                                  dtype=torch.bfloat16))  # fmt: skip
+        assert all(t.dtype == torch.bfloat16 for t in got)
+        assert_close_to_oracle(got, exact, low, torch.bfloat16, _names(case))
+
+
+def _refusals(rank: int, world: int) -> None:
+    """Errors every rank raises alike, after which the group still works."""
+    part = torch.zeros(1, 1, 3, 4)
+    with pytest.raises(ValueError, match=f"length {3 * world}.*'zigzag'.*{world} ranks"):
+        distributed.sdpa(part, part, part)
+    mine = torch.zeros(1, 1, 4 if rank == 0 else 6, 4)
+    with pytest.raises(ValueError, match="do not match \\(rank 0: query \\(1, 1, 4, 4\\)"):
+        distributed.sdpa(mine, mine, mine, layout="contiguous")
+    with pytest.raises(ValueError, match="dropout_p=0.5 is not supported"):
+        distributed.sdpa(part, part, part, dropout_p=0.5, layout="contiguous")
+    leaf = part.clone().requires_grad_()
+    out = distributed.sdpa(leaf, part, part, attn_mask=causal_upper_left(), layout="contiguous")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), leaf, create_graph=True)
+    with pytest.raises(TypeError, match="TensorBias"):
+        distributed.sdpa(part, part, part, attn_mask=torch.zeros(3, 3), layout="contiguous")
+    # one rank's bias does not fit: that rank says why, the others that it refused
+    bias = DocumentBias(torch.zeros(3 * world if rank else 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="DocumentBias q_doc_ids has length 5|rank\\(s\\) \\[0\\]"):
+        distributed.sdpa(part, part, part, attn_mask=bias, layout="contiguous")
+    part = torch.ones(1, 1, 2, 4)
+    out = distributed.sdpa(part, part, part, layout="contiguous")
+    assert torch.allclose(out, part)
+
+
+def _transfers(rank: int, world: int) -> None:
+    """A part goes only where some pair keeps it. Under contiguous causal, rank ``r`` attends
+    the parts of ranks ``0 .. r - 1``, each passed on by rank ``r - 1``, which attended it the
+    step before; in the backward the parts go round again, rank ``r`` takes over the gradients
+    accumulated by rank ``r - 1`` (for the parts ``0 .. r - 2``) and, below ``W - 1``, its own
+    part's come home once, from rank ``W - 1``. With one document per rank nothing moves."""
+    received: list[int] = []
+    original = distributed._receives
+
+    def counting(tensors: Any, peer: int, group: Any, tag: int) -> Any:
+        received.append(peer)
+        return original(tensors, peer, group, tag)
+
+    distributed._receives = counting  # type: ignore[assignment]
+    try:
+        q = torch.randn(1, 2, 4, 8, requires_grad=True)
+        out = distributed.sdpa(q, q, q, attn_mask=causal_upper_left(), layout="contiguous")
+        assert received == [rank - 1] * rank, received
+        received.clear()
+        out.sum().backward()
+        home = [world - 1] if rank < world - 1 else []
+        assert sorted(received) == sorted([rank - 1] * (rank + max(rank - 1, 0)) + home), received
+        received.clear()
+        docs = DocumentBias(torch.arange(world).repeat_interleave(4))
+        distributed.sdpa(q, q, q, attn_mask=docs, layout="contiguous").sum().backward()
+        assert received == [], received
+    finally:
+        distributed._receives = original  # type: ignore[assignment]
+
+
+def _compiled(rank: int, world: int) -> None:
+    """A compiled block runs the call eagerly with a graph break around it."""
+    bias = causal_lower_right() + SlidingWindowBias(3)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+
+    def block(q: Tensor) -> Tensor:
+        return distributed.sdpa(q * 2, q, q, attn_mask=bias).relu() + 1
+
+    def whole_graph(q: Tensor) -> Tensor:
+        return distributed.sdpa(q, q, q, attn_mask=bias)
+
+    compiled = torch.compile(block, backend="eager")
+    torch.testing.assert_close(compiled(q), block(q))
+    with pytest.raises(Exception, match="does not trace"):
+        torch.compile(whole_graph, backend="eager", fullgraph=True)(q)
+
+
+def _attention_checks(rank: int, world: int) -> None:
+    for layout in distributed.LAYOUTS:
+        for case in _cases():
+            _check_case(case, world, layout)
+    _empty_rows(rank, world)
+    _half_precision(rank, world)
+    _refusals(rank, world)
+    _transfers(rank, world)
+    if world == 2:
+        _compiled(rank, world)
+
+
+def _attention_worker(rank: int, world: int, port: int) -> None:
+    # the exact eager path runs every shard pair (the Triton interpreter would take minutes)
+    os.environ.pop("TRITON_INTERPRET", None)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        _attention_checks(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,6 +467,14 @@ def test_shard_and_unshard_over_gloo(world: int) -> None:
     spawn(_worker, world)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_attention_over_a_sharded_sequence(world: int) -> None:
+    """Every bias kind, sums, ModBias (a learnable table), GQA, both layouts: output and
+    every gradient against single-process sdpa and the oracle; empty rows, masked NaN keys,
+    bfloat16, refusals, skipped transfers, torch.compile."""
+    spawn(_attention_worker, world)
+
+
 def test_without_a_process_group_the_error_says_how_to_start_one() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -114,3 +489,92 @@ def test_an_unknown_layout_is_refused_by_name() -> None:
 def test_a_dim_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="dim=4 is out of range"):
         distributed._check_dim(torch.zeros(1, 1, 4, 1), 4)
+
+
+@dataclass(frozen=True, eq=False)
+class _Relative(ModBias):
+    table: Tensor  # (Hq, 9)
+
+    def score_mod(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + self.table[h, (kv_idx - q_idx).clamp(-4, 4) + 4]
+
+
+@pytest.mark.parametrize("kind", ["alibi", "mod"])
+def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str) -> None:
+    """A shard pair's log-sum-exp and its share of a merged output's gradients (the bias's
+    learnable tensors' included) from the Triton kernel (under Triton's interpreter on a CPU)
+    within the oracle's budget: the exact eager path in float64, stock bfloat16's error (the
+    kernels' usual dtype)."""
+    from attnbias.backends.registry import BACKENDS
+    from attnbias.spec import make_spec
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 16, 16, device=device)
+    k, v = (torch.randn(1, 1, 24, 16, device=device) for _ in range(2))
+    grad_out = torch.randn_like(q)
+    param = (torch.rand(2, device=device) / 2) if kind == "alibi" else torch.randn(2, 9)
+    param = param.to(device)
+
+    def run(name: str, dtype: torch.dtype) -> list[Tensor]:
+        tensor = param.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        tensor = tensor.requires_grad_()
+        bias = (
+            causal_lower_right() + AlibiBias(slopes=tensor)
+            if kind == "alibi"
+            else _Relative(tensor) + SlidingWindowBias(5)
+        )
+        # bfloat16 inputs, as the kernel's; its float32 table or slopes stay float32
+        inputs = [t.to(dtype) for t in (q, k, v)]
+        with torch.enable_grad():
+            spec = make_spec(*inputs, bias, False, None, 0.0, True, needs_lse=True)
+        backend = BACKENDS[name]
+        assert backend.not_supported_reasons(spec) == []
+        out, lse = backend.forward_lse(spec)
+        dq, dk, dv, (dparam,) = backend.backward_lse(
+            spec, grad_out.to(dtype), out.to(dtype), lse, [tensor]
+        )
+        assert dparam is not None
+        return [out, lse, dq, dk, dv, dparam]
+
+    got = run("triton", torch.bfloat16)
+    exact = run("reference", torch.float64)
+    low = run("reference", torch.bfloat16)
+    names = ("out", "lse", "dq", "dk", "dv", "dparam")
+    assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+
+
+def test_a_block_of_every_bias_is_its_materialized_form_sliced() -> None:
+    """``AttnBias.sub_block`` of each kind, a sum and a user's materializing bias: exactly the
+    whole call's materialized form at the block's rows and columns."""
+    from attnbias.terms import Block, Call
+
+    batch, heads, length_q, length_kv = 2, 2, 12, 16
+    docs_q = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    docs_kv = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3])
+    biases = [
+        causal_upper_left(),
+        causal_lower_right(),
+        SlidingWindowBias(3, 1),
+        SlidingWindowBias(None, 2),
+        AlibiBias(num_heads=heads),
+        AlibiBias(slopes=torch.rand(batch, heads)),
+        DocumentBias(docs_q, docs_kv),
+        KeyRangeBias([1, 3], [9, 14]),
+        TensorBias(torch.randn(batch, 1, length_q, length_kv)),
+        TensorBias(torch.randn(length_kv)),
+        PrefixLM(5),
+        RelativeTable(torch.randn(heads, 2 * RELATIVE + 1)),
+        Strided(),
+        causal_lower_right() + DocumentBias(docs_q, docs_kv) + AlibiBias(num_heads=heads),
+    ]
+    call = Call(batch, heads, length_q, length_kv)
+    for bias in biases:
+        whole = bias.materialize(shape=(batch, heads, length_q, length_kv))
+        whole = whole.expand(batch, heads, length_q, length_kv)
+        for q_start, kv_start, rows, cols in [(0, 0, 4, 4), (4, 8, 4, 8), (8, 0, 4, 4),
+                                               (3, 5, 6, 7), (0, 0, 12, 16)]:  # fmt: skip
+            block = Block(q_start, kv_start, rows, cols)
+            part = bias.sub_block(call, block).materialize(shape=(batch, heads, rows, cols))
+            expected = whole[..., q_start : q_start + rows, kv_start : kv_start + cols]
+            assert torch.equal(part.expand(batch, heads, rows, cols), expected), (bias, block)

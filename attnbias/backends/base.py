@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -13,10 +13,12 @@ from torch import Tensor
 
 from attnbias.spec import Spec
 
-__all__ = ["Backend", "Prepared", "refuse_double_backward"]
+__all__ = ["Backend", "LseGrads", "Prepared", "refuse_double_backward"]
 
 # A backend's run for one call identity: takes the call's query, key and value.
 Prepared = Callable[[Tensor, Tensor, Tensor], Tensor]
+# (dq, dk, dv, [gradient of each tensor asked for, None where it has none])
+LseGrads = tuple[Tensor, Tensor, Tensor, list[Tensor | None]]
 
 
 def _refuse_graph(route: str, grad: Tensor) -> None:
@@ -57,6 +59,10 @@ class Backend(ABC):
     #: terms (the backends the priority lists choose among), others for the one route of a
     #: form (``attnbias.planner.FORM_ROUTES``).
     forms: ClassVar[frozenset[str]] = frozenset({"bias"})
+    #: Whether it gives its rows' log-sum-exp (:meth:`forward_lse`) and the gradients of a
+    #: share of a merged output (:meth:`backward_lse`): what context parallelism runs its
+    #: shard pairs on (``spec.needs_lse``).
+    returns_lse: ClassVar[bool] = False
 
     def not_supported_reasons(self, spec: Spec) -> list[str]:
         """Every reason this backend cannot run ``spec`` (empty: it can)."""
@@ -64,6 +70,11 @@ class Backend(ABC):
         if spec.dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             reasons.append(f"dtype {spec.dtype} is not one of {self.name}'s ({names})")
+        if spec.needs_lse and not self.returns_lse:
+            reasons.append(
+                f"{self.name} does not give the log-sum-exp that context parallelism merges "
+                f"partial outputs by"
+            )
         return reasons + self.reasons(spec)
 
     @abstractmethod
@@ -73,6 +84,24 @@ class Backend(ABC):
     @abstractmethod
     def run(self, spec: Spec) -> Tensor:
         """``(B, Hq, L, Ev)`` attention for ``spec``."""
+
+    def forward_lse(self, spec: Spec) -> tuple[Tensor, Tensor]:
+        """``(out, lse)``: ``(B, Hq, L, Ev)`` attention (in the inputs' dtype or wider) and
+        ``(B, Hq, L)`` float32-or-wider natural log-sum-exp of each row's kept scores (``-inf``
+        for a row that keeps nothing, whose ``out`` is 0). Records no autograd graph: the
+        gradients come from :meth:`backward_lse`. Only where :attr:`returns_lse`."""
+        raise NotImplementedError(f"{self.name} does not give the log-sum-exp")
+
+    def backward_lse(
+        self, spec: Spec, grad_out: Tensor, out: Tensor, lse: Tensor, wrt: Sequence[Tensor]
+    ) -> LseGrads:
+        """The gradients of the share of ``spec``'s keys in a merged attention output:
+        ``out`` ``(B, Hq, L, Ev)`` and ``lse`` ``(B, Hq, L)`` are the whole attention's output
+        and log-sum-exp (this call's partial result merged with others'), ``grad_out`` the
+        gradient of that output. Returns ``(dq, dk, dv)`` of this call's tensors and the
+        gradients of ``wrt``, tensors the bias's terms are computed from (the spec is made
+        with grad enabled, so that they are reached). Only where :attr:`returns_lse`."""
+        raise NotImplementedError(f"{self.name} does not give the log-sum-exp")
 
     def prepare(self, spec: Spec) -> Prepared:
         """:meth:`run` for calls identical to ``spec`` but for their tensors: the returned

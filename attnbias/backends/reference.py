@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend
-from attnbias.reference import reference_attention
+from attnbias.backends.base import Backend, LseGrads
+from attnbias.reference import (
+    attention_with_lse,
+    attention_with_lse_backward,
+    reference_attention,
+)
 from attnbias.spec import Spec
 
 __all__ = ["Reference"]
@@ -17,6 +23,7 @@ class Reference(Backend):
 
     name = "reference"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    returns_lse = True
 
     def reasons(self, spec: Spec) -> list[str]:
         return []
@@ -33,4 +40,30 @@ class Reference(Backend):
             scale=spec.scale,
             dropout_p=spec.dropout_p,
             enable_gqa=spec.enable_gqa,
+        )
+
+    def forward_lse(self, spec: Spec) -> tuple[Tensor, Tensor]:
+        return attention_with_lse(
+            spec.query,
+            spec.key,
+            spec.value,
+            spec.bias,
+            scale=spec.scale,
+            enable_gqa=spec.enable_gqa,
+        )
+
+    def backward_lse(
+        self, spec: Spec, grad_out: Tensor, out: Tensor, lse: Tensor, wrt: Sequence[Tensor]
+    ) -> LseGrads:
+        return attention_with_lse_backward(
+            spec.query,
+            spec.key,
+            spec.value,
+            spec.bias,
+            grad_out,
+            out,
+            lse,
+            scale=spec.scale,
+            enable_gqa=spec.enable_gqa,
+            wrt=wrt,
         )

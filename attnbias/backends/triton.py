@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend, Prepared
+from attnbias.backends.base import Backend, LseGrads, Prepared
 from attnbias.kernels.limits import DTYPES, MAX_ALIBI_LENGTH, MAX_HEAD_DIM
 from attnbias.kernels.limits import interpreting as _interpreting  # tests replace it
 from attnbias.spec import Spec
@@ -82,6 +84,7 @@ class TritonKernel(Backend):
 
     name = "triton"
     dtypes = DTYPES
+    returns_lse = True
 
     def reasons(self, spec: Spec) -> list[str]:
         reasons = kernel_reasons(spec, "the Triton kernel")
@@ -127,6 +130,52 @@ class TritonKernel(Backend):
         return block_sparse_attention(
             spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
+
+    def forward_lse(self, spec: Spec) -> tuple[Tensor, Tensor]:
+        from attnbias.kernels import attention_forward
+
+        return attention_forward(
+            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
+        )
+
+    def backward_lse(
+        self, spec: Spec, grad_out: Tensor, out: Tensor, lse: Tensor, wrt: Sequence[Tensor]
+    ) -> LseGrads:
+        """The kernels' backward with the merged output and log-sum-exp; the gradients of the
+        program's ALiBi slopes and of its score functions' tensors are carried on to ``wrt``
+        by autograd (through whatever made them from ``wrt``)."""
+        from attnbias.kernels import attention_backward
+
+        program = spec.program
+        slopes = program.alibi_slopes
+        mod_tensors = (
+            []
+            if program.mods is None or not program.mods.has_score
+            else [t for t in program.mods.traced.params if t.is_floating_point()]
+        )
+        wanted = [t for t in wrt if t.requires_grad]
+        slopes_grad = bool(wanted and slopes is not None and slopes.requires_grad)
+        mod_grads = bool(wanted and any(t.requires_grad for t in mod_tensors))
+        dq, dk, dv, dslopes, dmods = attention_backward(
+            grad_out.contiguous(), spec.query, spec.key, spec.value, out.contiguous(),
+            lse.float().contiguous(), program, scale=spec.resolved_scale,
+            slopes_grad=slopes_grad, mod_grads=mod_grads,
+        )  # fmt: skip
+        sources: list[Tensor] = []
+        grads: list[Tensor] = []
+        if slopes_grad and slopes is not None and dslopes is not None:
+            sources.append(slopes)
+            grads.append(dslopes)
+        for tensor, grad in zip(mod_tensors, dmods or [], strict=False):
+            if tensor.requires_grad:
+                sources.append(tensor)
+                grads.append(grad.to(tensor.dtype))
+        found: list[Tensor | None] = [None] * len(wrt)
+        if sources and wanted:
+            reached = torch.autograd.grad(sources, wanted, grads, allow_unused=True)
+            by_id = {id(t): g for t, g in zip(wanted, reached, strict=True)}
+            found = [by_id.get(id(t)) for t in wrt]
+        return dq, dk, dv, found
 
     def prepare(self, spec: Spec) -> Prepared:
         """Without gradients, the forward planned once (:func:`plan_forward`) and launched

@@ -1,6 +1,7 @@
 """The bias kinds, one module each, and the base class they derive from."""
 
 from attnbias.biases.alibi import AlibiBias, alibi_slopes
+from attnbias.biases.band import BandBias
 from attnbias.biases.base import AttnBias, CompositeBias, KernelBias, KernelMask, parts_of
 from attnbias.biases.causal import (
     CausalBias,
@@ -18,6 +19,7 @@ from attnbias.biases.window import SlidingWindowBias
 __all__ = [
     "AlibiBias",
     "AttnBias",
+    "BandBias",
     "CausalBias",
     "CausalVariant",
     "CompositeBias",

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape, cached_on, device_key, resolve_lengths
 from attnbias.materialize import MaskedBias, compute_dtype
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = ["AlibiBias", "alibi_slopes"]
 
@@ -81,6 +81,10 @@ class AlibiBias(KernelBias):
     ``num_heads`` (the paper's slopes, for any head count) or ``slopes`` of shape ``(Hq,)`` or
     ``(B, Hq)``.
 
+    ``shift`` moves the distances along the diagonal, ``-slope_h * |i + (S - L) + shift - j|``:
+    it is how a block of a call sees the call's ALiBi (:meth:`sub_block`, context parallelism).
+    The kernels take no shift yet: a shifted ALiBi runs on the materializing routes.
+
     >>> AlibiBias(num_heads=2).materialize(shape=(1, 2, 2, 2))[0]
     tensor([[-0.0000, -0.0625],
             [-0.0625, -0.0000]])
@@ -88,6 +92,7 @@ class AlibiBias(KernelBias):
 
     num_heads: int | None = None
     slopes: Tensor | None = field(default=None, repr=False)
+    shift: int = 0
     _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +112,8 @@ class AlibiBias(KernelBias):
                 )
         if self.slopes is not None:
             _check_slopes(self.slopes)
+        if isinstance(self.shift, bool) or not isinstance(self.shift, int):
+            raise TypeError(f"AlibiBias shift must be an int, got {self.shift!r}")
 
     @property
     def heads(self) -> int:
@@ -143,7 +150,7 @@ class AlibiBias(KernelBias):
         )
         rows = torch.arange(length_q, device=device, dtype=torch.float64)[:, None]
         cols = torch.arange(length_kv, device=device, dtype=torch.float64)[None, :]
-        distance = (rows + (length_kv - length_q) - cols).abs()
+        distance = (rows + (length_kv - length_q + self.shift) - cols).abs()
         slopes = self.slope_tensor(device).to(torch.float64)[..., None, None]  # (B|1, H, 1, 1)
         bias = (-slopes * distance).to(dtype or torch.float32)
         return bias if self.slopes is not None and self.slopes.dim() == 2 else bias[0]
@@ -163,7 +170,21 @@ class AlibiBias(KernelBias):
             )
 
     def lower(self, call: Call) -> Terms:
+        if self.shift:
+            return Terms(others=(self,))  # no kernel term for a shifted ALiBi: materialized
         return Terms(slopes=self.slope_tensor(call.device))
+
+    def sub_block(self, call: Call, block: Block) -> AlibiBias:
+        """The same slopes, the distances shifted to the block's place in the call."""
+        shift = (
+            self.shift
+            + (call.length_kv - call.length_q)
+            - (block.length_kv - block.length_q)
+            - block.offset
+        )
+        if self.slopes is None:
+            return AlibiBias(num_heads=self.num_heads, shift=shift)
+        return AlibiBias(slopes=self.slopes, shift=shift)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         return MaskedBias(None, self.materialize(device, shape=shape, dtype=compute_dtype(dtype)))
@@ -171,12 +192,13 @@ class AlibiBias(KernelBias):
     def cache_key(self) -> Hashable | None:
         # the paper's slopes by value; slopes you pass are converted on each call, so that
         # their gradient is recorded each time
-        return (AlibiBias, self.num_heads) if self.slopes is None else None
+        return (AlibiBias, self.num_heads, self.shift) if self.slopes is None else None
 
     def parameters(self) -> tuple[Tensor, ...]:
         return () if self.slopes is None else (self.slopes,)
 
     def __repr__(self) -> str:
+        shift = f", shift={self.shift}" if self.shift else ""
         if self.slopes is None:
-            return f"AlibiBias(num_heads={self.num_heads})"
-        return f"AlibiBias(slopes of shape {tuple(self.slopes.shape)})"
+            return f"AlibiBias(num_heads={self.num_heads}{shift})"
+        return f"AlibiBias(slopes of shape {tuple(self.slopes.shape)}{shift})"

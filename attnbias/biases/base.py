@@ -11,7 +11,9 @@ A bias kind is one module of this package. It defines a frozen dataclass derivin
   materialized);
 * :meth:`AttnBias.masked`: its materialized form as a keep-mask and an additive part;
 * :meth:`AttnBias.cache_key`: its identity in the plan cache (``None``: not cached);
-* :meth:`AttnBias.parameters`: the tensors whose gradient it may need.
+* :meth:`AttnBias.parameters`: the tensors whose gradient it may need;
+* :meth:`AttnBias.sub_block`: the bias of a block of a call's scores, as a bias of its own
+  (context parallelism runs each shard pair so).
 
 The sum of biases (:class:`~attnbias.biases.composite.CompositeBias`) merges its parts' terms
 and masked forms without knowing their kinds.
@@ -39,7 +41,7 @@ import torch
 from torch import Tensor
 
 from attnbias.materialize import MaskedBias, check_materialized, compute_dtype
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = [
     "AttnBias",
@@ -49,6 +51,7 @@ __all__ = [
     "KernelBias",
     "KernelMask",
     "Shape",
+    "SlicedBias",
     "band_keep",
     "cached_on",
     "device_key",
@@ -155,8 +158,8 @@ class AttnBias(ABC):
                 return True
 
     Beyond these, a subclass may override the public methods below (the built-in kinds do):
-    :meth:`validate_call`, :meth:`lower`, :meth:`masked`, :meth:`cache_key` and
-    :meth:`parameters`.
+    :meth:`validate_call`, :meth:`lower`, :meth:`masked`, :meth:`cache_key`,
+    :meth:`parameters` and :meth:`sub_block`.
     """
 
     def materialize(
@@ -248,6 +251,26 @@ class AttnBias(ABC):
     def parameters(self) -> tuple[Tensor, ...]:
         """The tensors of this bias that may require grad (a call then records gradients)."""
         return ()
+
+    def sub_block(self, call: Call, block: Block) -> AttnBias:
+        """The bias of ``block`` of ``call``'s scores, as a bias of a call of ``(B, Hq,
+        block.length_q, block.length_kv)``: it keeps pair ``(i, j)`` and adds to its score
+        exactly what this bias does to pair ``(block.q_start + i, block.kv_start + j)`` of
+        ``call``. Its tensors that require grad are (or are views of) this bias's own, so
+        gradients reach :meth:`parameters`.
+
+        By default the materialized form of the whole call, sliced (:class:`SlicedBias`):
+        exact for any bias with :meth:`materialize`, but ``L x S`` in size; the built-in kinds
+        give a bias of the block's own size (a band shifted along the diagonal, sliced document
+        ids, shifted key ranges, ``ModBias`` functions reading the call's indices). A bias
+        that only dispatches has no block form: ``TypeError``."""
+        if type(self).materialize is AttnBias.materialize:
+            raise TypeError(
+                f"{type(self).__name__} has no materialized form and no sub_block(); "
+                f"attention over blocks of the scores (context parallelism) needs one of them: "
+                f"implement materialize() or sub_block(call, block)"
+            )
+        return SlicedBias(self, call, block)
 
     def in_sum(self, parts: tuple[AttnBias, ...]) -> None:
         """Called once on each part as a sum of ``parts`` (this bias among them) is built:
@@ -361,8 +384,56 @@ class CompositeBias(AttnBias):
     def parameters(self) -> tuple[Tensor, ...]:
         return tuple(t for part in self.parts for t in part.parameters())
 
+    def sub_block(self, call: Call, block: Block) -> AttnBias:
+        """The sum of the parts' blocks."""
+        return CompositeBias(tuple(part.sub_block(call, block) for part in self.parts))
+
     def __repr__(self) -> str:
         return " + ".join(repr(p) for p in self.parts)
+
+
+@dataclass(frozen=True, eq=False)
+class SlicedBias(AttnBias):
+    """A block of another bias's materialized form (:meth:`AttnBias.sub_block`'s default):
+    ``bias`` materialized for the whole ``call`` (batch and heads from the block's shape),
+    then the block's rows and columns taken. Exact for any bias that materializes; its size
+    is the whole call's."""
+
+    bias: AttnBias
+    call: Call
+    block: Block
+
+    def needs_materialization(self) -> bool:
+        return True
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        block = self.block
+        length_q, length_kv = resolve_lengths(
+            shape, block.length_q, block.length_kv, type(self.bias).__name__
+        )
+        lead = tuple(shape)[:-2] if shape is not None else ()
+        whole = (*lead, self.call.length_q, self.call.length_kv)
+        result = check_materialized(
+            self.bias, self.bias.materialize(device, shape=whole, dtype=dtype), whole, device
+        )
+        # a dimension of 1 broadcasts over the whole call, and so over the block
+        if result.shape[-2] != 1:
+            result = result.narrow(-2, block.q_start, length_q)
+        if result.shape[-1] != 1:
+            result = result.narrow(-1, block.kv_start, length_kv)
+        return result
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        return self.bias.parameters()
+
+    def __repr__(self) -> str:
+        block = self.block
+        return (
+            f"{self.bias!r}[{block.q_start}:{block.q_start + block.length_q}, "
+            f"{block.kv_start}:{block.kv_start + block.length_kv}]"
+        )
 
 
 class HashedKey:

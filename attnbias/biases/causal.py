@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from attnbias.biases.band import BandBias, shifted_band
 from attnbias.biases.base import Device, KernelMask, Shape, band_keep, resolve_lengths
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = ["CausalBias", "CausalVariant", "causal_lower_right", "causal_upper_left"]
 
@@ -74,6 +75,11 @@ class CausalBias(KernelMask):
 
     def lower(self, call: Call) -> Terms:
         return Terms(band_hi=self.offset_hi(call.length_q, call.length_kv))
+
+    def sub_block(self, call: Call, block: Block) -> BandBias:
+        """The band of the block: the call's ``j - i <= hi`` (``hi`` from the call's lengths,
+        ``S - L`` for lower-right), shifted along the diagonal."""
+        return shifted_band(None, self.offset_hi(call.length_q, call.length_kv), block)
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from attnbias.biases.base import Device, KernelMask, Shape, cached_on, device_key
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -60,6 +60,7 @@ class DocumentBias(KernelMask):
     q_doc_ids: Tensor = field(repr=False)
     kv_doc_ids: Tensor | None = field(default=None, repr=False)
     _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _blocks: dict[Block, DocumentBias] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_doc_ids(self.q_doc_ids, "q_doc_ids")
@@ -194,6 +195,18 @@ class DocumentBias(KernelMask):
         # them from call to call; the kernel broadcasts (1, L) against (B, S).
         q_ids, kv_ids = self.ids_on(call.device)
         return Terms(q_doc=q_ids, kv_doc=kv_ids, doc_parts=(self,))
+
+    def sub_block(self, call: Call, block: Block) -> DocumentBias:
+        """The ids of the block's queries and keys (kept with the bias: a bias is immutable,
+        and the slices of non-decreasing ids need no new check)."""
+        found = self._blocks.get(block)
+        if found is None:
+            found = DocumentBias(
+                self.q_doc_ids[..., block.q_start : block.q_start + block.length_q],
+                self.kv_ids[..., block.kv_start : block.kv_start + block.length_kv],
+            )
+            self._blocks[block] = found
+        return found
 
     def cache_key(self) -> Hashable:
         # by identity: the plan-cache entry keeps the bias alive, so that its identity cannot

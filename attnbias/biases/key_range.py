@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from attnbias.biases.base import Device, KernelMask, Shape, cached_on, device_key, resolve_lengths
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -206,6 +206,18 @@ class KeyRangeBias(KernelMask):
             rows = max(b.shape[0] for b in (self.start, self.end) if b is not None)
         start, end = self.bounds_on(call.device, rows, call.length_kv)
         return Terms(kv_start=start, kv_end=end)
+
+    def sub_block(self, call: Call, block: Block) -> KeyRangeBias:
+        """Each row's range moved to the block's keys and clipped to them (an empty range
+        where the row's keys all lie outside the block), read from the positions as they are
+        now."""
+
+        def moved(bound: Tensor | None) -> Tensor | None:
+            if bound is None:
+                return None
+            return (bound.long() - block.kv_start).clamp(0, block.length_kv)
+
+        return KeyRangeBias(moved(self.start), moved(self.end))
 
     def cache_key(self) -> Hashable:
         # by identity, as DocumentBias: the positions are read on the device at each call

@@ -15,7 +15,7 @@ from torch import Tensor
 from attnbias.biases.base import Device, KernelBias, Shape, resolve_lengths
 from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = ["ModBias", "compiled_mods"]
 
@@ -152,6 +152,22 @@ class ModBias(KernelBias):
     def lower(self, call: Call) -> Terms:
         return Terms(mods=(self,))
 
+    def sub_block(self, call: Call, block: Block) -> ModBias:
+        """The same functions reading the call's indices: ``q_idx + block.q_start`` and
+        ``kv_idx + block.kv_start``. The offsets are numbers of the traced functions, so
+        runtime arguments: the blocks of one bias share their generated code. Kept with the
+        bias, per block place."""
+        key = (block.q_start, block.kv_start)
+        kept: dict[tuple[int, int], ModBias] = self.__dict__.setdefault("_blocks", {})
+        found = kept.get(key)
+        if found is None:
+            found = _shifted(self, *key)
+            with _LOCK:
+                if len(kept) >= _MAX_BLOCKS:
+                    kept.pop(next(iter(kept)))
+                kept[key] = found
+        return found
+
     def compile_with(self, parts: tuple[Any, ...]) -> Any:
         """The kernels' form of ``parts``, the ModBias parts of a sum in order (this one
         among them): see :func:`compiled_mods`."""
@@ -215,6 +231,36 @@ class ModBias(KernelBias):
             if fn is not None
         ]
         return f"{type(self).__name__}({', '.join(names)})"
+
+
+# Blocks kept per bias (:meth:`ModBias.sub_block`): the places of a context-parallel call's
+# shard pairs, 4 W^2 at most for W ranks
+_MAX_BLOCKS = 256
+
+
+def _shifted(bias: ModBias, q_start: int, kv_start: int) -> ModBias:
+    """``bias``'s functions with the query and key indices moved by the given offsets."""
+    masks, scores = bias.functions()
+    mask_mod = score_mod = None
+    if masks:
+        mask = masks[0]
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return mask(b, h, q_idx + q_start, kv_idx + kv_start)
+
+        mask_mod.__name__ = mask_mod.__qualname__ = f"{_name(mask)}[+{q_start}, +{kv_start}]"
+    if scores:
+        score = scores[0]
+
+        def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score(s, b, h, q_idx + q_start, kv_idx + kv_start)
+
+        score_mod.__name__ = score_mod.__qualname__ = f"{_name(score)}[+{q_start}, +{kv_start}]"
+    return ModBias(mask_mod=mask_mod, score_mod=score_mod)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "fn"))
 
 
 def _short(value: object) -> str:

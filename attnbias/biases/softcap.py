@@ -12,7 +12,7 @@ from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape
 from attnbias.materialize import MaskedBias
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = ["SoftcapBias"]
 
@@ -54,6 +54,10 @@ class SoftcapBias(KernelBias):
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         return MaskedBias(None, None, cap=self.cap)
+
+    def sub_block(self, call: Call, block: Block) -> SoftcapBias:
+        """The same cap: it acts on each score alone."""
+        return self
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors

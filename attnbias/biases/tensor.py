@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attnbias.biases.base import AttnBias, Device, Shape, keep_to_additive
 from attnbias.materialize import MaskedBias, compute_dtype
-from attnbias.terms import Call
+from attnbias.terms import Block, Call
 
 __all__ = ["TensorBias"]
 
@@ -101,6 +101,15 @@ class TensorBias(AttnBias):
 
     def parameters(self) -> tuple[Tensor, ...]:
         return (self.bias,)
+
+    def sub_block(self, call: Call, block: Block) -> TensorBias:
+        """A view of the block's rows and columns (a dimension of 1 broadcasts and stays)."""
+        bias = self.matrix
+        if bias.shape[-2] != 1:
+            bias = bias.narrow(-2, block.q_start, block.length_q)
+        if bias.shape[-1] != 1:
+            bias = bias.narrow(-1, block.kv_start, block.length_kv)
+        return TensorBias(bias)
 
     def __repr__(self) -> str:
         return f"TensorBias(shape={tuple(self.bias.shape)}, dtype={self.bias.dtype})"

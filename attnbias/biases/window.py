@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from attnbias.biases.band import BandBias, shifted_band
 from attnbias.biases.base import Device, KernelMask, Shape, band_keep, resolve_lengths
-from attnbias.terms import Call, Terms
+from attnbias.terms import Block, Call, Terms
 
 __all__ = ["SlidingWindowBias"]
 
@@ -60,6 +61,11 @@ class SlidingWindowBias(KernelMask):
     def lower(self, call: Call) -> Terms:
         lo, hi = self.offsets(call.length_q, call.length_kv)
         return Terms(band_lo=lo, band_hi=hi)
+
+    def sub_block(self, call: Call, block: Block) -> BandBias:
+        """The band of the block: the call's window (aligned with the call's ``S - L``),
+        shifted along the diagonal."""
+        return shifted_band(*self.offsets(call.length_q, call.length_kv), block)
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors
