@@ -20,7 +20,7 @@ from torch.library import triton_op
 
 from .backward import attention_backward
 from .decode import decode_forward
-from .forward import attention_forward
+from .forward import ForwardPlan, attention_forward
 from .launch import traceable_launches
 from .masks import with_mod_lists
 from .program import MaskProgram
@@ -226,16 +226,20 @@ class _EagerAttention(torch.autograd.Function):
         alibi_slopes: Tensor | None,
         program: MaskProgram,
         scale: float,
+        plan: ForwardPlan | None,
         *mod_tensors: Tensor,
     ) -> Tensor:
-        out, lse = attention_forward(q, k, v, program, scale=scale)
+        if plan is None:
+            out, lse = attention_forward(q, k, v, program, scale=scale)
+        else:
+            out, lse = plan.launch(q, k, v, checked=False)
         _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         slopes_grad = bool(ctx.needs_input_grad[3])
-        wanted = ctx.needs_input_grad[6:]
+        wanted = ctx.needs_input_grad[7:]
         dq, dk, dv, dslopes, dmods = _backward_both(
             ctx, grad_out, None, slopes_grad, mod_grads=any(wanted)
         )
@@ -245,11 +249,17 @@ class _EagerAttention(torch.autograd.Function):
             for want, grad, t in zip(wanted, dmods or [None] * len(wanted), tensors, strict=True)
         ]
         # no gradient for the program (a tensor of it that needs one is an input of its own)
-        return dq, dk, dv, dslopes if slopes_grad else None, None, None, *mod_out
+        return dq, dk, dv, dslopes if slopes_grad else None, None, None, None, *mod_out
 
 
 def block_sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, program: MaskProgram, *, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    program: MaskProgram,
+    *,
+    scale: float,
+    forward_plan: ForwardPlan | None = None,
 ) -> Tensor:
     """Attention over the pairs a mask program keeps (:class:`~.program.MaskProgram`: a band,
     packed documents, per-row key ranges, ALiBi, soft-cap, block lists).
@@ -264,6 +274,10 @@ def block_sparse_attention(
     ``NotImplementedError``. Any finite ``scale`` works (0 and negative ones too). A NaN or Inf
     in a key, value, query or output gradient reaches only the pairs that keep it.
 
+    ``forward_plan``: the forward planned once for calls of these tensors' shapes, dtypes and
+    devices with this program and scale (:func:`~.forward.plan_forward`), launched instead of
+    planning the forward again (the caller guarantees the match; not under torch.compile).
+
     Inputs are not validated here; the ``attnbias`` front-end does that.
     """
     slopes = program.alibi_slopes
@@ -271,10 +285,19 @@ def block_sparse_attention(
         learnable = any(t.requires_grad for t in _mod_tensors(program))
         if not (torch.is_grad_enabled() and (learnable or _any_requires_grad(q, k, v, slopes))):
             # nothing to record: no autograd node, just the launch
+            if forward_plan is not None:
+                return forward_plan.launch(q, k, v, checked=False)[0]
             return attention_forward(q, k, v, program, scale=scale)[0]
         # the block lists of mask functions, built once for the forward and the backward
         return _EagerAttention.apply(
-            q, k, v, slopes, with_mod_lists(q, k, program), scale, *_mod_tensors(program)
+            q,
+            k,
+            v,
+            slopes,
+            with_mod_lists(q, k, program),
+            scale,
+            forward_plan,
+            *_mod_tensors(program),
         )
     out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), scale)
     return out

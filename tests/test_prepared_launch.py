@@ -24,7 +24,7 @@ from attnbias import (
 from attnbias.kernels import decode, forward, launch
 from attnbias.kernels.ops import block_sparse_attention
 from attnbias.kernels.program import MaskProgram
-from tests.oracle import assert_close_to_oracle, attention
+from tests.oracle import assert_close_to_oracle, attention, run_with_grads
 
 # the kernels run on the GPU where there is one, under the interpreter otherwise
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +102,30 @@ def test_a_prepared_plan_gives_what_a_fresh_call_gives(
     for out in outs:
         assert torch.equal(out, fresh_out)
     check(q, k, v, bias, outs[-1])
+
+
+@pytest.mark.parametrize("bias_name", ["causal", "window", "alibi", "softcap", "documents"])
+def test_a_training_call_reuses_its_forward_plan(
+    monkeypatch: pytest.MonkeyPatch, bias_name: str
+) -> None:
+    made = counted_plans(monkeypatch, forward, "plan_forward")
+    q, k, v = inputs(24)
+    bias = biases(24, k.shape[2])[bias_name]
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def call(*leaves: Tensor) -> Tensor:
+        return attnbias.sdpa(*leaves, attn_mask=bias)
+
+    with attnbias.use_backends("triton"):
+        runs = [run_with_grads(call, (q, k, v), grad_out) for _ in range(3)]
+    assert len(made) == 1  # planned with the call's decision, then launched
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
+    oracle = run_with_grads(lambda *t: attention(*t, bias), (q, k, v), grad_out)
+    stock = run_with_grads(
+        lambda *t: attention(*t, bias, dtype=q.dtype), (q.clone(), k.clone(), v.clone()), grad_out
+    )
+    assert_close_to_oracle(runs[0], oracle, stock, q.dtype, names=("out", "dq", "dk", "dv"))
 
 
 def _misaligned(t: Tensor) -> Tensor:

@@ -178,19 +178,28 @@ class TritonKernel(Backend):
         return dq, dk, dv, found
 
     def prepare(self, spec: Spec) -> Prepared:
-        """Without gradients, the forward planned once (:func:`plan_forward`) and launched
-        with each call's tensors, recording no autograd node; with them, :meth:`run`."""
-        if spec.needs_grad or spec.compiling or spec.program.mods is not None:
+        """The forward planned once (:func:`plan_forward`) and launched with each call's
+        tensors: without gradients recording no autograd node, with them through the
+        kernels' autograd function."""
+        if spec.compiling or spec.program.mods is not None:
             # ModBias calls: the block lists follow in-place changes of what they read, which
             # a plan made once would not see
             return super().prepare(spec)
+        from attnbias.kernels import block_sparse_attention
         from attnbias.kernels.forward import plan_forward
 
         # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
         # this function keeps the bias, and biases are not written in place.
-        plan = plan_forward(
-            spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
-        )
+        program, scale = spec.program, spec.resolved_scale
+        plan = plan_forward(spec.query, spec.key, spec.value, program, scale=scale)
+        if spec.needs_grad:
+
+            def run_training(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+                return block_sparse_attention(
+                    query, key, value, program, scale=scale, forward_plan=plan
+                )
+
+            return run_training
         launch = plan.launch
 
         def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
