@@ -142,10 +142,7 @@ def reference_attention(
         row (nor any gradient of the pairs it attends); one in a key or value that it attends
         makes that row NaN.
     """
-    batch, heads_q, length_q, _ = query.shape
-    masked = materialize_masked(
-        bias, query.device, (batch, heads_q, length_q, key.shape[-2]), query.dtype
-    )
+    masked = _materialized(query, key, bias)
     return masked_reference_attention(
         query,
         key,
@@ -170,11 +167,7 @@ def masked_reference_attention(
     enable_gqa: bool,
 ) -> Tensor:
     """:func:`reference_attention` for a bias already materialized as ``masked``."""
-    inputs = FiniteInputs.of(query, key, value)
-    q, k, v = _computed(inputs, enable_gqa)
-    scores = _scores(q, k, masked, cap, _scale(query, scale))
-    if masked.keep is not None:
-        scores = scores.masked_fill(~masked.keep, -math.inf)
+    scores, v, inputs = _kept_scores(query, key, value, masked, cap, scale, enable_gqa)
 
     # Softmax that maps a row with no finite score to all-zero weights (and zero gradients)
     # instead of NaN: subtract a finite row maximum and guard the denominator.
@@ -221,25 +214,30 @@ def _scores(q: Tensor, k: Tensor, masked: MaskedBias, cap: float | None, scale: 
     return scores
 
 
+def _materialized(query: Tensor, key: Tensor, bias: AttnBias | None) -> MaskedBias:
+    """``bias`` materialized for the call of ``query`` ``(B, Hq, L, E)`` and ``key``."""
+    batch, heads_q, length_q, _ = query.shape
+    shape = (batch, heads_q, length_q, key.shape[-2])
+    return materialize_masked(bias, query.device, shape, query.dtype)
+
+
 def _kept_scores(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    bias: AttnBias | None,
+    masked: MaskedBias,
+    cap: float | None,
     scale: float | None,
     enable_gqa: bool,
-) -> tuple[Tensor, Tensor, MaskedBias, FiniteInputs]:
-    """The scores with masked pairs ``-inf``, the value (heads repeated), the materialized
-    bias and the finite inputs, all differentiable (tensors that require grad)."""
-    batch, heads_q, length_q, _ = query.shape
-    shape = (batch, heads_q, length_q, key.shape[-2])
-    masked = materialize_masked(bias, query.device, shape, query.dtype)
+) -> tuple[Tensor, Tensor, FiniteInputs]:
+    """The scores ``(B, Hq, L, S)`` with masked pairs ``-inf``, the value (heads repeated)
+    and the finite inputs, all differentiable (tensors that require grad)."""
     inputs = FiniteInputs.of(query, key, value)
     q, k, v = _computed(inputs, enable_gqa)
-    scores = _scores(q, k, masked, masked.cap, _scale(query, scale))
+    scores = _scores(q, k, masked, cap, _scale(query, scale))
     if masked.keep is not None:
-        scores = torch.where(masked.keep, scores, -math.inf)
-    return scores, v, masked, inputs
+        scores = scores.masked_fill(~masked.keep, -math.inf)
+    return scores, v, inputs
 
 
 def _finite_or_zero(lse: Tensor) -> Tensor:
@@ -266,7 +264,8 @@ def attention_with_lse(
     reaches nothing.
     """
     with torch.no_grad():
-        scores, v, masked, inputs = _kept_scores(query, key, value, bias, scale, enable_gqa)
+        masked = _materialized(query, key, bias)
+        scores, v, inputs = _kept_scores(query, key, value, masked, masked.cap, scale, enable_gqa)
         lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is kept
         out = torch.exp(scores - _finite_or_zero(lse)[..., None]) @ v
         poisoned = inputs.poisoned_rows(masked.keep)
@@ -299,7 +298,8 @@ def attention_with_lse_backward(
     """
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-        scores, v_rep, _, _ = _kept_scores(q, k, v, bias, scale, enable_gqa)
+        masked = _materialized(q, k, bias)  # under grad mode: it reaches ``wrt``
+        scores, v_rep, _ = _kept_scores(q, k, v, masked, masked.cap, scale, enable_gqa)
         compute = scores.dtype
         weights = torch.exp(scores - _finite_or_zero(lse.to(compute))[..., None])
         grad = grad_out.to(compute)
