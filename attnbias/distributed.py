@@ -327,11 +327,12 @@ class _Local:
             for row_start, (qa, qb) in _with_offsets(q_chunks[rank]):
                 for col_start, (ka, kb) in _with_offsets(kv_chunks[(rank - step) % world]):
                     block = Block(qa, ka, qb - qa, kb - ka)
+                    sub = None if bias is None else bias.sub_block(call, block)
                     step_pairs.append(
                         _Pair(slice(row_start, row_start + qb - qa),
-                              slice(col_start, col_start + kb - ka), block)
+                              slice(col_start, col_start + kb - ka), block, sub)
                     )  # fmt: skip
-                    keeps.append(_may_keep(bias, call, block, query.dtype))
+                    keeps.append(_may_keep(sub, call, block, query.dtype))
             pairs.append(step_pairs)
         header = [
             *query.shape, *key.shape, value.shape[-1], _DTYPES.index(query.dtype),
@@ -371,6 +372,7 @@ class _Pair:
     rows: slice
     cols: slice
     block: Block
+    sub: AttnBias | None  # the bias's block, made with the call (the forward's)
 
 
 @dataclass(frozen=True, eq=False)
@@ -486,10 +488,15 @@ class _Ring:
 
     # -- the shard pairs -----------------------------------------------------------------------
 
-    def plan_pair(self, query: Tensor, key: Tensor, value: Tensor, pair: _Pair) -> Plan:
-        """The planned call of a chunk pair (its bias made now: under grad mode in the
-        backward, so that the gradients of the block's tensors reach the bias's own)."""
-        sub = None if self.bias is None else self.bias.sub_block(self.call, pair.block)
+    def plan_pair(
+        self, query: Tensor, key: Tensor, value: Tensor, pair: _Pair, *, backward: bool = False
+    ) -> Plan:
+        """The planned call of a chunk pair: with the block's bias made with the call, or in
+        the ``backward`` made again (under grad mode there, so that the gradients of the
+        block's tensors reach the bias's own)."""
+        sub = pair.sub
+        if backward and self.bias is not None:
+            sub = self.bias.sub_block(self.call, pair.block)
         spec = make_spec(
             query[:, :, pair.rows],
             key[:, :, pair.cols],
@@ -562,7 +569,7 @@ class _RingAttention(torch.autograd.Function):
                 grad_v = torch.zeros(held[1].shape, dtype=compute, device=query.device)
                 for pair in ring.pairs[step]:
                     with torch.enable_grad():
-                        chosen = ring.plan_pair(query, held[0], held[1], pair)
+                        chosen = ring.plan_pair(query, held[0], held[1], pair, backward=True)
                     dq, dk, dv, dparams = chosen.backend.backward_lse(
                         chosen.spec,
                         grad_out[:, :, pair.rows],
@@ -655,13 +662,12 @@ def _check_agreement(headers: list[list[int]]) -> None:
     )
 
 
-def _may_keep(bias: AttnBias | None, call: Call, block: Block, dtype: torch.dtype) -> bool | Tensor:
-    """Whether ``block`` of ``call`` may keep a pair under ``bias``: from its lowered terms
-    (bands, key ranges, documents), and for generated masks and materialized parts from their
-    keep-mask on the block (``False`` only when it surely keeps none)."""
-    if bias is None:
+def _may_keep(sub: AttnBias | None, call: Call, block: Block, dtype: torch.dtype) -> bool | Tensor:
+    """Whether ``block`` of ``call`` may keep a pair under ``sub``, the bias's block: from its
+    lowered terms (bands, key ranges, documents), and for generated masks and materialized
+    parts from their keep-mask on the block (``False`` only when it surely keeps none)."""
+    if sub is None:
         return True
-    sub = bias.sub_block(call, block)
     terms = lower(sub, block.length_q, block.length_kv, call.device, batch=call.batch)
     found = terms.may_keep(block.length_q, block.length_kv)
     if found is False:
