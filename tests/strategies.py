@@ -35,10 +35,11 @@ class Problem:
     bias: AttnBias | None
     is_causal: bool
     scale: float | None
+    rows_first: bool = False  # tensors (B, L, H, E) in memory, viewed as (B, H, L, E)
 
     def tensors(self, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = (self.batch, self.heads_q, self.heads_kv, self.length_q, self.length_kv)
-        return draw_inputs(shape, self.head_dim, self.dtype, seed)
+        return draw_inputs(shape, self.head_dim, self.dtype, seed, rows_first=self.rows_first)
 
 
 def draw_inputs(
@@ -47,14 +48,20 @@ def draw_inputs(
     dtype: torch.dtype,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    *,
+    rows_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, v, grad_out`` of a ``(B, Hq, Hkv, L, S)`` call, standard normal, drawn in that
-    order from a generator seeded with ``seed``, in ``dtype`` on ``device``."""
+    order from a generator seeded with ``seed``, in ``dtype`` on ``device``; ``rows_first``:
+    each ``(B, L, H, E)`` in memory (as a projection leaves it), viewed as ``(B, H, L, E)``."""
     batch, heads_q, heads_kv, length_q, length_kv = shape
     generator = torch.Generator().manual_seed(seed)
 
     def draw(heads: int, length: int) -> torch.Tensor:
-        x = torch.randn(batch, heads, length, head_dim, generator=generator)
+        if rows_first:
+            x = torch.randn(batch, length, heads, head_dim, generator=generator).transpose(1, 2)
+        else:
+            x = torch.randn(batch, heads, length, head_dim, generator=generator)
         return x.to(device=device, dtype=dtype)
 
     return (

@@ -70,21 +70,28 @@ def check(
     head_dim,
     fn=sdpa,
     routes=KERNEL_ROUTES,
+    rows_first=False,
 ):  # type: ignore[no-untyped-def]
-    """Twice, on new contents: the second call runs on the decision the first one cached."""
+    """Twice, on new contents: the second call runs on the decision the first one cached.
+    ``rows_first``: the tensors ``(B, L, H, E)`` in memory, as projections leave them."""
     for seed in (0, 1):
         check_once(
-            bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed
-        )
+            bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed,
+            rows_first,
+        )  # fmt: skip
 
 
 def check_once(
-    bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed
-):  # type: ignore[no-untyped-def]
+    bias, dtype, batch, heads_q, heads_kv, length_q, length_kv, head_dim, fn, routes, seed,
+    rows_first=False,
+):  # type: ignore[no-untyped-def]  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    def draw(batch: int, heads: int, length: int, dim: int) -> torch.Tensor:
+        if rows_first:
+            x = torch.randn(batch, length, heads, dim, device="cuda", generator=gen)
+            return x.to(dtype).transpose(1, 2)
+        return torch.randn(batch, heads, length, dim, device="cuda", generator=gen).to(dtype)
 
     q = draw(batch, heads_q, length_q, head_dim)
     k = draw(batch, heads_kv, length_kv, head_dim)
@@ -277,6 +284,17 @@ def test_fa4_documents(name: str) -> None:
 
 
 @needs_fa4
+def test_fa4_documents_of_several_batch_rows() -> None:
+    # each row its own documents (ids of shape (B, L)), then one layout for every row
+    ids = [[0] * 300 + [1] * 724, [5] * 1024, [2] * 10 + [3] * 14 + [4] * 1000]
+    per_row = DocumentBias(torch.tensor(ids, device="cuda")) + causal_lower_right()
+    shared = DocumentBias.from_seqlens([700, 1, 323], device="cuda") + SlidingWindowBias(64)
+    with use_backends("fa4"):
+        check(per_row, torch.bfloat16, 3, 8, 2, 1024, 1024, 128, routes=("fa4",), rows_first=True)
+        check(shared, torch.float16, 2, 4, 4, 1024, 1024, 64, routes=("fa4",), rows_first=True)
+
+
+@needs_fa4
 def test_fa4_is_chosen_where_the_priority_list_says() -> None:
     # large enough that the GPU's time, not FlashAttention 4's host time, decides
     q = torch.randn(1, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)
@@ -289,8 +307,11 @@ def test_fa4_is_chosen_where_the_priority_list_says() -> None:
     assert attnbias.explain(q, q, q, attn_mask=alibi).startswith("triton:")
     leaf = q.detach().requires_grad_()
     assert attnbias.explain(leaf, leaf, leaf, attn_mask=alibi).startswith("fa4:")
-    # documents beyond batch size 1 would need copies: the Triton kernel takes them
-    q2 = torch.randn(2, 16, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    # documents of several batch rows: one variable-length batch of every row's documents,
+    # where the rows flatten as views; (B, H, L, E) memory would be copied: the Triton kernel
+    q2 = torch.randn(2, 8192, 16, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    assert attnbias.explain(q2, q2, q2, attn_mask=docs).startswith("fa4:")
+    q2 = q2.contiguous()
     assert attnbias.explain(q2, q2, q2, attn_mask=docs).startswith("triton:")
 
 

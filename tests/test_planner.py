@@ -933,15 +933,23 @@ REFUSALS: dict[str, tuple[dict[str, Any], Callable[[], Spec], str]] = {
         lambda: spec_of(causal_upper_left(), dropout_p=0.25),
         "dropout_p=0.25: FlashAttention 4 has no dropout",
     ),
-    "documents_batch_2": (
+    "documents_of_rows_that_would_be_copied": (
         {},
         lambda: spec_of(DocumentBias.from_seqlens([6, 10]), batch=2),
-        "documents with batch size 2 (its variable-length batch would copy q, k and v",
+        "documents at batch size 2 where q, k and v are not (B, L, H, E) in memory",
     ),
-    "documents_per_row": (
+    "documents_one_sided_in_a_later_row": (
         {},
-        lambda: spec_of(DocumentBias(torch.tensor([[0] * 16, [0] * 8 + [1] * 8]))),
-        "document ids per batch row",
+        lambda: spec_of(
+            DocumentBias(
+                torch.tensor([[0] * 8 + [1] * 8, [0] * 8 + [1] * 8]),
+                torch.tensor([[0] * 8 + [1] * 8, [0] * 16]),
+            ),
+            batch=2,
+            heads_q=1,  # one head: (B, H, L, E) memory is (B, L, H, E) too
+            heads_kv=1,
+        ),
+        "a document has queries but no keys, or keys but no queries (batch row 1)",
     ),
     "documents_one_sided": (
         {},
@@ -1363,17 +1371,94 @@ VARLEN_CASES = {
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("name", list(VARLEN_CASES))
 def test_documents_through_the_varlen_standin_match_the_oracle(
-    standin: Recorder, monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype
+    standin: Recorder, monkeypatch: pytest.MonkeyPatch, name: str, batch: int, dtype: torch.dtype
 ) -> None:
     bias, length_q, length_kv, window = VARLEN_CASES[name]
     varlen = Recorder(fa4_varlen_standin)
     monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: varlen)
-    problem = Problem(1, 4, 2, length_q, length_kv, 16, dtype, bias, False, None)
+    # several rows: (B, L, H, E) in memory, so that the flattened rows are views
+    problem = Problem(batch, 4, 2, length_q, length_kv, 16, dtype, bias, False, None, batch > 1)
     check_on_fa4(problem, varlen)
     assert varlen.calls[0]["window_size"] == window
+    bounds = varlen.calls[0]["cu_seqlens_q"].tolist()
+    per_row = (len(bounds) - 1) // batch  # every row's documents, row after row
+    assert len(bounds) == batch * per_row + 1 and bounds[per_row] == length_q
     assert not standin.calls  # documents never take the dense entry point
+
+
+# Documents per batch row (ids of shape (B, L)): each row's own documents, one offset for all.
+VARLEN_ROW_CASES = {
+    "rows_differ_causal": (
+        DocumentBias(torch.tensor([[0] * 5 + [1] * 9, [3] * 14, [0, 1, 1, 2, 2, 2] + [7] * 8]))
+        + causal_lower_right(),
+        14, 14, (None, 0),
+    ),
+    "rows_differ_suffix_queries": (
+        DocumentBias(
+            torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [4, 4, 4, 4, 4]]),
+            torch.tensor([[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], [4] * 7]),
+        )
+        + SlidingWindowBias(2) + causal_lower_right(),
+        5, 7, (2, 0),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(VARLEN_ROW_CASES))
+def test_documents_per_batch_row_through_the_varlen_standin_match_the_oracle(
+    standin: Recorder, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    bias, length_q, length_kv, window = VARLEN_ROW_CASES[name]
+    varlen = Recorder(fa4_varlen_standin)
+    monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: varlen)
+    problem = Problem(3, 4, 2, length_q, length_kv, 16, torch.bfloat16, bias, False, None, True)
+    check_on_fa4(problem, varlen)
+    assert varlen.calls[0]["window_size"] == window
+
+
+def test_documents_of_several_rows_run_on_views_of_the_inputs(
+    standin: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch, heads, length, head_dim = 2, 2, 12, 16
+    generator = torch.Generator().manual_seed(7)
+    # as a projection followed by .view(B, L, H, E).transpose(1, 2) leaves them
+    q, k, v, grad_out = (
+        torch.randn(batch, length, heads, head_dim, generator=generator)
+        .transpose(1, 2)
+        .to(torch.bfloat16)
+        .requires_grad_()
+        for _ in range(4)
+    )
+    bias = DocumentBias.from_seqlens([5, 7]) + causal_upper_left()
+    seen: list[int] = []
+
+    def varlen_seeing_storage(q_: Tensor, k_: Tensor, v_: Tensor, **kwargs: Any) -> Any:
+        seen.extend(x.untyped_storage().data_ptr() for x in (q_, k_, v_))
+        return fa4_varlen_standin(q_, k_, v_, **kwargs)
+
+    monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: varlen_seeing_storage)
+    with use_backends("fa4"):
+        text = attnbias.explain(q, k, v, attn_mask=bias)
+        out = attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert "the 2 batch rows flattened as views" in text, text
+    assert seen == [x.untyped_storage().data_ptr() for x in (q, k, v)]
+    results = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad_out)]
+    q, k, v, grad_out = (x.detach() for x in (q, k, v, grad_out))
+    expected = run_with_grads(
+        lambda *t: attention(*t, bias), (q.double(), k.double(), v.double()), grad_out.double()
+    )
+    low = run_with_grads(lambda *t: attention(*t, bias, dtype=torch.bfloat16), (q, k, v), grad_out)
+    assert_close_to_oracle(results, expected, low, torch.bfloat16, ("out", "dq", "dk", "dv"))
+    # the same call on (B, H, L, E) memory would copy: another backend takes it
+    q_, k_, v_ = (x.contiguous().requires_grad_() for x in (q, k, v))
+    text = attnbias.explain(q_, k_, v_, attn_mask=bias)
+    assert not text.startswith("fa4:") and "are not (B, L, H, E) in memory" in text, text
+    # and the decision cached for the views does not serve it (the call key holds strides)
+    with use_backends("fa4"), pytest.raises(ValueError, match=r"not \(B, L, H, E\) in memory"):
+        attnbias.sdpa(q_, k_, v_, attn_mask=bias)
 
 
 def test_varlen_layout_of_documents() -> None:
@@ -1388,6 +1473,15 @@ def test_varlen_layout_of_documents() -> None:
     assert fa4.varlen_layout(bias, torch.device("cpu")) is fa4.varlen_layout(
         bias, torch.device("cpu")
     )
+    # three rows: the 1-D ids repeat per row; ids per row give each row its own documents
+    rows = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"), 3)
+    assert rows.cu_seqlens_q.tolist() == [0, 2, 5, 7, 10, 12, 15]
+    assert rows.cu_seqlens_k.tolist() == [0, 4, 7, 11, 14, 18, 21]
+    assert rows.end_offset == 2 and rows.problem is None
+    per_row = DocumentBias(torch.tensor([[0, 0, 0, 1], [5, 5, 5, 5]]))
+    layout = fa4.varlen_layout(per_row, torch.device("cpu"), 2)
+    assert layout.cu_seqlens_q.tolist() == layout.cu_seqlens_k.tolist() == [0, 3, 4, 8]
+    assert (layout.max_seqlen_q, layout.end_offset) == (4, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,15 +1,19 @@
 """FlashAttention 4 (``pip install "attnbias[fa4]"``, import ``flash_attn.cute``) on Hopper and
 Blackwell GPUs.
 
-It takes every band, soft-cap, ALiBi (as a score modifier), documents of one sequence (as
-FlashAttention's variable-length batch) and grouped-query attention, forward and backward. A
+It takes every band, soft-cap, ALiBi (as a score modifier), documents (as FlashAttention's
+variable-length batch) and grouped-query attention, forward and backward. A
 band ``band_lo <= j - i <= band_hi`` is FlashAttention's bottom-right aligned ``window_size``::
 
     window_size = ((S - L) - band_lo, band_hi - (S - L))      # None for an open side
 
 which it computes exactly, negative sides included. Documents become one variable-length
-sequence each; the band carries over when every document's query and key ranges end at one
-offset ``c`` from each other (``window_size = (c - band_lo, band_hi - c)``), as in packed
+sequence each, the documents of batch row 0 first, then those of row 1, and so on: the rows'
+``(B, L, H, E)`` views flattened to ``(B·L, H, E)``, taken where that is a view (batch size 1,
+or q, k and v ``(B, L, H, E)`` in memory, as a projection followed by ``.transpose(1, 2)``
+leaves them; the copies otherwise cost more than the Triton kernel's whole forward);
+the band carries over when every document's query and key ranges end at one offset ``c`` from
+each other within their row (``window_size = (c - band_lo, band_hi - c)``), as in packed
 self-attention. What it does not take, and why, is listed by :meth:`FlashAttention4.reasons`;
 the planner then moves on to the next backend.
 """
@@ -120,64 +124,87 @@ def _softcap_score_mods(cap: float) -> tuple[Callable[..., Any], Callable[..., A
 
 @dataclass(frozen=True)
 class _Varlen:
-    """One document bias as FlashAttention's variable-length batch (for batch size 1)."""
+    """A document bias at one batch size as FlashAttention's variable-length batch: the
+    documents of every batch row, row after row, one sequence each."""
 
-    cu_seqlens_q: Tensor  # (D + 1,) int32
+    cu_seqlens_q: Tensor  # (D + 1,) int32, D documents over all rows
     cu_seqlens_k: Tensor  # (D + 1,) int32
     max_seqlen_q: int
     max_seqlen_k: int
-    end_offset: int | None  # key end - query end, when equal for every document
+    end_offset: int | None  # key end - query end within its row, when equal for every document
     problem: str | None  # why it has no exact variable-length form
 
 
-_VARLEN: weakref.WeakKeyDictionary[DocumentBias, dict[torch.device, _Varlen]] = (
+_VARLEN: weakref.WeakKeyDictionary[DocumentBias, dict[tuple[torch.device, int], _Varlen]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _runs(ids: Tensor) -> tuple[list[int], list[int]]:
-    values, counts = torch.unique_consecutive(ids.reshape(-1).cpu(), return_counts=True)
-    return values.tolist(), counts.tolist()
+def _row_runs(ids: Tensor, batch: int) -> list[tuple[list[int], list[int]]]:
+    """``(document ids, their lengths)`` of each of the ``batch`` rows of ``ids`` (``(L,)``,
+    ``(1, L)`` or ``(B, L)``; one copy to the host)."""
+    rows = []
+    for row in ids.reshape(-1, ids.shape[-1]).cpu():
+        values, counts = torch.unique_consecutive(row, return_counts=True)
+        rows.append((values.tolist(), counts.tolist()))
+    return rows * batch if len(rows) == 1 else rows
 
 
-def varlen_layout(bias: DocumentBias, device: torch.device) -> _Varlen:
-    """The variable-length form of ``bias``, built once per bias and device.
+def varlen_layout(bias: DocumentBias, device: torch.device, batch: int = 1) -> _Varlen:
+    """The variable-length form of ``bias`` for ``batch`` rows, built once per bias, device
+    and batch size.
 
     It reads the ids on the host (one copy if they live on the GPU, then cached).
     """
-    per_device = _VARLEN.setdefault(bias, {})
-    if device in per_device:
-        return per_device[device]
-    q_ids, kv_ids = bias.q_doc_ids, bias.kv_ids
+    per_call = _VARLEN.setdefault(bias, {})
+    if (device, batch) in per_call:
+        return per_call[device, batch]
     problem = None
-    docs_q: list[int] = []
-    docs_kv: list[int] = []
     lengths_q: list[int] = []
     lengths_kv: list[int] = []
-    if (q_ids.dim() == 2 and q_ids.shape[0] != 1) or (kv_ids.dim() == 2 and kv_ids.shape[0] != 1):
-        problem = "document ids per batch row"
-    else:
-        docs_q, lengths_q = _runs(q_ids)
-        docs_kv, lengths_kv = _runs(kv_ids)
+    offsets: set[int] = set()
+    rows = zip(_row_runs(bias.q_doc_ids, batch), _row_runs(bias.kv_ids, batch), strict=True)
+    for row, ((docs_q, row_q), (docs_kv, row_kv)) in enumerate(rows):
         if docs_q != docs_kv:
-            problem = "a document has queries but no keys, or keys but no queries"
-    cu_q = [0]
-    cu_k = [0]
-    if problem is None:
-        for length_q, length_kv in zip(lengths_q, lengths_kv, strict=True):
-            cu_q.append(cu_q[-1] + length_q)
-            cu_k.append(cu_k[-1] + length_kv)
-    offsets = {end_k - end_q for end_q, end_k in zip(cu_q[1:], cu_k[1:], strict=True)}
+            problem = "a document has queries but no keys, or keys but no queries" + (
+                f" (batch row {row})" if batch > 1 else ""
+            )
+            lengths_q, lengths_kv, offsets = [], [], set()
+            break
+        end_q = end_kv = 0
+        for length_q, length_kv in zip(row_q, row_kv, strict=True):
+            end_q, end_kv = end_q + length_q, end_kv + length_kv
+            offsets.add(end_kv - end_q)
+        lengths_q += row_q
+        lengths_kv += row_kv
     layout = _Varlen(
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        cu_seqlens_q=_bounds(lengths_q, device),
+        cu_seqlens_k=_bounds(lengths_kv, device),
         max_seqlen_q=max(lengths_q, default=0),
         max_seqlen_k=max(lengths_kv, default=0),
         end_offset=offsets.pop() if len(offsets) == 1 else None,
         problem=problem,
     )
-    per_device[device] = layout
+    per_call[device, batch] = layout
     return layout
+
+
+def _bounds(lengths: list[int], device: torch.device) -> Tensor:
+    """``[0, l0, l0 + l1, ...]`` as int32 on ``device``."""
+    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    bounds[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return bounds.to(device)
+
+
+def _rows_flattened(x: Tensor) -> Tensor:
+    """``(B, H, L, E)`` as FlashAttention's variable-length ``(B·L, H, E)``: a view where
+    :func:`_flattens_as_view`, the only calls this backend takes with documents."""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def _flattens_as_view(x: Tensor) -> bool:
+    batch, _, length, _ = x.shape
+    return batch == 1 or length == 1 or x.stride(0) == length * x.stride(2)
 
 
 def _document_part(spec: Spec) -> Any:
@@ -317,14 +344,16 @@ class FlashAttention4(Backend):
         if documents is None:
             return ["more than one DocumentBias in the sum"]
         reasons = []
-        if spec.shape[0] != 1:
+        batch = spec.shape[0]
+        if batch > 1 and not all(_flattens_as_view(x) for x in (spec.query, spec.key, spec.value)):
             reasons.append(
-                f"documents with batch size {spec.shape[0]} (its variable-length batch would "
-                f"copy q, k and v; batch size 1 is a view)"
+                f"documents at batch size {batch} where q, k and v are not (B, L, H, E) in "
+                f"memory: its variable-length batch would copy them, slower than the Triton "
+                f"kernel (projections viewed as .view(B, L, H, E).transpose(1, 2) need no copy)"
             )
         if spec.terms.slopes is not None:
             reasons.append("ALiBi with documents (its distances would restart per document)")
-        layout = varlen_layout(documents, spec.device)
+        layout = varlen_layout(documents, spec.device, spec.shape[0])
         if layout.problem is not None:
             reasons.append(layout.problem)
         has_band = spec.terms.band_lo is not None or spec.terms.band_hi is not None
@@ -342,7 +371,7 @@ class FlashAttention4(Backend):
             return None
         documents = _document_part(spec)
         assert documents is not None  # reasons() refuses calls without exactly one
-        return varlen_layout(documents, spec.device)
+        return varlen_layout(documents, spec.device, spec.shape[0])
 
     @staticmethod
     def _window(spec: Spec, layout: _Varlen | None) -> tuple[int | None, int | None]:
@@ -359,6 +388,8 @@ class FlashAttention4(Backend):
             terms.append("ALiBi score_mod")
         if spec.terms.q_doc is not None:
             terms.append("one variable-length sequence per document")
+            if spec.shape[0] > 1:
+                terms.append(f"the {spec.shape[0]} batch rows flattened as views")
         return f"FlashAttention 4 ({', '.join(terms)})"
 
     def run(self, spec: Spec) -> Tensor:
@@ -405,14 +436,8 @@ class FlashAttention4(Backend):
         )
 
         def run_documents(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-            # (L, H, E) of batch size 1: still views, and so are their gradients (indexing
-            # with [0] would zero-fill and copy each gradient in the backward)
-            out, _ = varlen(
-                query.squeeze(0).transpose(0, 1),
-                key.squeeze(0).transpose(0, 1),
-                value.squeeze(0).transpose(0, 1),
-                **options,
-            )
-            return _first_order(out.transpose(0, 1).unsqueeze(0), needs_grad)
+            batch, _, length_q, _ = query.shape
+            out, _ = varlen(*(_rows_flattened(x) for x in (query, key, value)), **options)
+            return _first_order(out.unflatten(0, (batch, length_q)).transpose(1, 2), needs_grad)
 
         return run_documents
