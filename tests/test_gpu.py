@@ -335,3 +335,56 @@ def test_fa4_refuses_double_backward() -> None:
         out = sdpa(q, q, q, attn_mask=SlidingWindowBias(31))
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+
+
+@needs_fa4
+@pytest.mark.parametrize("name", ["causal", "window_softcap", "alibi_causal"])
+def test_fa4_gives_a_shard_pair_what_the_exact_path_does(name: str) -> None:
+    """Context parallelism's shard pair on FlashAttention 4: its output and log-sum-exp, and
+    its share of a merged output's gradients (given the whole call's output and log-sum-exp)
+    within the oracle's budget."""
+    from attnbias.backends.registry import BACKENDS
+    from attnbias.biases.band import BandBias
+    from attnbias.spec import make_spec
+    from attnbias.terms import Block, Call
+
+    make_bias, heads_kv = {
+        "causal": (causal_lower_right, 2),
+        # keys i - 100 ..= i + 200: in the pair (the last keys) rows 0..183 keep nothing
+        "window_softcap": (lambda: BandBias(-100, 200) + SoftcapBias(5.0), 1),
+        "alibi_causal": (lambda: AlibiBias(num_heads=8) + causal_lower_right(), 8),
+    }[name]
+    batch, heads_q, length_q, length_kv, split = 2, 8, 384, 896, 384
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, grad_out = (
+        torch.randn(batch, heads_q, length_q, 128, device="cuda", generator=gen) for _ in "qg"
+    )
+    k, v = (
+        torch.randn(batch, heads_kv, length_kv, 128, device="cuda", generator=gen) for _ in "kv"
+    )
+    bias = make_bias()
+    whole = make_spec(q.double(), k.double(), v.double(), bias, False, None, 0.0, True)
+    merged_out, merged_lse = BACKENDS["reference"].forward_lse(whole)
+    keys = length_kv - split  # the pair: every query against the last keys
+    pair = bias.sub_block(
+        Call(batch, heads_q, length_q, length_kv), Block(0, split, length_q, keys)
+    )
+
+    def run(backend: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        inputs = [t.to(dtype) for t in (q, k[:, :, split:], v[:, :, split:])]
+        spec = make_spec(*inputs, pair, False, None, 0.0, True, needs_lse=True)
+        assert BACKENDS[backend].not_supported_reasons(spec) == []
+        out, lse = BACKENDS[backend].forward_lse(spec)
+        dq, dk, dv, _ = BACKENDS[backend].backward_lse(
+            spec, grad_out.to(dtype), merged_out.to(dtype), merged_lse, []
+        )
+        return [out, lse, dq, dk, dv]
+
+    got = run("fa4", torch.bfloat16)
+    exact = run("reference", torch.float64)
+    low = run("reference", torch.bfloat16)
+    assert torch.equal(got[1].isneginf(), exact[1].isneginf())
+    assert bool(got[1].isneginf().any()) == (name == "window_softcap")
+    for results in (got, exact, low):
+        results[1] = results[1].masked_fill(results[1].isneginf(), 0.0)
+    assert_close_to_oracle(got, exact, low, torch.bfloat16, ("out", "lse", "dq", "dk", "dv"))

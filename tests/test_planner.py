@@ -1058,7 +1058,8 @@ def fa4_standin(
     score_mod_bwd: Any = None,
     aux_tensors: list[Tensor] | None = None,
     pack_gqa: bool | None = None,
-) -> tuple[Tensor, None]:
+    return_lse: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """``flash_attn.cute.flash_attn_func`` in float64 torch, on ``(B, L, H, E)`` tensors.
 
     The library's score modifiers arrive as markers: ``("softcap", cap)`` for
@@ -1069,8 +1070,34 @@ def fa4_standin(
     side is open); ``causal=True`` means ``right = 0``; a window with ``left + right < 0``
     (in particular two negative sides) is read as no window at all. Soft-cap is
     ``cap * tanh(s / cap)`` on the scaled scores, and a query head ``h`` uses the key/value
-    head ``h // (Hq // Hkv)``. A row that keeps no key gives 0.
+    head ``h // (Hq // Hkv)``. A row that keeps no key gives 0 (and a log-sum-exp of ``-inf``:
+    ``return_lse=True`` gives it, ``(B, H, L)`` float32, natural log).
     """
+    scores, value = _standin_scores(
+        q, k, v, softmax_scale, causal, window_size, softcap, score_mod, score_mod_bwd,
+        aux_tensors, pack_gqa,
+    )  # fmt: skip
+    any_kept = scores.isfinite().any(dim=-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~any_kept, 0.0), dim=-1) * any_kept
+    out = (weights @ value).transpose(1, 2).to(q.dtype)
+    return out, (torch.logsumexp(scores, dim=-1).float() if return_lse else None)
+
+
+def _standin_scores(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int | None, int | None],
+    softcap: float,
+    score_mod: Any,
+    score_mod_bwd: Any,
+    aux_tensors: list[Tensor] | None,
+    pack_gqa: bool | None,
+) -> tuple[Tensor, Tensor]:
+    """The stand-in's float64 ``(B, Hq, L, S)`` scores (``-inf`` where not kept) and its
+    values repeated to ``Hq`` heads, ``(B, Hq, S, Ev)``."""
     for tensor in (q, k, v):
         assert tensor.dim() == 4 and tensor.stride(-1) == 1, tensor.stride()
     _, length_q, heads_q, head_dim = q.shape
@@ -1106,10 +1133,99 @@ def fa4_standin(
         keep &= cols >= rows - left
     if right is not None:
         keep &= cols <= rows + right
-    any_kept = keep.any(dim=-1, keepdim=True)
-    scores = scores.masked_fill(~keep, -math.inf).masked_fill(~any_kept, 0.0)
-    weights = torch.softmax(scores, dim=-1) * any_kept
-    return (weights @ value).transpose(1, 2).to(q.dtype), None
+    return scores.masked_fill(~keep, -math.inf), value
+
+
+def fa4_bwd_standin(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    causal: bool = False,
+    softcap: float = 0.0,
+    window_size_left: int | None = None,
+    window_size_right: int | None = None,
+    score_mod: Any = None,
+    score_mod_bwd: Any = None,
+    aux_tensors: list[Tensor] | None = None,
+    pack_gqa: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``flash_attn.cute.interface._flash_attn_bwd`` in float64 torch: the gradients of the
+    share ``P = exp(S - lse)`` of the keys in an output ``out`` whose log-sum-exp is ``lse``,
+    ``dS = P (dP - rowsum(dO * out))``, by autograd of the scores."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    scores, value = _standin_scores(
+        *leaves, softmax_scale, causal, (window_size_left, window_size_right), softcap,
+        score_mod, score_mod_bwd, aux_tensors, pack_gqa,
+    )  # fmt: skip
+    lse = lse.double()[..., None]
+    probs = torch.exp(scores - torch.where(lse == -math.inf, math.inf, lse))
+    out, dout = (x.double().transpose(1, 2) for x in (out, dout))
+    delta = (out * dout).sum(-1, keepdim=True)
+    objective = (dout * (probs @ value)).sum() - (delta * probs.sum(-1, keepdim=True)).sum()
+    dq, dk, dv = torch.autograd.grad(objective, leaves)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# A shard pair's bias for context parallelism: keys 8..20 of a 12 x 20 call (ALiBi unshifted).
+# (bias, key/value heads for 4 query heads)
+FA4_PAIR_BIASES: dict[str, tuple[Callable[[], AttnBias], int]] = {
+    "causal": (causal_lower_right, 2),
+    "window_softcap": (lambda: SlidingWindowBias(9, 2) + SoftcapBias(3.0), 1),
+    # rows 0..7 keep nothing in this pair, and something in the whole call
+    "alibi_causal": (lambda: AlibiBias(num_heads=4) + causal_upper_left(), 4),
+}
+
+
+@pytest.mark.parametrize("name", list(FA4_PAIR_BIASES))
+def test_fa4_gives_a_shard_pair_what_the_exact_path_does(standin: Recorder, name: str) -> None:
+    """A shard pair's output, log-sum-exp and share of a merged output's gradients through
+    FlashAttention 4's translation (the stand-ins) within the oracle's budget."""
+    from attnbias.terms import Block, Call
+
+    make_bias, heads_kv = FA4_PAIR_BIASES[name]
+    batch, heads_q, length_q, length_kv = 2, 4, 12, 20
+    generator = torch.Generator().manual_seed(3)
+    q, grad_out = (torch.randn(batch, heads_q, length_q, 16, generator=generator) for _ in "qg")
+    k, v = (torch.randn(batch, heads_kv, length_kv, 16, generator=generator) for _ in "kv")
+    bias = make_bias()
+    # the whole call's output and log-sum-exp, as the ring merges them from every pair
+    whole = make_spec(q.double(), k.double(), v.double(), bias, False, None, 0.0, True)
+    merged_out, merged_lse = BACKENDS["reference"].forward_lse(whole)
+    pair = bias.sub_block(Call(batch, heads_q, length_q, length_kv), Block(0, 8, length_q, 12))
+
+    def run(backend: str, dtype: torch.dtype) -> list[Tensor]:
+        inputs = [t.to(dtype) for t in (q, k[:, :, 8:], v[:, :, 8:])]
+        spec = make_spec(*inputs, pair, False, None, 0.0, True, needs_lse=True)
+        assert BACKENDS[backend].not_supported_reasons(spec) == []
+        out, lse = BACKENDS[backend].forward_lse(spec)
+        dq, dk, dv, found = BACKENDS[backend].backward_lse(
+            spec, grad_out.to(dtype), merged_out.to(dtype), merged_lse, []
+        )
+        assert found == []
+        return [out, lse, dq, dk, dv]
+
+    got = run("fa4", torch.bfloat16)
+    exact = run("reference", torch.float64)
+    low = run("reference", torch.bfloat16)
+    # the pair's empty rows: -inf in each, then compared as 0
+    assert torch.equal(got[1].isneginf(), exact[1].isneginf())
+    assert bool(got[1].isneginf().any()) == (name == "alibi_causal")
+    for results in (got, exact, low):
+        results[1] = results[1].masked_fill(results[1].isneginf(), 0.0)
+    names = ("out", "lse", "dq", "dk", "dv")
+    assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+
+
+def test_fa4_refuses_the_log_sum_exp_of_documents(standin: Recorder) -> None:
+    q, k, v = qkv()
+    spec = make_spec(q, k, v, DocumentBias.from_seqlens([6, 10]), False, None, 0.0, False,
+                     needs_lse=True)  # fmt: skip
+    reasons = BACKENDS["fa4"].not_supported_reasons(spec)
+    assert reasons == ["log-sum-exp of documents (context parallelism) is not wired"], reasons
 
 
 def test_the_standin_matches_the_oracle_on_flash_attention_windows() -> None:
@@ -1174,6 +1290,7 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
     monkeypatch.setattr(fa4, "_flash_attn_func", lambda: recorder)
     monkeypatch.setattr(fa4, "_flash_attn_varlen_func", lambda: Recorder(fa4_varlen_standin))
+    monkeypatch.setattr(fa4, "_flash_attn_bwd", lambda: fa4_bwd_standin)
     # the stand-in checks the translation at small head dims
     monkeypatch.setattr(fa4, "CHECKED_HEAD_DIMS", tuple(range(8, 257, 8)))
     # the score modifiers are CuTe code: the stand-in gets markers for them

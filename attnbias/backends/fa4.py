@@ -24,14 +24,14 @@ import functools
 import importlib
 import importlib.util
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend, Prepared, refuse_double_backward
+from attnbias.backends.base import Backend, LseGrads, Prepared, refuse_double_backward
 from attnbias.spec import Spec
 from attnbias.terms import Terms
 
@@ -60,6 +60,15 @@ def _flash_attn_func() -> Callable[..., Any]:
     # Importing it loads the CuTe DSL: seconds, so only on first use.
     module = importlib.import_module("flash_attn.cute")
     return module.flash_attn_func
+
+
+@functools.cache
+def _flash_attn_bwd() -> Callable[..., Any] | None:
+    """FlashAttention 4's backward given an output and log-sum-exp, or ``None`` where this
+    version has none. It is not public API: context parallelism needs it with the merged
+    output and log-sum-exp (:meth:`FlashAttention4.backward_lse`)."""
+    module = importlib.import_module("flash_attn.cute.interface")
+    return getattr(module, "_flash_attn_bwd", None)
 
 
 @functools.cache
@@ -266,6 +275,7 @@ class FlashAttention4(Backend):
 
     name = "fa4"
     dtypes = (torch.float16, torch.bfloat16)
+    returns_lse = True
 
     def reasons(self, spec: Spec) -> list[str]:
         if spec.compiling:  # and the checks below are not traceable
@@ -299,8 +309,17 @@ class FlashAttention4(Backend):
                     reasons.append("its backward at head dim 256 has no soft-cap on capability 10")
         if spec.dropout_p > 0.0:
             reasons.append(f"dropout_p={spec.dropout_p}: FlashAttention 4 has no dropout")
+        if spec.needs_lse and _installed() and _flash_attn_bwd() is None:
+            reasons.append(
+                "this flash_attn.cute has no backward given a log-sum-exp (_flash_attn_bwd), "
+                "which context parallelism needs"
+            )
         if terms.q_doc is not None:
-            reasons += self._document_reasons(spec)
+            if spec.needs_lse:
+                # its variable-length log-sum-exp is laid out (H, total): not wired here
+                reasons.append("log-sum-exp of documents (context parallelism) is not wired")
+            else:
+                reasons += self._document_reasons(spec)
         if terms.slopes is not None:
             if terms.slopes.shape[0] != 1:
                 reasons.append("ALiBi slopes per batch row (its score modifier reads (Hq,))")
@@ -395,10 +414,44 @@ class FlashAttention4(Backend):
     def run(self, spec: Spec) -> Tensor:
         return self.prepare(spec)(spec.query, spec.key, spec.value)
 
-    def prepare(self, spec: Spec) -> Prepared:
+    def forward_lse(self, spec: Spec) -> tuple[Tensor, Tensor]:
+        """FlashAttention 4's forward with its log-sum-exp (natural log, ``-inf`` for a row
+        that keeps nothing, as :meth:`Backend.forward_lse` says), recording no graph."""
+        options = self._options(spec, None)
+        with torch.no_grad():
+            out, lse = _flash_attn_func()(
+                *(x.transpose(1, 2) for x in (spec.query, spec.key, spec.value)),
+                return_lse=True,
+                **options,
+            )
+        return out.transpose(1, 2), lse
+
+    def backward_lse(
+        self, spec: Spec, grad_out: Tensor, out: Tensor, lse: Tensor, wrt: Sequence[Tensor]
+    ) -> LseGrads:
+        """FlashAttention 4's backward kernels given the merged output and log-sum-exp (its
+        softmax-gradient term ``rowsum(dO * O)`` is then the merged one). Its bias terms hold
+        no learnable tensor (slopes that require grad are refused), so ``wrt`` gets nothing."""
+        options = self._options(spec, None)
+        left, right = options.pop("window_size")
+        options.pop("softmax_scale")
+        backward = _flash_attn_bwd()
+        assert backward is not None  # reasons() refuses the call without it
+        dq, dk, dv = backward(
+            *(x.transpose(1, 2) for x in (spec.query, spec.key, spec.value)),
+            out.to(spec.dtype).transpose(1, 2),
+            grad_out.to(spec.dtype).transpose(1, 2),
+            lse.float().contiguous(),
+            spec.resolved_scale,
+            window_size_left=left,
+            window_size_right=right,
+            **options,
+        )[:3]
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), [None] * len(wrt)
+
+    def _options(self, spec: Spec, layout: _Varlen | None) -> dict[str, Any]:
+        """FlashAttention 4's keyword arguments for the call's scale, band and score terms."""
         terms = spec.terms
-        needs_grad = spec.needs_grad
-        layout = self._layout(spec)
         options: dict[str, Any] = {
             "softmax_scale": spec.resolved_scale,
             "window_size": self._window(spec, layout),
@@ -415,6 +468,12 @@ class FlashAttention4(Backend):
                 aux_tensors=[terms.slopes[0]],
                 pack_gqa=False,
             )
+        return options
+
+    def prepare(self, spec: Spec) -> Prepared:
+        needs_grad = spec.needs_grad
+        layout = self._layout(spec)
+        options = self._options(spec, layout)
         if layout is None:
             dense = _flash_attn_func()
 
