@@ -488,9 +488,8 @@ def _attn_bwd_dq_inner(
             t = qk
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            # masked pairs select 0 whatever their score; before the dP product, so that the
-            # select overlaps it (after it, the select delayed the dQ product: the documents
-            # dQ kernel ran 5-7% slower on an H100)
+            # masked pairs select 0 whatever their score, before the dP product so that the
+            # select overlaps it rather than delay the dQ product (benchmarks/NOTES.md)
             keep = _partial_keep(
                 offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
                 MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
