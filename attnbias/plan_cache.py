@@ -9,8 +9,9 @@ every layer and every step. A call is identified here by everything the decision
   rebuilt each step still hits; a :class:`DocumentBias` and a :class:`KeyRangeBias` by
   identity, and the entry keeps them alive so that their identity cannot be reused (the terms
   it stores hold their tensors on the device); any other bias is not kept (``None``);
-- the shapes, strides, dtypes, devices and ``requires_grad`` of query, key and value, and grad
-  mode (a backend may take a call only in some memory layouts);
+- the shapes, dtypes, devices and ``requires_grad`` of query, key and value, and grad mode
+  (not the strides: a call in another memory layout runs on the decision of the first, which
+  every backend runs exactly in any layout);
 - every flag with its type (``1`` and ``True`` are different calls: validation may treat them
   differently);
 - the :func:`~attnbias.use_backends` policy in force.
@@ -103,9 +104,6 @@ def call_key(
         query.shape,
         key.shape,
         value.shape,
-        query.stride(),
-        key.stride(),
-        value.stride(),
         query.dtype,
         key.dtype,
         value.dtype,

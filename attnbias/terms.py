@@ -123,6 +123,10 @@ class Terms:
     q_doc: Tensor | None = None  # (1 or B, L) int64
     kv_doc: Tensor | None = None  # (1 or B, S) int64
     slopes: Tensor | None = None  # (1 or B, Hq) float32
+    # ALiBi's distances i + (S - L) + alibi_shift - j (a block of a larger call's), and the
+    # bias parts the slopes come from (materialized instead when two shifts meet in a sum)
+    alibi_shift: int = 0
+    alibi_parts: tuple[object, ...] = ()
     softcap: float | None = None
     # bias parts with no kernel form (materialized by the routes that take them)
     others: tuple[object, ...] = ()
@@ -149,6 +153,7 @@ class Terms:
             kv_start=self.kv_start,
             kv_end=self.kv_end,
             alibi_slopes=self.slopes,
+            alibi_shift=self.alibi_shift or None,
             softcap=self.softcap,
             mods=self.mods[0].compile_with(self.mods) if self.mods else None,
         )
@@ -156,7 +161,8 @@ class Terms:
 
     def merge(self, other: Terms) -> Terms:
         """Both terms at once: bands and key ranges intersect, documents combine, ALiBi slopes
-        add up; the soft-cap is the one that is set (a sum holds at most one)."""
+        add up (of two shifts, the ALiBi parts are materialized instead); the soft-cap is the
+        one that is set (a sum holds at most one)."""
         if other.q_doc is None or other.kv_doc is None:
             docs = (self.q_doc, self.kv_doc)
         elif self.q_doc is None or self.kv_doc is None:
@@ -172,17 +178,26 @@ class Terms:
                     torch.maximum(self.kv_start, other.kv_start),
                     torch.minimum(self.kv_end, other.kv_end),
                 )
-        slopes = self.slopes
+        slopes, shift, alibi_parts = self.slopes, self.alibi_shift, self.alibi_parts
+        materialized: tuple[object, ...] = ()
         if other.slopes is not None:
-            slopes = other.slopes if slopes is None else slopes + other.slopes
+            if slopes is None:
+                slopes, shift, alibi_parts = other.slopes, other.alibi_shift, other.alibi_parts
+            elif shift == other.alibi_shift:
+                slopes, alibi_parts = slopes + other.slopes, alibi_parts + other.alibi_parts
+            else:  # distances to two diagonals: no one kernel term
+                materialized = alibi_parts + other.alibi_parts
+                slopes, shift, alibi_parts = None, 0, ()
         return Terms(
             band_lo=_tighter(self.band_lo, other.band_lo, max),
             band_hi=_tighter(self.band_hi, other.band_hi, min),
             q_doc=docs[0],
             kv_doc=docs[1],
             slopes=slopes,
+            alibi_shift=shift,
+            alibi_parts=alibi_parts,
             softcap=self.softcap if other.softcap is None else other.softcap,
-            others=self.others + other.others,
+            others=self.others + other.others + materialized,
             kv_start=key_range[0],
             kv_end=key_range[1],
             doc_parts=self.doc_parts + other.doc_parts,
@@ -203,6 +218,8 @@ class Terms:
             q_doc=None if self.q_doc is None else self.q_doc.contiguous(),
             kv_doc=None if self.kv_doc is None else self.kv_doc.contiguous(),
             slopes=None if self.slopes is None else self.slopes.contiguous(),
+            alibi_shift=self.alibi_shift,
+            alibi_parts=self.alibi_parts,
             softcap=self.softcap,
             others=self.others,
             kv_start=self.kv_start,

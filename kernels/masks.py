@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MaskArgs",
+    "alibi_score_offset",
+    "alibi_sign",
     "doc_stride",
     "late_cols_first",
     "late_rows_first",
@@ -206,6 +208,46 @@ def _document_ranges(q_doc: Tensor, kv_doc: Tensor, *, rows: bool, cols: bool) -
     return ranges
 
 
+def alibi_sign(program: MaskProgram, seq_q: int, seq_k: int) -> int:
+    """``+1`` (``-1``) when every pair the band keeps has its ALiBi distance
+    ``i + (S - L) + alibi_shift - j`` at least (at most) 0, else 0.
+
+    The distance is ``(S - L + shift) - (j - i)``: one sign over the band when the band lies on
+    one side of ``j - i = S - L + shift`` (causal attention does); its ``|.|`` is then the
+    distance or its negation, which saves an instruction per score. Unshifted, only the band's
+    own limits count; shifted, the grid's too (``1 - L <= j - i <= S - 1``)."""
+    band_lo, band_hi = program.band_lo, program.band_hi
+    shift = program.alibi_shift or 0
+    diagonal = seq_k - seq_q + shift
+    if shift:
+        band_lo = 1 - seq_q if band_lo is None else max(band_lo, 1 - seq_q)
+        band_hi = seq_k - 1 if band_hi is None else min(band_hi, seq_k - 1)
+    else:  # the bounds mask_args keeps (a vacuous one is dropped there)
+        band_lo = band_lo if band_lo is not None and band_lo > 1 - seq_q else None
+        band_hi = band_hi if band_hi is not None and band_hi < seq_k - 1 else None
+        if band_lo is not None:
+            band_lo = min(band_lo, seq_k)
+        if band_hi is not None:
+            band_hi = max(band_hi, -seq_q)
+    if band_hi is not None and band_hi <= diagonal:
+        return 1
+    if band_lo is not None and band_lo >= diagonal:
+        return -1
+    return 0
+
+
+def alibi_score_offset(program: MaskProgram, seq_q: int, seq_k: int) -> Tensor | None:
+    """What the kernels' scores of a shifted ALiBi add to the exact ones, ``(1 | B, Hq, 1)``
+    float32 (natural log): ``slope * sign * alibi_shift`` on every pair of a row (``None``
+    without a shift). The kernels' log-sum-exp is the exact one plus this."""
+    slopes, shift = program.alibi_slopes, program.alibi_shift
+    if slopes is None or not shift:
+        return None
+    sign = alibi_sign(program, seq_q, seq_k)
+    slopes = slopes.float()
+    return (slopes if slopes.dim() == 2 else slopes[None])[..., None] * float(sign * shift)
+
+
 def mask_args(
     q: Tensor,
     k: Tensor,
@@ -257,15 +299,12 @@ def mask_args(
             stride_sb = 0 if slopes.shape[0] == 1 else slopes.stride(0)
             stride_sh = slopes.stride(1)
 
-    # The ALiBi distance i + (S - L) - j = (S - L) - (j - i) has one sign over the band when
-    # the band lies on one side of j - i = S - L (causal attention does); its |.| is then
-    # the distance or its negation, which saves an instruction per score.
-    shift = seq_k - seq_q
-    alibi_sign = 0
-    if has_hi and hi <= shift:
-        alibi_sign = 1
-    elif has_lo and lo >= shift:
-        alibi_sign = -1
+    sign = 0 if alibi_slopes is None else alibi_sign(program, seq_q, seq_k)
+    if program.alibi_shift and alibi_slopes is not None and sign == 0:
+        raise ValueError(
+            f"ALiBi shifted by {program.alibi_shift} runs in the kernels only where every kept "
+            f"pair's distance has one sign ({program.describe()}, L={seq_q}, S={seq_k})"
+        )
 
     if softcap is not None:
         softcap_in, softcap_out = scale / softcap, softcap * LOG2E
@@ -298,7 +337,7 @@ def mask_args(
         kv_start=kv_start,
         kv_end=kv_end,
         slopes=slopes,
-        alibi_sign=alibi_sign,
+        alibi_sign=sign,
         stride_sb=stride_sb,
         stride_sh=stride_sh,
         qk_scale=scale * LOG2E,

@@ -86,7 +86,13 @@ class MaskProgram:
     ``kv_start[b] <= j < kv_end[b]`` (``(B,)`` or ``(1,)`` integers, both or neither), and,
     with ``blocks``, when its block is listed for that query block. Scores are
     ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then ``- slope[b, h] *
-    |i + S - L - j|`` with ``alibi_slopes`` ``(1 | B, Hq)`` float32.
+    |i + S - L + alibi_shift - j|`` with ``alibi_slopes`` ``(1 | B, Hq)`` float32.
+
+    A nonzero ``alibi_shift`` (a block of a larger call, for context parallelism) runs only
+    where every kept pair's distance has one sign (:func:`~.masks.alibi_sign`): the kernels
+    then score ``- slope * sign * (i + S - L - j)``, which is the shifted term plus
+    ``slope * sign * alibi_shift`` on every pair of a row, a constant the softmax ignores and
+    :func:`alibi_score_offset` gives to the log-sum-exp.
     """
 
     band_lo: int | None = field(default=None, metadata={_KIND: "int"})
@@ -96,6 +102,7 @@ class MaskProgram:
     kv_start: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (B,) or (1,)
     kv_end: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (B,) or (1,)
     alibi_slopes: Tensor | None = field(default=None, metadata={_KIND: "tensor"})  # (1|B, Hq)
+    alibi_shift: int | None = field(default=None, metadata={_KIND: "int"})  # None: 0
     softcap: float | None = field(default=None, metadata={_KIND: "float"})
     blocks: BlockLists | None = field(default=None, metadata={_KIND: "lists"})
     # generated mask and score functions (kernels/modfn.py), applied after the terms above
@@ -204,7 +211,7 @@ class MaskProgram:
         if self.has_key_range:
             terms.append("key range kv_start[b] <= j < kv_end[b]")
         if self.alibi_slopes is not None:
-            terms.append("ALiBi")
+            terms.append(f"ALiBi shifted by {self.alibi_shift}" if self.alibi_shift else "ALiBi")
         if self.softcap is not None:
             terms.append(f"soft-cap {self.softcap:g}")
         if self.blocks is not None:

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from oracle import assert_close_to_oracle, attention
+from oracle import assert_close_to_oracle, attention, run_with_grads
 from torch import Tensor
 
 import attnbias
@@ -41,7 +41,9 @@ from attnbias import (
     causal_lower_right,
     causal_upper_left,
     distributed,
+    use_backends,
 )
+from attnbias.biases.band import BandBias
 
 TIMEOUT_S = 120
 
@@ -542,6 +544,113 @@ def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str
     low = run("reference", torch.bfloat16)
     names = ("out", "lse", "dq", "dk", "dv", "dparam")
     assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+
+
+# A shifted ALiBi (a block's view of a call's) with the band that decides where it runs:
+# (bias, L, S, whether the Triton kernel takes it)
+SHIFTED_ALIBI = {
+    # causal: every kept pair on one side of the shifted diagonal, for any shift >= 0
+    "causal_shift_29": (
+        lambda: AlibiBias(num_heads=2, shift=29) + causal_lower_right(), 20, 36, True
+    ),
+    "causal_upper_left": (
+        lambda: AlibiBias(num_heads=2, shift=20) + causal_upper_left(), 36, 20, True
+    ),
+    # j - i >= 20 and diagonal S - L + shift = 20 - 7: the other side
+    "anti_causal": (
+        lambda: AlibiBias(slopes=torch.tensor([0.5, 0.25]), shift=-7) + BandBias(20, None),
+        24, 48, True,
+    ),
+    # a band across the shifted diagonal: materialized
+    "window_across": (
+        lambda: AlibiBias(num_heads=2, shift=-4) + SlidingWindowBias(6, 6), 24, 24, False
+    ),
+    # two shifts in one sum: no one kernel term, both materialized
+    "two_shifts": (
+        lambda: AlibiBias(num_heads=2, shift=2) + AlibiBias(num_heads=2, shift=5)
+        + causal_lower_right(),
+        24, 24, False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SHIFTED_ALIBI))
+def test_a_shifted_alibi_runs_on_the_triton_kernel_where_its_distances_have_one_sign(
+    name: str,
+) -> None:
+    make_bias, length_q, length_kv, fused = SHIFTED_ALIBI[name]
+    bias = make_bias()
+    generator = torch.Generator().manual_seed(5)
+    q, grad_out = (torch.randn(2, 2, length_q, 16, generator=generator) for _ in "qg")
+    k, v = (torch.randn(2, 1, length_kv, 16, generator=generator) for _ in "kv")
+    q, k, v, grad_out = (t.to(torch.bfloat16) for t in (q, k, v, grad_out))
+    pinned = use_backends("triton") if fused else use_backends(exclude=["triton"])
+    with pinned:
+        route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=True)
+        results = run_with_grads(
+            lambda *t: attnbias.sdpa(*t, attn_mask=bias, enable_gqa=True), (q, k, v), grad_out
+        )
+    if not fused:
+        reasons = (
+            "ALiBi shifted by -4: the band does not keep"
+            if name == "window_across"
+            else ("AlibiBias, AlibiBias has no kernel form")
+        )
+        assert reasons in route, route
+    expected = run_with_grads(
+        lambda *t: attention(*t, bias, enable_gqa=True),
+        (q.double(), k.double(), v.double()),
+        grad_out.double(),
+    )
+    low = run_with_grads(
+        lambda *t: attention(*t, bias, enable_gqa=True, dtype=torch.bfloat16), (q, k, v), grad_out
+    )
+    assert_close_to_oracle(results, expected, low, torch.bfloat16, ("out", "dq", "dk", "dv"))
+
+
+def test_a_shifted_alibi_runs_on_the_decode_kernel() -> None:
+    bias = AlibiBias(num_heads=4, shift=50) + causal_lower_right()
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 3, 16, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 70, 16, generator=generator).to(torch.bfloat16) for _ in "kv")
+    with use_backends("triton-decode"):
+        out = attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    expected = attention(q.double(), k.double(), v.double(), bias, enable_gqa=True)
+    low = attention(q, k, v, bias, enable_gqa=True, dtype=torch.bfloat16)
+    assert_close_to_oracle([out], [expected], [low], torch.bfloat16, ("out",))
+
+
+def test_the_triton_kernel_gives_a_shifted_alibi_pair_its_log_sum_exp() -> None:
+    """An ALiBi pair off the call's own alignment (context parallelism's blocks): its
+    log-sum-exp and its share of the merged output's gradients from the Triton kernel."""
+    from attnbias.backends.registry import BACKENDS
+    from attnbias.spec import make_spec
+    from attnbias.terms import Block, Call
+
+    torch.manual_seed(1)
+    length_q, length_kv = 16, 40
+    q, grad_out = (torch.randn(1, 2, length_q, 16) for _ in "qg")
+    k, v = (torch.randn(1, 2, length_kv, 16) for _ in "kv")
+    bias = AlibiBias(num_heads=2) + causal_lower_right()
+    whole = make_spec(q.double(), k.double(), v.double(), bias, False, None, 0.0, False)
+    merged_out, merged_lse = BACKENDS["reference"].forward_lse(whole)
+    pair = bias.sub_block(Call(1, 2, length_q, length_kv), Block(0, 8, length_q, 16))
+    assert "shift=" in repr(pair), repr(pair)
+
+    def run(name: str, dtype: torch.dtype) -> list[Tensor]:
+        inputs = [t.to(dtype) for t in (q, k[:, :, 8:24], v[:, :, 8:24])]
+        spec = make_spec(*inputs, pair, False, None, 0.0, False, needs_lse=True)
+        assert BACKENDS[name].not_supported_reasons(spec) == []
+        out, lse = BACKENDS[name].forward_lse(spec)
+        dq, dk, dv, _ = BACKENDS[name].backward_lse(
+            spec, grad_out.to(dtype), merged_out.to(dtype), merged_lse, []
+        )
+        return [out, lse, dq, dk, dv]
+
+    got = run("triton", torch.bfloat16)
+    exact = run("reference", torch.float64)
+    low = run("reference", torch.bfloat16)
+    assert_close_to_oracle(got, exact, low, torch.bfloat16, ("out", "lse", "dq", "dk", "dv"))
 
 
 def test_a_block_of_every_bias_is_its_materialized_form_sliced() -> None:

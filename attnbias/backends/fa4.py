@@ -207,7 +207,8 @@ def _bounds(lengths: list[int], device: torch.device) -> Tensor:
 
 def _rows_flattened(x: Tensor) -> Tensor:
     """``(B, H, L, E)`` as FlashAttention's variable-length ``(B·L, H, E)``: a view where
-    :func:`_flattens_as_view`, the only calls this backend takes with documents."""
+    :func:`_flattens_as_view` (the calls this backend takes with documents), a copy for a call
+    of another layout that reuses such a call's cached decision."""
     return x.transpose(1, 2).flatten(0, 1)
 
 
@@ -321,6 +322,11 @@ class FlashAttention4(Backend):
             else:
                 reasons += self._document_reasons(spec)
         if terms.slopes is not None:
+            if terms.alibi_shift:
+                reasons.append(
+                    f"ALiBi shifted by {terms.alibi_shift} (its score modifier measures from "
+                    f"the call's own diagonal)"
+                )
             if terms.slopes.shape[0] != 1:
                 reasons.append("ALiBi slopes per batch row (its score modifier reads (Hq,))")
             if terms.softcap is not None:

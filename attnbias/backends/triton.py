@@ -47,6 +47,14 @@ def kernel_reasons(spec: Spec, kernel: str) -> list[str]:
             f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
             f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
         )
+    if spec.terms.slopes is not None and spec.terms.alibi_shift:
+        from attnbias.kernels.masks import alibi_sign
+
+        if alibi_sign(spec.program, length_q, length_kv) == 0:
+            reasons.append(
+                f"ALiBi shifted by {spec.terms.alibi_shift}: the band does not keep every pair "
+                f"on one side of the shifted diagonal, which the kernels' form of a shift needs"
+            )
     if not spec.compiling and not _triton_installed():
         reasons.append("Triton is not installed")
     return reasons
@@ -133,10 +141,13 @@ class TritonKernel(Backend):
 
     def forward_lse(self, spec: Spec) -> tuple[Tensor, Tensor]:
         from attnbias.kernels import attention_forward
+        from attnbias.kernels.masks import alibi_score_offset
 
-        return attention_forward(
+        out, lse = attention_forward(
             spec.query, spec.key, spec.value, spec.program, scale=spec.resolved_scale
         )
+        offset = alibi_score_offset(spec.program, spec.shape[2], spec.shape[3])
+        return out, lse if offset is None else lse - offset
 
     def backward_lse(
         self, spec: Spec, grad_out: Tensor, out: Tensor, lse: Tensor, wrt: Sequence[Tensor]
@@ -145,8 +156,12 @@ class TritonKernel(Backend):
         program's ALiBi slopes and of its score functions' tensors are carried on to ``wrt``
         by autograd (through whatever made them from ``wrt``)."""
         from attnbias.kernels import attention_backward
+        from attnbias.kernels.masks import alibi_score_offset
 
         program = spec.program
+        offset = alibi_score_offset(program, spec.shape[2], spec.shape[3])
+        if offset is not None:  # the kernels' scores of a shifted ALiBi, and so their lse
+            lse = lse + offset
         slopes = program.alibi_slopes
         mod_tensors = (
             []

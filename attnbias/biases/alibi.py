@@ -83,7 +83,9 @@ class AlibiBias(KernelBias):
 
     ``shift`` moves the distances along the diagonal, ``-slope_h * |i + (S - L) + shift - j|``:
     it is how a block of a call sees the call's ALiBi (:meth:`sub_block`, context parallelism).
-    The kernels take no shift yet: a shifted ALiBi runs on the materializing routes.
+    The Triton kernels take a shift where the band keeps every pair on one side of the shifted
+    diagonal (a causal call's blocks do) and the slopes need no gradient; otherwise a shifted
+    ALiBi runs on the materializing routes.
 
     >>> AlibiBias(num_heads=2).materialize(shape=(1, 2, 2, 2))[0]
     tensor([[-0.0000, -0.0625],
@@ -170,9 +172,12 @@ class AlibiBias(KernelBias):
             )
 
     def lower(self, call: Call) -> Terms:
-        if self.shift:
-            return Terms(others=(self,))  # no kernel term for a shifted ALiBi: materialized
-        return Terms(slopes=self.slope_tensor(call.device))
+        if self.shift and self.slopes is not None and self.slopes.requires_grad:
+            # the kernels' form of a shifted ALiBi has no slope gradient: materialized
+            return Terms(others=(self,))
+        return Terms(
+            slopes=self.slope_tensor(call.device), alibi_shift=self.shift, alibi_parts=(self,)
+        )
 
     def sub_block(self, call: Call, block: Block) -> AlibiBias:
         """The same slopes, the distances shifted to the block's place in the call."""
