@@ -131,6 +131,7 @@ def _attn_bwd_dkdv_inner(
         else:
             tT = qkT
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         if MASKED:
             # masked pairs select 0 whatever their score
             keep = _partial_keep(
@@ -138,7 +139,6 @@ def _attn_bwd_dkdv_inner(
                 MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS, TRANSPOSED=True,
             )  # fmt: skip
             pT = tl.where(keep, pT, 0.0)
-        do = _load_tile(do_ptrs, offs_m, seq_q, BOUNDS, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
         dv = _dot(pT.to(do.dtype), do, dv, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         dpT = _dot(v, tl.trans(do), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         dsT = pT * (dpT - delta[None, :])
@@ -146,8 +146,8 @@ def _attn_bwd_dkdv_inner(
             dsT = dsT * dmodT
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        if MASKED and (HAS_SOFTCAP or SCORE_GRAD_FN is not None):
-            dsT = tl.where(keep, dsT, 0.0)  # tT or the derivative of a masked pair may be NaN
+        if MASKED:
+            dsT = tl.where(keep, dsT, 0.0)
         dk = _dot(dsT.to(q.dtype), q, dk, DOT_PRECISION)  # [BLOCK_N, BLOCK_E]
         offs_m += BLOCK_M
         q_ptrs += BLOCK_M * stride_qm
@@ -487,20 +487,22 @@ def _attn_bwd_dq_inner(
         else:
             t = qk
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])
         if MASKED:
-            # masked pairs select 0 whatever their score, before the dP product so that the
-            # select overlaps it rather than delay the dQ product (benchmarks/NOTES.md)
+            # masked pairs select 0 whatever p and dp are
             keep = _partial_keep(
                 offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
                 MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
             )  # fmt: skip
-            p = tl.where(keep, p, 0.0)
-        dp = _dot(do, tl.trans(v), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])
+            ds = tl.where(keep, ds, 0.0)
         if HAS_DSLOPE:
             dist = tl.abs(rel)
             pd = p * dp
             pr = p * dist
+            if MASKED:
+                pd = tl.where(keep, pd, 0.0)
+                pr = tl.where(keep, pr, 0.0)
             slope_pdr += tl.sum(pd * dist, 1)
             slope_pr += tl.sum(pr, 1)
             slope_pd += tl.sum(pd, 1)
