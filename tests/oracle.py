@@ -174,21 +174,25 @@ def _mod_scores(
     ModBias's ``score_mod`` in the order of the sum. Returns the ``(B, H, L, S)`` scores, not
     masked, and the ``(B, H, L, S)`` bool of the pairs every mask keeps (the built-ins', every
     ``mask_mod``, and a ``score_mod`` that returned ``-inf``). ``k`` has the heads of ``q``."""
+    return _biased_scores((q @ k.transpose(-1, -2)) * scale, bias, dtype)
+
+
+def _biased_scores(scores: Tensor, bias: AttnBias, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """:func:`_mod_scores` from the scaled dot products ``scores`` ``(B, H, L, S)``."""
     parts = bias.parts if isinstance(bias, CompositeBias) else (bias,)
     mods = [p for p in parts if is_mod_bias(p)]
     caps = [p.cap for p in parts if isinstance(p, SoftcapBias)]
     builtins = [p for p in parts if not is_mod_bias(p) and not isinstance(p, SoftcapBias)]
-    batch, heads, length_q, _ = q.shape
-    shape = (batch, heads, length_q, k.shape[-2])
-    scores = (q @ k.transpose(-1, -2)) * scale
+    shape = tuple(scores.shape)
+    device = scores.device
     if caps:
         scores = caps[0] * torch.tanh(scores / caps[0])
-    keep = torch.ones(shape, dtype=torch.bool, device=q.device)
+    keep = torch.ones(shape, dtype=torch.bool, device=device)
     if builtins:
         rest = builtins[0]
         for part in builtins[1:]:
             rest = rest + part
-        tensor = rest.materialize(q.device, shape=shape, dtype=dtype)
+        tensor = rest.materialize(device, shape=shape, dtype=dtype)
         if tensor.dtype == torch.bool:
             keep = keep & tensor
         else:
@@ -198,9 +202,90 @@ def _mod_scores(
             scores = scores + tensor.masked_fill(masked, 0.0)
     for part in mods:
         scores = grid_score(part, scores)
-        keep = keep & grid_mask(part, *shape, device=q.device)
+        keep = keep & grid_mask(part, *shape, device=device)
     keep = keep & ~torch.isneginf(scores)
     return scores, keep.broadcast_to(shape)
+
+
+def _kept_softmax(scores: Tensor, keep: Tensor) -> Tensor:
+    """Softmax weights of ``scores`` (``-inf`` where not kept) over the last dim; a row that
+    keeps nothing gets 0 weights (the semantics' empty rows)."""
+    any_kept = keep.any(dim=-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(~any_kept, 0.0), dim=-1) * any_kept
+
+
+def shard_pair(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias,
+    keys: slice,
+    grad_out: Tensor,
+    *,
+    wrt: Sequence[Tensor] = (),
+    dtype: torch.dtype = torch.float64,
+) -> list[Tensor]:
+    """Context parallelism's oracle for one shard pair: every query of a call against the keys
+    ``keys`` of it, in ``dtype`` by stock PyTorch, from ``bias`` over the whole call.
+
+    Returns ``[out, lse, dq, dk, dv, *grads]``: the pair's own attention ``(B, Hq, L, Ev)``
+    and natural log-sum-exp ``(B, Hq, L)`` (0 and ``-inf`` for a row the pair keeps nothing
+    of), and the gradients of the whole call's output (with ``grad_out``) through this pair
+    only: ``dq`` through its scores, ``dk`` and ``dv`` of its keys ``(B, Hkv, S', E)``, and
+    those of ``wrt`` (tensors the bias is made from, through the pair's scores)."""
+    q, k, v, grad_out = (x.detach().to(dtype) for x in (query, key, value, grad_out))
+    group = q.shape[1] // k.shape[1]
+    # q twice: one leaf for the pair's columns, one for the rest, so that dq is the pair's
+    q_pair, q_rest, k, v = (x.clone().requires_grad_() for x in (q, q, k, v))
+    k_all, v_all = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scale = 1 / math.sqrt(q.shape[-1])
+    columns = torch.zeros(k.shape[-2], dtype=torch.bool)
+    columns[keys] = True
+    dots = torch.where(
+        columns.to(q.device), q_pair @ k_all.transpose(-1, -2), q_rest @ k_all.transpose(-1, -2)
+    )
+    scores, keep = _biased_scores(dots * scale, bias, dtype)
+    scores = scores.masked_fill(~keep, -math.inf)
+    out = _kept_softmax(scores, keep) @ v_all
+    wanted = [q_pair, k, v, *wrt]
+    grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+    pair_scores, pair_keep = scores[..., keys], keep[..., keys]
+    pair_out = (_kept_softmax(pair_scores, pair_keep) @ v_all[..., keys, :]).detach()
+    pair_lse = torch.logsumexp(pair_scores, dim=-1).detach()
+    dq, dk, dv, *rest = (None if g is None else g.detach() for g in grads)
+    assert dq is not None and dk is not None and dv is not None
+    return [pair_out, pair_lse, dq, dk[..., keys, :], dv[..., keys, :], *rest]  # type: ignore[list-item]
+
+
+def whole_call(query: Tensor, key: Tensor, value: Tensor, bias: AttnBias) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the whole call in float64: what a ring merges from every pair."""
+    zeros = torch.zeros(*query.shape[:-1], value.shape[-1], dtype=torch.float64)
+    out, lse, *_ = shard_pair(query, key, value, bias, slice(None), zeros.to(query.device))
+    return out, lse
+
+
+def assert_shard_pair_close(
+    got: Sequence[Tensor],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: AttnBias,
+    keys: slice,
+    grad_out: Tensor,
+    dtype: torch.dtype,
+) -> Tensor:
+    """A backend's ``[out, lse, dq, dk, dv]`` for a shard pair (:func:`shard_pair`) within the
+    budget, its inputs in ``dtype``; a row the pair keeps nothing of must have ``lse = -inf``
+    (then compared as 0). Returns those rows, ``(B, Hq, L)`` bool."""
+    exact = shard_pair(query, key, value, bias, keys, grad_out)
+    low = shard_pair(query, key, value, bias, keys, grad_out, dtype=dtype)
+    got = list(got)
+    empty = exact[1].isneginf()
+    assert torch.equal(got[1].isneginf(), empty), "rows with lse = -inf differ"
+    for results in (got, exact, low):
+        results[1] = results[1].masked_fill(results[1].isneginf(), 0.0)
+    assert_close_to_oracle(got, exact, low, dtype, ("out", "lse", "dq", "dk", "dv"))
+    return empty
 
 
 def _mod_attention(
@@ -215,10 +300,7 @@ def _mod_attention(
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores, keep = _mod_scores(q, k, bias, scale, q.dtype)
-    scores = scores.masked_fill(~keep, -math.inf)
-    any_kept = keep.any(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(~any_kept, 0.0), dim=-1) * any_kept
-    return weights @ v
+    return _kept_softmax(scores.masked_fill(~keep, -math.inf), keep) @ v
 
 
 def attention(
@@ -264,10 +346,7 @@ def attention(
     if mask is not None:
         scores = scores + mask
     kept = torch.isfinite(scores)
-    scores = scores.masked_fill(~kept, -math.inf)
-    any_kept = kept.any(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(~any_kept, 0.0), dim=-1) * any_kept
-    return weights @ v
+    return _kept_softmax(scores.masked_fill(~kept, -math.inf), kept) @ v
 
 
 @torch.no_grad()
@@ -480,6 +559,7 @@ def run_with_grads(fn, inputs: Sequence[Tensor], grad_out: Tensor) -> list[Tenso
 __all__ = [
     "CausalVariant",
     "assert_close_to_oracle",
+    "assert_shard_pair_close",
     "attention",
     "flash_rounding",
     "flash_rounding_sizes",
@@ -494,4 +574,6 @@ __all__ = [
     "mod_functions",
     "pointwise",
     "run_with_grads",
+    "shard_pair",
+    "whole_call",
 ]

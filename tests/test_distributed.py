@@ -25,7 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from oracle import assert_close_to_oracle, attention, run_with_grads
+from oracle import (
+    assert_close_to_oracle,
+    assert_shard_pair_close,
+    attention,
+    run_with_grads,
+    shard_pair,
+    whole_call,
+)
 from torch import Tensor
 
 import attnbias
@@ -505,8 +512,8 @@ class _Relative(ModBias):
 def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str) -> None:
     """A shard pair's log-sum-exp and its share of a merged output's gradients (the bias's
     learnable tensors' included) from the Triton kernel (under Triton's interpreter on a CPU)
-    within the oracle's budget: the exact eager path in float64, stock bfloat16's error (the
-    kernels' usual dtype)."""
+    within the oracle's budget (``oracle.shard_pair``: stock PyTorch in float64, and its error
+    in bfloat16, the kernels' usual dtype)."""
     from attnbias.backends.registry import BACKENDS
     from attnbias.spec import make_spec
 
@@ -518,32 +525,34 @@ def test_the_triton_kernel_gives_a_shard_pair_what_the_exact_path_does(kind: str
     param = (torch.rand(2, device=device) / 2) if kind == "alibi" else torch.randn(2, 9)
     param = param.to(device)
 
-    def run(name: str, dtype: torch.dtype) -> list[Tensor]:
-        tensor = param.to(torch.float64 if dtype == torch.float64 else torch.float32)
-        tensor = tensor.requires_grad_()
-        bias = (
-            causal_lower_right() + AlibiBias(slopes=tensor)
-            if kind == "alibi"
-            else _Relative(tensor) + SlidingWindowBias(5)
-        )
-        # bfloat16 inputs, as the kernel's; its float32 table or slopes stay float32
-        inputs = [t.to(dtype) for t in (q, k, v)]
-        with torch.enable_grad():
-            spec = make_spec(*inputs, bias, False, None, 0.0, True, needs_lse=True)
-        backend = BACKENDS[name]
-        assert backend.not_supported_reasons(spec) == []
-        out, lse = backend.forward_lse(spec)
-        dq, dk, dv, (dparam,) = backend.backward_lse(
-            spec, grad_out.to(dtype), out.to(dtype), lse, [tensor]
-        )
-        assert dparam is not None
-        return [out, lse, dq, dk, dv, dparam]
+    def bias_of(tensor: Tensor) -> AttnBias:
+        if kind == "alibi":
+            return causal_lower_right() + AlibiBias(slopes=tensor)
+        return _Relative(tensor) + SlidingWindowBias(5)
 
-    got = run("triton", torch.bfloat16)
-    exact = run("reference", torch.float64)
-    low = run("reference", torch.bfloat16)
+    def leaf(dtype: torch.dtype) -> Tensor:
+        return param.to(dtype).requires_grad_()
+
+    # bfloat16 inputs, as the kernel's; its float32 table or slopes stay float32
+    tensor = leaf(torch.float32)
+    inputs = [t.to(torch.bfloat16) for t in (q, k, v)]
+    with torch.enable_grad():
+        spec = make_spec(*inputs, bias_of(tensor), False, None, 0.0, True, needs_lse=True)
+    backend = BACKENDS["triton"]
+    assert backend.not_supported_reasons(spec) == []
+    out, lse = backend.forward_lse(spec)
+    dq, dk, dv, (dparam,) = backend.backward_lse(
+        spec, grad_out.to(torch.bfloat16), out.to(torch.bfloat16), lse, [tensor]
+    )
+    assert dparam is not None
+    exact_tensor, low_tensor = leaf(torch.float64), leaf(torch.float32)
+    exact = shard_pair(q, k, v, bias_of(exact_tensor), slice(None), grad_out, wrt=[exact_tensor])
+    low = shard_pair(
+        q, k, v, bias_of(low_tensor), slice(None), grad_out, wrt=[low_tensor],
+        dtype=torch.bfloat16,
+    )  # fmt: skip
     names = ("out", "lse", "dq", "dk", "dv", "dparam")
-    assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+    assert_close_to_oracle([out, lse, dq, dk, dv, dparam], exact, low, torch.bfloat16, names)
 
 
 # A shifted ALiBi (a block's view of a call's) with the band that decides where it runs:
@@ -632,25 +641,19 @@ def test_the_triton_kernel_gives_a_shifted_alibi_pair_its_log_sum_exp() -> None:
     q, grad_out = (torch.randn(1, 2, length_q, 16) for _ in "qg")
     k, v = (torch.randn(1, 2, length_kv, 16) for _ in "kv")
     bias = AlibiBias(num_heads=2) + causal_lower_right()
-    whole = make_spec(q.double(), k.double(), v.double(), bias, False, None, 0.0, False)
-    merged_out, merged_lse = BACKENDS["reference"].forward_lse(whole)
+    merged_out, merged_lse = whole_call(q, k, v, bias)
     pair = bias.sub_block(Call(1, 2, length_q, length_kv), Block(0, 8, length_q, 16))
     assert "shift=" in repr(pair), repr(pair)
-
-    def run(name: str, dtype: torch.dtype) -> list[Tensor]:
-        inputs = [t.to(dtype) for t in (q, k[:, :, 8:24], v[:, :, 8:24])]
-        spec = make_spec(*inputs, pair, False, None, 0.0, False, needs_lse=True)
-        assert BACKENDS[name].not_supported_reasons(spec) == []
-        out, lse = BACKENDS[name].forward_lse(spec)
-        dq, dk, dv, _ = BACKENDS[name].backward_lse(
-            spec, grad_out.to(dtype), merged_out.to(dtype), merged_lse, []
-        )
-        return [out, lse, dq, dk, dv]
-
-    got = run("triton", torch.bfloat16)
-    exact = run("reference", torch.float64)
-    low = run("reference", torch.bfloat16)
-    assert_close_to_oracle(got, exact, low, torch.bfloat16, ("out", "lse", "dq", "dk", "dv"))
+    inputs = [t.to(torch.bfloat16) for t in (q, k[:, :, 8:24], v[:, :, 8:24])]
+    spec = make_spec(*inputs, pair, False, None, 0.0, False, needs_lse=True)
+    assert BACKENDS["triton"].not_supported_reasons(spec) == []
+    out, lse = BACKENDS["triton"].forward_lse(spec)
+    dq, dk, dv, _ = BACKENDS["triton"].backward_lse(
+        spec, grad_out.to(torch.bfloat16), merged_out.to(torch.bfloat16), merged_lse, []
+    )
+    assert_shard_pair_close(
+        [out, lse, dq, dk, dv], q, k, v, bias, slice(8, 24), grad_out, torch.bfloat16
+    )
 
 
 def test_a_block_of_every_bias_is_its_materialized_form_sliced() -> None:

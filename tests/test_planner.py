@@ -20,7 +20,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, attention, run_with_grads
+from oracle import (
+    assert_close_to_oracle,
+    assert_shard_pair_close,
+    attention,
+    run_with_grads,
+    whole_call,
+)
 from strategies import Problem
 from torch import Tensor
 
@@ -1192,32 +1198,20 @@ def test_fa4_gives_a_shard_pair_what_the_exact_path_does(standin: Recorder, name
     q, grad_out = (torch.randn(batch, heads_q, length_q, 16, generator=generator) for _ in "qg")
     k, v = (torch.randn(batch, heads_kv, length_kv, 16, generator=generator) for _ in "kv")
     bias = make_bias()
-    # the whole call's output and log-sum-exp, as the ring merges them from every pair
-    whole = make_spec(q.double(), k.double(), v.double(), bias, False, None, 0.0, True)
-    merged_out, merged_lse = BACKENDS["reference"].forward_lse(whole)
+    merged_out, merged_lse = whole_call(q, k, v, bias)
     pair = bias.sub_block(Call(batch, heads_q, length_q, length_kv), Block(0, 8, length_q, 12))
-
-    def run(backend: str, dtype: torch.dtype) -> list[Tensor]:
-        inputs = [t.to(dtype) for t in (q, k[:, :, 8:], v[:, :, 8:])]
-        spec = make_spec(*inputs, pair, False, None, 0.0, True, needs_lse=True)
-        assert BACKENDS[backend].not_supported_reasons(spec) == []
-        out, lse = BACKENDS[backend].forward_lse(spec)
-        dq, dk, dv, found = BACKENDS[backend].backward_lse(
-            spec, grad_out.to(dtype), merged_out.to(dtype), merged_lse, []
-        )
-        assert found == []
-        return [out, lse, dq, dk, dv]
-
-    got = run("fa4", torch.bfloat16)
-    exact = run("reference", torch.float64)
-    low = run("reference", torch.bfloat16)
-    # the pair's empty rows: -inf in each, then compared as 0
-    assert torch.equal(got[1].isneginf(), exact[1].isneginf())
-    assert bool(got[1].isneginf().any()) == (name == "alibi_causal")
-    for results in (got, exact, low):
-        results[1] = results[1].masked_fill(results[1].isneginf(), 0.0)
-    names = ("out", "lse", "dq", "dk", "dv")
-    assert_close_to_oracle(got, exact, low, torch.bfloat16, names)
+    inputs = [t.to(torch.bfloat16) for t in (q, k[:, :, 8:], v[:, :, 8:])]
+    spec = make_spec(*inputs, pair, False, None, 0.0, True, needs_lse=True)
+    assert BACKENDS["fa4"].not_supported_reasons(spec) == []
+    out, lse = BACKENDS["fa4"].forward_lse(spec)
+    dq, dk, dv, found = BACKENDS["fa4"].backward_lse(
+        spec, grad_out.to(torch.bfloat16), merged_out.to(torch.bfloat16), merged_lse, []
+    )
+    assert found == []
+    empty = assert_shard_pair_close(
+        [out, lse, dq, dk, dv], q, k, v, bias, slice(8, None), grad_out, torch.bfloat16
+    )
+    assert bool(empty.any()) == (name == "alibi_causal")
 
 
 def test_fa4_refuses_the_log_sum_exp_of_documents(standin: Recorder) -> None:
