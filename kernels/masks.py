@@ -212,26 +212,17 @@ def alibi_sign(program: MaskProgram, seq_q: int, seq_k: int) -> int:
     """``+1`` (``-1``) when every pair the band keeps has its ALiBi distance
     ``i + (S - L) + alibi_shift - j`` at least (at most) 0, else 0.
 
-    The distance is ``(S - L + shift) - (j - i)``: one sign over the band when the band lies on
-    one side of ``j - i = S - L + shift`` (causal attention does); its ``|.|`` is then the
-    distance or its negation, which saves an instruction per score. Unshifted, only the band's
-    own limits count; shifted, the grid's too (``1 - L <= j - i <= S - 1``)."""
+    The distance is ``(S - L + shift) - (j - i)``: one sign over the band (within the grid's
+    ``1 - L <= j - i <= S - 1``) when the band lies on one side of ``j - i = S - L + shift``
+    (causal attention does); its ``|.|`` is then the distance or its negation, which saves an
+    instruction per score."""
     band_lo, band_hi = program.band_lo, program.band_hi
-    shift = program.alibi_shift or 0
-    diagonal = seq_k - seq_q + shift
-    if shift:
-        band_lo = 1 - seq_q if band_lo is None else max(band_lo, 1 - seq_q)
-        band_hi = seq_k - 1 if band_hi is None else min(band_hi, seq_k - 1)
-    else:  # the bounds mask_args keeps (a vacuous one is dropped there)
-        band_lo = band_lo if band_lo is not None and band_lo > 1 - seq_q else None
-        band_hi = band_hi if band_hi is not None and band_hi < seq_k - 1 else None
-        if band_lo is not None:
-            band_lo = min(band_lo, seq_k)
-        if band_hi is not None:
-            band_hi = max(band_hi, -seq_q)
-    if band_hi is not None and band_hi <= diagonal:
+    lo = 1 - seq_q if band_lo is None else max(band_lo, 1 - seq_q)
+    hi = seq_k - 1 if band_hi is None else min(band_hi, seq_k - 1)
+    diagonal = seq_k - seq_q + (program.alibi_shift or 0)
+    if hi <= diagonal:
         return 1
-    if band_lo is not None and band_lo >= diagonal:
+    if lo >= diagonal:
         return -1
     return 0
 

@@ -378,7 +378,7 @@ class FlashAttention4(Backend):
             )
         if spec.terms.slopes is not None:
             reasons.append("ALiBi with documents (its distances would restart per document)")
-        layout = varlen_layout(documents, spec.device, spec.shape[0])
+        layout = varlen_layout(documents, spec.device, batch)
         if layout.problem is not None:
             reasons.append(layout.problem)
         has_band = spec.terms.band_lo is not None or spec.terms.band_hi is not None
