@@ -594,10 +594,15 @@ def _partial_keep(
 
 
 @triton.jit
-def _mod_score(s2, offs_m, offs_n, MODC, SCORE_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False):
-    """Base-2 scores ``s2`` through the generated score functions."""
+def _mod_score(
+    s2, offs_m, offs_n, MODC, SCORE_FN: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+    TILED: tl.constexpr = False,
+):  # fmt: skip
+    """Base-2 scores ``s2`` through the generated score functions. ``TILED``: a tile of one
+    batch row and head (``MODC``'s ``b`` and ``h`` scalars), whose score functions may take
+    one value over the tile where they have one (see ``modfn._score_cut``)."""
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
-    return SCORE_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4]) * LOG2E_K
+    return SCORE_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], TILED) * LOG2E_K
 
 
 @triton.jit
@@ -606,7 +611,7 @@ def _mod_score_grad(
 ):
     """:func:`_mod_score` and the derivative of the score functions in their input score."""
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
-    s, ds = SCORE_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4])
+    s, ds = SCORE_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], True)
     return s * LOG2E_K, ds
 
 
@@ -615,4 +620,4 @@ def _mod_param_grads(s2, offs_m, offs_n, MODC, ds, PARAM_GRAD_FN: tl.constexpr):
     """Add a tile's part of the gradients of the tensors the generated score functions read:
     ``ds`` is the gradient of their output (0 on masked pairs), ``s2`` their base-2 input."""
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, False)
-    PARAM_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], ds)
+    PARAM_GRAD_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], ds, True)

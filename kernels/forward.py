@@ -82,11 +82,13 @@ def _attn_fwd_inner(
     entries=0,
     LISTED_TILES: tl.constexpr = 0,
     BOUNDED: tl.constexpr = True,
+    TILED_SCORES: tl.constexpr = False,
 ):
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
     in list order, so that one loop (one software pipeline) runs over every listed block.
-    ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``)."""
+    ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``).
+    ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``)."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -122,7 +124,7 @@ def _attn_fwd_inner(
                 ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE,
             )  # fmt: skip
             if SCORE_FN is not None:
-                qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN)
+                qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN, TILED=TILED_SCORES)
         if MASKED:
             # masked pairs select -inf whatever their score (a NaN key there stays out)
             keep = _partial_keep(
@@ -168,7 +170,7 @@ def _attn_fwd_runs(
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_FN: tl.constexpr,
+    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
     mask) and a partial suffix, each ``[first, end)`` in blocks."""
@@ -180,6 +182,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -189,6 +192,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -198,6 +202,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -212,7 +217,7 @@ def _attn_fwd_listed(
     TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
     SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
-    BOUNDED: tl.constexpr,
+    BOUNDED: tl.constexpr, TILED_SCORES: tl.constexpr = False,
 ):  # fmt: skip
     """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
     keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full, in one
@@ -228,7 +233,7 @@ def _attn_fwd_listed(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
+        entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED, TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -350,7 +355,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED,
+            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED, TILED_SCORES=True,
         )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -360,7 +365,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED,
+            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED, TILED_SCORES=True,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_runs(
@@ -372,6 +377,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+            TILED_SCORES=True,
         )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

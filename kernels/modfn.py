@@ -1058,10 +1058,14 @@ def _narrow_casts(traced: TracedMods) -> frozenset[int]:
 class _Emitter:
     """Writes the Triton statements of a graph's nodes, each once, as local variables."""
 
-    def __init__(self, traced: TracedMods, seed: int | None = None) -> None:
+    def __init__(self, traced: TracedMods, seed: int | None = None, prefix: str = "v") -> None:
         self.traced = traced
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
+        self.prefix = prefix
+        # nodes bound to one value for the whole tile (:func:`_score_cut`): no read below them
+        # depends on the positions
+        self.uniform = False
         # d node / d seed (the score input unless ``seed`` names a node): None is 0, "1" one
         self.tangents: dict[int, str | None] = {}
         self.seed = traced.inputs["score"] if seed is None else seed
@@ -1079,12 +1083,21 @@ class _Emitter:
         score = self.traced.inputs["score"]
         self.tangents[score] = "1" if self.seed == score else None
 
+    def bind_uniform(self, values: dict[int, str]) -> None:
+        """Bind nodes to scalars, each the node's one value over the tile: the nodes of
+        :func:`_score_cut`, so that what the score functions compute from them is a scalar
+        per tile (the reads below them one load each, no gather)."""
+        self.uniform = True
+        for node_id, var in values.items():
+            self.names[node_id] = var
+            self.tangents[node_id] = None
+
     def value(self, node_id: int, tangent: bool = False) -> str:
         if node_id not in self.names:
             node = self.traced.nodes[node_id]
             for arg in _node_inputs(node):
                 self.value(arg, tangent)
-            var = f"v{node_id}"
+            var = f"{self.prefix}{node_id}"
             self.lines.append(f"{var} = {self._expr(node, node_id)}")
             self.names[node_id] = var
             if tangent:
@@ -1103,7 +1116,7 @@ class _Emitter:
         if op == "bool":
             return "True" if args[0] else "False"
         if op == "load":
-            gathered = self._gathered_load(node)
+            gathered = None if self.uniform else self._gathered_load(node)
             if gathered is not None:
                 return gathered
             load = f"tl.load(MOD[{self.param_slot[args[0]]}] + {self.offset(node)})"
@@ -1200,7 +1213,7 @@ class _Emitter:
         slot = self.param_slot[args[0]]
         width = 1 << (entries - 1).bit_length()
         size, stride = self.size(node, dim), self.stride(node, dim)
-        tag = f"{len(self.lines)}"
+        tag = f"{self.prefix}{len(self.lines)}"
         self.lines += [
             f"te{tag} = tl.arange(0, {width})[None, :]",
             f"tr{tag} = tl.load(MOD[{slot}] + {self.offset(node, skip=dim)} + te{tag} * {stride}, "
@@ -1292,24 +1305,164 @@ def _generate(traced: TracedMods) -> str:
     body = [*emitter.lines, f"return {' & '.join(results) if results else 'True'}"]
     parts.append(_function("mask_fn", f"{index_args}, MOD", body))
 
+    tiled = _score_tile(traced)
     for with_grad in (False, True):
-        emitter = _Emitter(traced)
-        emitter.bind_inputs(names)
-        result = "score"
-        for function in traced.scores:
-            result = emitter.value(function.result, tangent=with_grad)
-        if with_grad:
-            tangent = emitter.tangents.get(traced.scores[-1].result) if traced.scores else "1"
-            tangent = "1.0" if tangent == "1" else tangent or "0.0"
-            body = [*emitter.lines, f"return {result}, {tangent}"]
-            name = "score_grad_fn"
+        plain = _score_body(traced, with_grad, "v")
+        if tiled is None:
+            body = _tiled_body(None, plain, plain)
         else:
-            body = [*emitter.lines, f"return {result}"]
-            name = "score_fn"
-        parts.append(_function(name, f"score, {index_args}, MOD", body))
-    parts.append(_function("param_grad_fn", f"score, {index_args}, MOD, ds", _param_grads(traced)))
+            uniform = _score_body(traced, with_grad, "w", tiled)
+            body = _tiled_body(tiled, uniform, plain)
+        name = "score_grad_fn" if with_grad else "score_fn"
+        params = f"score, {index_args}, MOD, TILED: tl.constexpr = False"
+        parts.append(_function(name, params, body))
+    parts.append(
+        _function(
+            "param_grad_fn",
+            f"score, {index_args}, MOD, ds, TILED: tl.constexpr = False",
+            _tiled_body(
+                tiled,
+                _param_grads(traced, tiled) if tiled is not None else [],
+                _param_grads(traced),
+            ),
+        )
+    )
     parts.append(_tile_function(traced))
     return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class _ScoreTile:
+    """How the score functions' tiles are checked for one value over the tile: the lines of
+    the cut's bounds, the condition that each is a single value, and those values."""
+
+    lines: list[str]
+    uniform: str
+    values: dict[int, str]
+
+
+_TILE_PRELUDE = [
+    "q_lo = tl.min(tl.min(q_idx, 1), 0)",
+    "q_hi = tl.max(tl.max(q_idx, 1), 0)",
+    "kv_lo = tl.min(tl.min(kv_idx, 1), 0)",
+    "kv_hi = tl.max(tl.max(kv_idx, 1), 0)",
+    "YES = q_lo == q_lo",
+    "NO = q_lo != q_lo",
+    "ZERO = q_lo.to(tl.int64) * 0",
+    "FZERO = ZERO.to(tl.float32)",
+]
+
+
+def _score_cut(traced: TracedMods) -> list[int] | None:
+    """The integer and bool nodes through which the positions reach the score functions'
+    result: walking back from it through float nodes, the first ones that are not floats and
+    depend on ``q_idx`` or ``kv_idx``. Where each of them has one value over a tile, the
+    score functions add (or apply) one value per tile (a relative-position bucket that
+    saturates far from the diagonal). ``None``: no such nodes, or one that no tile of several
+    queries and keys gives one value (a position, their difference, its ``abs``)."""
+    if not traced.scores:
+        return None
+    positions = {traced.inputs["q_idx"], traced.inputs["kv_idx"]}
+    cut: set[int] = set()
+    seen: set[int] = set()
+    stack = [traced.scores[-1].result]
+    while stack:
+        node_id = stack.pop()
+        if node_id in seen:
+            continue
+        seen.add(node_id)
+        if not traced._ancestors(node_id) & positions:
+            continue
+        node = traced.nodes[node_id]
+        if node.kind != "float":
+            cut.add(node_id)
+        else:
+            stack.extend(_node_inputs(node))
+    if not cut or any(not _may_collapse(traced, node_id, positions) for node_id in cut):
+        return None
+    return sorted(cut)
+
+
+#: Operations whose value may be one over a range of positions (a clamp, a choice, a
+#: quotient, a comparison, a table read); the others (sums, differences, |.|) vary with them.
+_COLLAPSING = frozenset(
+    ("minimum", "maximum", "where", "floordiv", "mod", "cast", "lt", "le", "gt", "ge", "eq",
+     "ne", "and", "or", "xor", "not", "invert", "load", "mul")
+)  # fmt: skip
+
+
+def _may_collapse(traced: TracedMods, node_id: int, positions: set[int]) -> bool:
+    """Whether a node may have one value over a tile of several queries and keys: some
+    operation between it and the positions may collapse a range."""
+    return any(
+        traced.nodes[i].op in _COLLAPSING
+        for i in traced._ancestors(node_id)
+        if traced._ancestors(i) & positions
+    )
+
+
+def _score_tile(traced: TracedMods) -> _ScoreTile | None:
+    cut = _score_cut(traced)
+    if cut is None:
+        return None
+    emitter = _TileEmitter(traced, prefix="k")
+    checks, values = [], {}
+    for node_id in cut:
+        found = emitter.bounds(node_id)
+        if found[0] == "int":
+            checks.append(f"({found[1]} == {found[2]}) & ~{found[3]}")
+        else:
+            checks.append(f"({found[1]} != {found[2]})")
+        values[node_id] = found[1]
+    return _ScoreTile([*_TILE_PRELUDE, *emitter.lines], " & ".join(checks), values)
+
+
+def _score_body(
+    traced: TracedMods, with_grad: bool, prefix: str, tile: _ScoreTile | None = None
+) -> list[str]:
+    """Lines that set ``r0`` (the scores after every score function) and, ``with_grad``,
+    ``r1`` (their derivative in the input score); per pair, or with ``tile`` from the cut's
+    one value per tile."""
+    emitter = _Emitter(traced, prefix=prefix)
+    emitter.bind_inputs({name: name for name in (*INDEX_NAMES, "score")})
+    if tile is not None:
+        emitter.bind_uniform(tile.values)
+    result = "score"
+    for function in traced.scores:
+        result = emitter.value(function.result, tangent=with_grad)
+    last = traced.scores[-1].result if traced.scores else None
+    if last is not None and traced.inputs["score"] not in traced._ancestors(last):
+        result = f"({result} + tl.zeros_like(score))"  # the tile's shape in either branch
+    lines = [*emitter.lines, f"r0 = {result}"]
+    if with_grad:
+        tangent = emitter.tangents.get(traced.scores[-1].result) if traced.scores else "1"
+        tangent = "1.0" if tangent == "1" else tangent or "0.0"
+        lines.append(f"r1 = tl.zeros_like(score) + {tangent}")
+    return lines
+
+
+def _tiled_body(tile: _ScoreTile | None, uniform: list[str], plain: list[str]) -> list[str]:
+    """A generated function's body: ``plain`` per pair, and with ``TILED`` (the training
+    kernels' tiles, ``b`` and ``h`` scalars) and ``tile``, ``uniform`` where the tile's cut
+    nodes each have one value. Returns ``r0`` (and ``r1``) where ``plain`` sets them."""
+    returns = [n for n in ("r0", "r1") if any(line.startswith(f"{n} = ") for line in plain)]
+    ending = [f"return {', '.join(returns)}"] if returns else []
+    if tile is None:
+        return [*plain, *ending] or ["pass"]
+
+    def indent(lines: list[str]) -> list[str]:
+        return [f"    {line}" for line in lines] or ["    pass"]
+
+    return [
+        "if TILED:",
+        *indent([*tile.lines, f"UNIFORM = {tile.uniform}", "if UNIFORM:"]),
+        *indent(indent(uniform)),
+        "    else:",
+        *indent(indent(plain)),
+        "else:",
+        *indent(plain),
+        *ending,
+    ]
 
 
 #: Tables with at most this many entries along the index that both positions set are read a
@@ -1321,14 +1474,15 @@ GATHER_LIMIT = 64
 ONE_HOT_LIMIT = 256
 
 
-def _param_grads(traced: TracedMods) -> list[str]:
+def _param_grads(traced: TracedMods, tile: _ScoreTile | None = None) -> list[str]:
     """The body of ``param_grad_fn``: for each float tensor the score functions read, the
     gradient ``ds * d scores / d read`` of a tile's pairs added into its float32 buffer (at
     the end of the runtime arguments, one per float tensor). Each read sums over the tile:
     entirely when its index depends on neither position, else per entry of the dimensions
     that do (a loop over the entries between the least and the greatest that the tile's
     nonzero gradients read, for tables of at most ``ONE_HOT_LIMIT`` such entries; beyond it
-    one atomic per nonzero score)."""
+    one atomic per nonzero score). With ``tile``, every read is of one entry over the tile
+    (the cut's values): one sum and one atomic per read."""
     if not traced.scores:
         return ["pass"]
     result = traced.scores[-1].result
@@ -1342,8 +1496,10 @@ def _param_grads(traced: TracedMods) -> list[str]:
         node = traced.nodes[node_id]
         if node.op != "load" or node.args[0] not in floats:
             continue
-        emitter = _Emitter(traced, seed=node_id)
+        emitter = _Emitter(traced, seed=node_id, prefix="v" if tile is None else "w")
         emitter.bind_inputs(names)
+        if tile is not None:
+            emitter.bind_uniform(tile.values)
         emitter.value(result, tangent=True)
         tangent = emitter.tangents.get(result)
         if tangent is None:
@@ -1359,6 +1515,13 @@ def _param_grads(traced: TracedMods) -> list[str]:
         uniform = [d for d in range(dims) if d not in varying]
         g = f"g{node_id}"
         lines = [*emitter.lines]
+        if tile is not None:
+            offset = " + ".join(f"{index[d]}.to(tl.int64) * ({strides[d]})" for d in range(dims))
+            factor = "1.0" if tangent == "1" else tangent
+            lines.append(f"w{g} = tl.where(ds == 0.0, 0.0, ds * {factor})")
+            lines.append(f"tl.atomic_add({grad} + {offset or '0'}, tl.sum(tl.sum(w{g}, 1), 0))")
+            body += lines
+            continue
         lines.append(f"{g} = tl.where(ds == 0.0, 0.0, ds * {'1.0' if tangent == '1' else tangent})")
         offset = " + ".join(f"{index[d]}.to(tl.int64) * ({strides[d]})" for d in uniform) or "0"
         lines.append(f"u{node_id} = {offset}")
@@ -1404,6 +1567,16 @@ def _function(name: str, params: str, body: list[str]) -> str:
 _TILE_LIMIT = 2**40
 #: Factors of a product whose bounds stay within this magnitude (the product fits 64 bits).
 _TILE_FACTOR = 2**31
+#: Relative and absolute widening of a float bound after an operation that rounds: room for
+#: the kernels' fused multiply-adds and approximate exp, log and tanh (a few ulp) against the
+#: bound computed here, so that a bound never cuts off a value the kernel computes.
+_FLOAT_SLACK = 2.0**-16
+_FLOAT_TINY = 1e-30
+#: The float operations with bounds (the rest are unknown).
+_FLOAT_TILE_OPS = frozenset(
+    ("neg", "abs", "exp", "tanh", "sigmoid", "log", "sqrt", "minimum", "maximum", "add", "sub",
+     "mul", "truediv")
+)  # fmt: skip
 
 
 class _TileEmitter:
@@ -1412,14 +1585,16 @@ class _TileEmitter:
     may be true, whether it may be false). Floats, table reads and bitwise integer operators
     are unknown: only their users' verdicts widen, so the answer stays sound."""
 
-    def __init__(self, traced: TracedMods) -> None:
+    def __init__(self, traced: TracedMods, prefix: str = "") -> None:
         self.traced = traced
         self.lines: list[str] = []
         self.done: dict[int, tuple[str, ...]] = {}
         self.input_names = {node: name for name, node in traced.inputs.items()}
+        self.prefix = prefix  # of the variables written, beside the caller's
 
     def bounds(self, node_id: int) -> tuple[str, ...]:
-        """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or ``("float",)``."""
+        """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or
+        ``("float", lo, hi, unknown)``."""
         found = self.done.get(node_id)
         if found is None:
             node = self.traced.nodes[node_id]
@@ -1437,30 +1612,54 @@ class _TileEmitter:
             return low, f"tl.where({found[1]}, 1, 0).to(tl.int64)", "NO"
         return "ZERO", "ZERO", "YES"
 
+    def as_float(self, node_id: int) -> tuple[str, str, str]:
+        found = self.bounds(node_id)
+        if found[0] == "float":
+            return found[1], found[2], found[3]
+        if found[0] == "int":
+            return f"{found[1]}.to(tl.float32)", f"{found[2]}.to(tl.float32)", found[3]
+        return f"tl.where({found[2]}, 0.0, 1.0)", f"tl.where({found[1]}, 1.0, 0.0)", "NO"
+
     def _int(self, i: int, lo: str, hi: str, unknown: str) -> tuple[str, ...]:
-        self.lines += [f"l{i} = {lo}", f"h{i} = {hi}"]
-        self.lines.append(f"u{i} = {unknown} | (l{i} < -{_TILE_LIMIT}) | (h{i} > {_TILE_LIMIT})")
-        return ("int", f"l{i}", f"h{i}", f"u{i}")
+        p = self.prefix
+        self.lines += [f"{p}l{i} = {lo}", f"{p}h{i} = {hi}"]
+        self.lines.append(
+            f"{p}u{i} = {unknown} | ({p}l{i} < -{_TILE_LIMIT}) | ({p}h{i} > {_TILE_LIMIT})"
+        )
+        return ("int", f"{p}l{i}", f"{p}h{i}", f"{p}u{i}")
 
     def _bool(self, i: int, may_true: str, may_false: str) -> tuple[str, ...]:
-        self.lines += [f"t{i} = {may_true}", f"f{i} = {may_false}"]
-        return ("bool", f"t{i}", f"f{i}")
+        p = self.prefix
+        self.lines += [f"{p}t{i} = {may_true}", f"{p}f{i} = {may_false}"]
+        return ("bool", f"{p}t{i}", f"{p}f{i}")
+
+    def _float(self, i: int, lo: str, hi: str, unknown: str, rounded: bool) -> tuple[str, ...]:
+        """Bounds of a float; ``rounded``: widened by :data:`_FLOAT_SLACK` for the rounding
+        of an operation the kernels may evaluate otherwise (fused, approximate)."""
+        p = self.prefix
+        if rounded:
+            self.lines += [f"{p}a{i} = {lo}", f"{p}b{i} = {hi}"]
+            lo = f"{p}a{i} - tl.abs({p}a{i}) * {_FLOAT_SLACK} - {_FLOAT_TINY}"
+            hi = f"{p}b{i} + tl.abs({p}b{i}) * {_FLOAT_SLACK} + {_FLOAT_TINY}"
+        self.lines += [f"{p}l{i} = {lo}", f"{p}h{i} = {hi}"]
+        self.lines.append(f"{p}u{i} = {unknown} | ({p}l{i} != {p}l{i}) | ({p}h{i} != {p}h{i})")
+        return ("float", f"{p}l{i}", f"{p}h{i}", f"{p}u{i}")
 
     def _node(self, i: int, node: Node) -> tuple[str, ...]:
         op, args, kind = node.op, node.args, node.kind
         if op == "input":
             name = self.input_names[i]
             if name == "score":
-                return ("float",)
+                return self._float(i, "FZERO", "FZERO", "YES", False)
             low, high = {"b": ("b", "b"), "h": ("h", "h"), "q_idx": ("q_lo", "q_hi"),
                          "kv_idx": ("kv_lo", "kv_hi")}[name]  # fmt: skip
             return self._int(i, f"{low}.to(tl.int64)", f"{high}.to(tl.int64)", "NO")
         if kind == "float":
-            return ("float",)
+            return self._float_node(i, node)
         if op == "bool":
             return self._bool(i, "YES" if args[0] else "NO", "NO" if args[0] else "YES")
         if op == "const":
-            value = f"MOD[{args[0]}].to(tl.int64)"
+            value = f"tl.cast(MOD[{args[0]}], tl.int64)"
             return self._int(i, value, value, "NO")
         if op == "load" or (op in ("and", "or", "xor") and kind == "int"):
             if kind == "bool":
@@ -1504,9 +1703,11 @@ class _TileEmitter:
             )
         if op in ("lt", "le", "gt", "ge", "eq", "ne"):
             if any(self.bounds(a)[0] == "float" for a in args):
-                return self._bool(i, "YES", "YES")
-            la, ha, ua = self.as_int(args[0])
-            lb, hb, ub = self.as_int(args[1])
+                la, ha, ua = self.as_float(args[0])
+                lb, hb, ub = self.as_float(args[1])
+            else:
+                la, ha, ua = self.as_int(args[0])
+                lb, hb, ub = self.as_int(args[1])
             unknown = f"{ua} | {ub}"
             true, false = {
                 "lt": (f"{la} < {hb}", f"{ha} >= {lb}"),
@@ -1528,10 +1729,15 @@ class _TileEmitter:
     def _int_node(self, i: int, node: Node) -> tuple[str, ...]:
         op, args = node.op, node.args
         if op == "cast":
-            source = self.bounds(args[0])
-            if source[0] == "float":
-                return self._int(i, "ZERO", "ZERO", "YES")
-            la, ha, ua = self.as_int(args[0])
+            if self.bounds(args[0])[0] == "float":
+                # truncation toward zero keeps the order
+                lf, hf, uf = self.as_float(args[0])
+                limit = f"{float(_TILE_LIMIT)}"
+                la = f"tl.minimum(tl.maximum({lf}, -{limit}), {limit}).to(tl.int64)"
+                ha = f"tl.minimum(tl.maximum({hf}, -{limit}), {limit}).to(tl.int64)"
+                ua = f"{uf} | ({lf} < -{limit}) | ({hf} > {limit})"
+            else:
+                la, ha, ua = self.as_int(args[0])
             if args[2] == 32:
                 ua = f"{ua} | ({la} < -{2**31}) | ({ha} > {2**31 - 1})"
             return self._int(i, la, ha, ua)
@@ -1598,6 +1804,66 @@ class _TileEmitter:
             )
         return self._int(i, "ZERO", "ZERO", "YES")
 
+    def _float_node(self, i: int, node: Node) -> tuple[str, ...]:
+        op, args = node.op, node.args
+        if op == "const":
+            value = f"tl.cast(MOD[{args[0]}], tl.float32)"
+            return self._float(i, value, value, "NO", False)
+        if op == "cast":  # to float from an integer, a bool or a float: monotone
+            la, ha, ua = self.as_float(args[0])
+            return self._float(i, la, ha, ua, False)
+        if op == "where":
+            c = self.bounds(args[0])
+            lx, hx, ux = self.as_float(args[1])
+            ly, hy, uy = self.as_float(args[2])
+            t, f = (c[1], c[2]) if c[0] == "bool" else ("YES", "YES")
+            return self._float(
+                i,
+                f"tl.where({t} & {f}, tl.minimum({lx}, {ly}), tl.where({t}, {lx}, {ly}))",
+                f"tl.where({t} & {f}, tl.maximum({hx}, {hy}), tl.where({t}, {hx}, {hy}))",
+                f"({t} & {ux}) | ({f} & {uy})",
+                False,
+            )
+        if op in ("input", "load") or op not in _FLOAT_TILE_OPS:
+            return self._float(i, "FZERO", "FZERO", "YES", False)
+        la, ha, ua = self.as_float(args[0])
+        if op == "neg":
+            return self._float(i, f"0.0 - {ha}", f"0.0 - {la}", ua, False)
+        if op == "abs":
+            low = f"tl.where({la} >= 0.0, {la}, tl.where({ha} <= 0.0, 0.0 - {ha}, 0.0))"
+            return self._float(i, low, f"tl.maximum(0.0 - {la}, {ha})", ua, False)
+        if op in ("exp", "tanh", "sigmoid"):  # increasing
+            x = {
+                "exp": "tl.exp({})",
+                "tanh": "_tanh({}, 0)",
+                "sigmoid": "(1.0 / (1.0 + tl.exp(0.0 - {})))",
+            }[op]
+            return self._float(i, x.format(la), x.format(ha), ua, True)
+        if op in ("log", "sqrt"):  # increasing where defined
+            return self._float(i, f"tl.{op}({la})", f"tl.{op}({ha})", f"{ua} | ({la} < 0.0)", True)
+        lb, hb, ub = self.as_float(args[1])
+        unknown = f"{ua} | {ub}"
+        if op in ("minimum", "maximum"):
+            return self._float(i, f"tl.{op}({la}, {lb})", f"tl.{op}({ha}, {hb})", unknown, False)
+        if op == "add":
+            return self._float(i, f"{la} + {lb}", f"{ha} + {hb}", unknown, True)
+        if op == "sub":
+            return self._float(i, f"{la} - {hb}", f"{ha} - {lb}", unknown, True)
+        # mul, truediv: the extremes are at the corners (a divisor that may be 0: unknown)
+        sign = "*" if op == "mul" else "/"
+        if op == "truediv":
+            unknown = f"{unknown} | (({lb} <= 0.0) & ({hb} >= 0.0))"
+        corners = [f"{x} {sign} {y}" for x in (la, ha) for y in (lb, hb)]
+        low = (
+            f"tl.minimum(tl.minimum({corners[0]}, {corners[1]}), "
+            f"tl.minimum({corners[2]}, {corners[3]}))"
+        )
+        high = (
+            f"tl.maximum(tl.maximum({corners[0]}, {corners[1]}), "
+            f"tl.maximum({corners[2]}, {corners[3]}))"
+        )
+        return self._float(i, low, high, unknown, True)
+
 
 def _tile_function(traced: TracedMods) -> str:
     """``tile_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, MOD) -> (may_keep, may_drop)``: whether the
@@ -1618,6 +1884,7 @@ def _tile_function(traced: TracedMods) -> str:
         "YES = q_lo == q_lo",
         "NO = q_lo != q_lo",
         "ZERO = q_lo.to(tl.int64) * 0",
+        "FZERO = ZERO.to(tl.float32)",
         *emitter.lines,
         f"return {' & '.join(keep) or 'YES'}, {' | '.join(drop) or 'NO'}",
     ]
@@ -1680,11 +1947,11 @@ class CompiledMods:
 
     @property
     def has_mask(self) -> bool:
-        return bool(self.traced.masks)
+        return len(self.traced.masks) > 0  # (not bool(list): torch.compile traces this)
 
     @property
     def has_score(self) -> bool:
-        return bool(self.traced.scores)
+        return len(self.traced.scores) > 0
 
     def args(self) -> list[Any]:
         return self.traced.runtime_args()
