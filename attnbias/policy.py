@@ -57,16 +57,25 @@ _HOPPER: dict[str, Order] = {
     "documents": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
+    # ModBias functions: FlashAttention 4 with generated callbacks and block sparsity where it
+    # takes them (on capability 9 only), the Triton kernels otherwise. Measured on an H100 at
+    # S=16384 (benchmarks/NOTES.md, "ModBias on FlashAttention 4"): training FA4 first (1.25-
+    # 1.9x the Triton kernel on five of seven examples, 0.93x on chunked local); inference the
+    # Triton kernel first (FA4's forward ahead only on prefix-LM and the 2-D neighbourhood).
+    "mod": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
+# Blackwell follows Hopper, unmeasured, but for ModBias functions, whose FlashAttention 4 form
+# is laid out for Hopper's kernels.
+_BLACKWELL: dict[str, Order] = {kind: order for kind, order in _HOPPER.items() if kind != "mod"}
 # Other GPUs and the CPU: stock SDPA where it fuses the mask, then the library's kernels.
 _DEFAULT: dict[str, Order] = {
     "none": Order(("sdpa",)),
     "causal": Order(("sdpa", "triton-decode", "triton")),
 }
-# Per GPU generation (``planner.generation``); Blackwell follows Hopper, unmeasured.
+# Per GPU generation (``planner.generation``).
 PRIORITY: dict[str, dict[str, Order]] = {
     "hopper": _HOPPER,
-    "blackwell": _HOPPER,
+    "blackwell": _BLACKWELL,
     "cuda": _DEFAULT,
     "cpu": _DEFAULT,
 }

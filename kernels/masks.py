@@ -28,6 +28,7 @@ __all__ = [
     "late_cols_first",
     "late_rows_first",
     "mask_args",
+    "mod_block_lists",
     "with_mod_lists",
 ]
 
@@ -340,12 +341,12 @@ def mask_args(
     )
 
 
-# The block lists of a program's mask functions, per program, with what they were built from:
-# a repeated call with the same program (the plan cache keeps it) reuses them unless a tensor
-# they read was written since (its version counter moved).
-_MOD_LISTS: weakref.WeakKeyDictionary[MaskProgram, tuple[tuple[object, ...], BlockLists]] = (
-    weakref.WeakKeyDictionary()
-)
+# The block lists of a program's mask functions, per program and block size, with what they
+# were built from: a repeated call with the same program (the plan cache keeps it) reuses them
+# unless a tensor they read was written since (its version counter moved).
+_MOD_LISTS: weakref.WeakKeyDictionary[
+    MaskProgram, dict[tuple[int, int], tuple[tuple[object, ...], BlockLists]]
+] = weakref.WeakKeyDictionary()
 
 
 def with_mod_lists(q: Tensor, k: Tensor, program: MaskProgram) -> MaskProgram:
@@ -355,6 +356,24 @@ def with_mod_lists(q: Tensor, k: Tensor, program: MaskProgram) -> MaskProgram:
         return program
     blocks = mask_args(q, k, program, scale=1.0, rows=True, cols=False).blocks
     return program.replace(blocks=blocks)
+
+
+def mod_block_lists(
+    q: Tensor, k: Tensor, program: MaskProgram, block_m: int, block_n: int
+) -> BlockLists:
+    """The block lists of every mask term of ``program`` (band, documents, key range and its
+    generated mask functions) at blocks of ``block_m x block_n``, for a call with ``q``
+    ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``: another kernel's block size (FlashAttention
+    4's tiles) with the same machinery as :func:`mask_args`'s lists. The program must have
+    mask functions."""
+    mods = program.mods
+    if mods is None or not mods.has_mask:
+        raise ValueError(f"mod_block_lists: {program.describe()} has no generated mask function")
+    mask = mask_args(q, k, program, scale=1.0, rows=True, cols=False, lists=False)
+    return _mod_block_lists(
+        q, k, program, mods, mask.has_lo, mask.has_hi, mask.band_lo, mask.band_hi, mask.row_lo,
+        mask.row_hi, mask.docs_per_batch, mask.kv_start, mask.kv_end, (block_m, block_n),
+    )  # fmt: skip
 
 
 def list_block_sizes() -> tuple[int, int]:
@@ -379,11 +398,13 @@ def _mod_block_lists(
     docs_per_batch: bool,
     kv_start: Tensor | None,
     kv_end: Tensor | None,
+    block: tuple[int, int] | None = None,
 ) -> BlockLists:
     """The block lists of every mask term of the call at once (band, documents, key range and
     the generated mask functions), from one program per block evaluating the mask: no
     ``L x S`` tensor, no host synchronisation. Lists are per batch row when a term differs
-    between rows, per head when a mask function reads ``h``."""
+    between rows, per head when a mask function reads ``h``. ``block``: ``(block_m,
+    block_n)``, by default :func:`list_block_sizes`."""
     from .blocks import _classify_blocks, block_lists_on_device
     from .modfn import with_flat_mods
 
@@ -392,7 +413,7 @@ def _mod_block_lists(
     reads = mods.traced.reads()
     rows = batch if ("b" in reads or docs_per_batch or kv_start is not None) else 1
     list_heads = heads if "h" in reads else 1
-    block_m, block_n = list_block_sizes()
+    block_m, block_n = list_block_sizes() if block is None else block
     read = [t for t in (*mods.traced.params, row_lo, row_hi, kv_start, kv_end) if t is not None]
     key = (
         batch, heads, seq_q, seq_k, q.device, block_m, block_n,
@@ -404,7 +425,7 @@ def _mod_block_lists(
         or (q.is_cuda and torch.cuda.is_current_stream_capturing())
     )
     if cacheable:
-        found = _MOD_LISTS.get(program)
+        found = _MOD_LISTS.get(program, {}).get((block_m, block_n))
         if found is not None and found[0] == key:
             return found[1]
     grid = (triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n), rows * list_heads)
@@ -420,7 +441,7 @@ def _mod_block_lists(
     )  # fmt: skip
     lists = block_lists_on_device(states, block_m, block_n)
     if cacheable:
-        _MOD_LISTS[program] = (key, lists)
+        _MOD_LISTS.setdefault(program, {})[block_m, block_n] = (key, lists)
     return lists
 
 

@@ -55,6 +55,7 @@ from attnbias import (
 )
 from attnbias.backends import triton as triton_backend
 from attnbias.biases import parts_of
+from attnbias.kernels import modfn
 
 ModBias: Any = getattr(attnbias, "ModBias", None)
 pytestmark = pytest.mark.skipif(ModBias is None, reason="attnbias.ModBias is not in this tree")
@@ -230,6 +231,12 @@ CASES: dict[str, Callable[[], Case]] = {
     "t5_causal": lambda: Case(
         lambda table: T5Bias(table) + causal_lower_right(),
         (1, 4, 2, 40, 72), FP32, (random_table(4, 0),),
+    ),
+    # keys up to 160 back: the tiles past MAX_DISTANCE read the last bucket only, and the
+    # kernels add it once per tile (modfn._score_cut); the tiles across bucket edges per pair
+    "t5_far": lambda: Case(
+        lambda table: T5Bias(table) + causal_lower_right(),
+        (1, 2, 2, 48, 160), FP32, (random_table(2, 1),),
     ),
     "speculative_tree": lambda: Case(
         lambda: speculative_tree(ANCESTORS.to(DEVICE), 40) + causal_lower_right(),
@@ -412,7 +419,7 @@ def test_matches_the_oracle(route: str, name: str) -> None:
     check(case, case.dtype if fused else FP32, fused=fused, param_grads=not fused)
 
 
-@pytest.mark.parametrize("name", ["t5_causal", "t5_softcap", "tanh_then_t5"])
+@pytest.mark.parametrize("name", ["t5_causal", "t5_far", "t5_softcap", "tanh_then_t5"])
 def test_a_score_mod_parameter_that_requires_grad(name: str) -> None:
     """The kernel gives a table's exact gradient, or refuses the call by name (the contract:
     never a silent ``None``); then a route that takes it gives the exact gradient."""
@@ -597,6 +604,24 @@ def test_an_unsupported_operator_is_refused_by_name(
     assert "cumsum" in message and function.__name__ in message, message
 
 
+def test_a_table_read_through_a_bucket_is_checked_for_one_value_per_tile() -> None:
+    """A table read at a bucket of the positions is checked per tile for one bucket (the
+    T5 case); a score that reads a position as a number (ALiBi's distance) never is."""
+    table = random_table(2, 0)
+    traced = modfn.trace_mods([], [T5Bias(table).score_mod])
+    cut = modfn._score_cut(traced)
+    assert cut is not None and len(cut) == 1
+    (node,) = (traced.nodes[i] for i in cut)
+    assert node.kind == "int" and node.op == "where", node  # t5_bucket's last step
+
+    def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score - 0.5 * (q_idx - kv_idx).abs()
+
+    assert modfn._score_cut(modfn.trace_mods([], [alibi])) is None
+    source = modfn._generate(traced)
+    assert "if UNIFORM:" in source and "TILED: tl.constexpr = False" in source
+
+
 # --------------------------------------------------------------------------------------------
 # materialize: derived from the functions
 
@@ -712,7 +737,8 @@ def test_real_size_on_the_gpu(name: str) -> None:
     q, k, v, _ = tensors(case.shape, BF16, head_dim=case.head_dim)
     q.requires_grad_(True)
     text = explain(q, k, v, attn_mask=case.make(), enable_gqa=True)
-    assert text.startswith("triton:"), text
+    # FlashAttention 4 where it is installed and takes the call (Hopper), else the Triton kernel
+    assert text.startswith(("triton:", "fa4:")), text
     check(case, BF16, fused=True, param_grads=False)
 
 

@@ -40,6 +40,7 @@ from attnbias import (
     CausalVariant,
     DocumentBias,
     KeyRangeBias,
+    ModBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -115,6 +116,7 @@ KIND_BIASES: dict[str, Callable[[], AttnBias | None]] = {
     "documents": lambda: DocumentBias.from_seqlens([6, 10]),
     "softcap": lambda: SoftcapBias(20.0),
     "alibi": lambda: AlibiBias(num_heads=2),
+    "mod": lambda: ModBias(mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 4)),
     "materialized": lambda: TensorBias(torch.zeros(16, 16)) + SlidingWindowBias(3),
 }
 
@@ -611,6 +613,8 @@ class Case:
     shape: dict[str, Any] = dataclasses.field(default_factory=dict)
     is_causal: bool = False
     dropout_p: float = 0.0
+    # with FlashAttention 4 installed, on Blackwell, where that differs from Hopper
+    blackwell: tuple[str, str] | None = None
 
 
 CASES = {
@@ -715,6 +719,14 @@ CASES = {
         ("triton-decode", "triton"),
         ("triton-decode", "triton"),
     ),
+    # ModBias functions: FlashAttention 4's callbacks on Hopper only
+    "mod": Case(
+        KIND_BIASES["mod"],
+        "mod",
+        ("triton-decode", "fa4"),
+        ("triton-decode", "triton"),
+        blackwell=("triton-decode", "triton"),
+    ),
     "materialized": Case(
         KIND_BIASES["materialized"],
         "materialized",
@@ -800,7 +812,10 @@ def test_choice_on_a_faked_gpu(
     )
     assert spec.terms.kind == case.kind
     assert spec.needs_grad == needs_grad
-    expected = (case.with_fa4 if fa4_installed else case.without_fa4)[needs_grad]
+    with_fa4 = case.with_fa4
+    if capability[0] == 10 and case.blackwell is not None:
+        with_fa4 = case.blackwell
+    expected = (with_fa4 if fa4_installed else case.without_fa4)[needs_grad]
     chosen = plan(spec)
     assert chosen.backend.name == expected
     # the order starts with the list of the priority table for this generation and kind

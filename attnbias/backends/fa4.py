@@ -31,17 +31,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnbias.backends import fa4_mods
 from attnbias.backends.base import Backend, LseGrads, Prepared, refuse_double_backward
 from attnbias.spec import Spec
 from attnbias.terms import Terms
 
 if TYPE_CHECKING:
     from attnbias.biases import DocumentBias
+    from attnbias.kernels.modfn import TracedMods
 
 __all__ = ["FlashAttention4", "window_size"]
 
 # Compute capabilities whose FlashAttention 4 kernels were checked against the oracle.
 CAPABILITIES = (9, 10)
+# Compute capabilities whose FlashAttention 4 form of ModBias functions (callbacks and block
+# sparsity, ``fa4_mods``) was written for: its SM90 kernels' tiles set the block sparsity.
+MOD_CAPABILITIES = (9,)
 # Head dims (E = Ev) checked against the oracle on the H100; head dim 80, which FlashAttention 4
 # accepts, failed those checks, so each further head dim is added here only once tested.
 CHECKED_HEAD_DIMS = (64, 128, 256)
@@ -75,6 +80,13 @@ def _flash_attn_bwd() -> Callable[..., Any] | None:
 def _flash_attn_varlen_func() -> Callable[..., Any]:
     module = importlib.import_module("flash_attn.cute")
     return module.flash_attn_varlen_func
+
+
+@functools.cache
+def _block_sparse_tensors() -> Callable[..., Any]:
+    """FlashAttention 4's ``BlockSparseTensorsTorch`` (a named tuple of its block lists)."""
+    module = importlib.import_module("flash_attn.cute.block_sparsity")
+    return module.BlockSparseTensorsTorch
 
 
 @functools.cache
@@ -350,10 +362,7 @@ class FlashAttention4(Backend):
             names = ", ".join(type(p).__name__ for p in terms.others)
             reasons.append(f"{names} has no FlashAttention 4 form")
         if terms.mods:
-            reasons.append(
-                "ModBias functions are compiled into the library's Triton kernels only (their "
-                "FlashAttention 4 form is not written yet)"
-            )
+            reasons += self._mod_reasons(spec)
         if terms.band_is_empty:
             # FlashAttention reads a window whose sides are both negative as no window at all.
             reasons.append(f"{terms.describe()} keeps no pair")
@@ -361,6 +370,38 @@ class FlashAttention4(Backend):
             reasons.append(f"scale={spec.resolved_scale} is not positive")
         if spec.has_empty_dim:
             reasons.append(f"an empty dimension in (B, Hq, L, S)={spec.shape}")
+        return reasons
+
+    @staticmethod
+    def _mod_reasons(spec: Spec) -> list[str]:
+        """Why the call's ModBias functions have no FlashAttention 4 form here."""
+        terms = spec.terms
+        reasons = []
+        if _on_cuda(spec.device):
+            major = _capability(spec.device.index or 0)[0]
+            if major in CAPABILITIES and major not in MOD_CAPABILITIES:
+                reasons.append(
+                    f"ModBias functions run in FlashAttention 4 on compute capability "
+                    f"{', '.join(f'{c}.x' for c in MOD_CAPABILITIES)} only (its block sparsity "
+                    f"is laid out for those kernels' tiles), not on {major}.x"
+                )
+        if terms.slopes is not None:
+            reasons.append("ALiBi together with ModBias functions")
+        if terms.q_doc is not None:
+            reasons.append(
+                "documents together with ModBias functions (FlashAttention 4's variable-length "
+                "batch takes no block sparsity in its backward)"
+            )
+        if spec.needs_lse:
+            reasons.append("ModBias functions with the log-sum-exp (context parallelism)")
+        mods = spec.program.mods
+        if mods is not None:
+            _, heads_q, _, _ = spec.shape
+            reasons += fa4_mods.reasons(
+                mods.traced,
+                needs_grad=spec.needs_grad,
+                grouped=heads_q != spec.key.shape[1],
+            )
         return reasons
 
     @staticmethod
@@ -405,6 +446,8 @@ class FlashAttention4(Backend):
         return window_size(spec.terms, layout.end_offset or 0)
 
     def how(self, spec: Spec) -> str:
+        if spec.terms.mods:
+            return self._mod_how(spec)
         left, right = self._window(spec, self._layout(spec))
         terms = [f"window_size=({left}, {right})"]
         if spec.terms.softcap is not None:
@@ -416,6 +459,50 @@ class FlashAttention4(Backend):
             if spec.shape[0] > 1:
                 terms.append(f"the {spec.shape[0]} batch rows flattened as views")
         return f"FlashAttention 4 ({', '.join(terms)})"
+
+    def _mod_how(self, spec: Spec) -> str:
+        form = _mod_form(spec, compiled=False)
+        mods = spec.program.mods
+        assert mods is not None  # a call with ModBias parts has generated functions
+        traced = mods.traced
+        names = ", ".join(f.name for f in (*traced.masks, *traced.scores))
+        has_score = bool(traced.scores) or form.options.softcap
+        callbacks = ["mask_mod"] if form.block is not None else []
+        callbacks += ["score_mod"] if has_score else []
+        callbacks += (
+            ["score_mod_bwd"] if has_score and not fa4_mods.backward_problems(traced) else []
+        )
+        terms = [f"{' / '.join(callbacks)} generated from {names}"]
+        left, right = form.window
+        if left is not None or right is not None:
+            terms.append(f"window_size=({left}, {right})")
+        elif form.options.band_lo or form.options.band_hi:
+            terms.append("the band inside mask_mod")
+        if spec.terms.softcap is not None:
+            terms.append(f"soft-cap {spec.terms.softcap:g} inside score_mod")
+        if form.options.scalars and form.scalars:
+            terms.append(f"{len(form.scalars)} aux_scalars")
+        if mods.traced.params:
+            terms.append(f"{len(mods.traced.params)} aux_tensors")
+        if form.block is not None:
+            terms.append(self._tile_counts(spec, form.block))
+        return f"FlashAttention 4 ({', '.join(terms)})"
+
+    @staticmethod
+    def _tile_counts(spec: Spec, block: tuple[int, int]) -> str:
+        """How the block sparsity splits the call's blocks: skipped, full, partial (builds
+        the block lists: GPU work and a host synchronisation, for ``explain``)."""
+        from attnbias.kernels.masks import mod_block_lists
+
+        lists = mod_block_lists(spec.query, spec.key, spec.program, *block).kv_lists
+        partial = int(lists[..., 0, 0].sum())
+        full = int(lists[..., 1, 0].sum())
+        total = lists.shape[0] * lists.shape[1] * lists.shape[2] * (lists.shape[4] - 1)
+        return (
+            f"block sparsity of {block[0]}x{block[1]} (per list row: {lists.shape[0]} batch x "
+            f"{lists.shape[1]} head): of {total} blocks {total - partial - full} skipped, "
+            f"{full} full, {partial} partial"
+        )
 
     def run(self, spec: Spec) -> Tensor:
         return self.prepare(spec)(spec.query, spec.key, spec.value)
@@ -462,6 +549,20 @@ class FlashAttention4(Backend):
             "softmax_scale": spec.resolved_scale,
             "window_size": self._window(spec, layout),
         }
+        if terms.mods:
+            form = _mod_form(spec)
+            assert form.callbacks is not None
+            options["window_size"] = form.window
+            options.update(
+                mask_mod=form.callbacks.mask_mod,
+                score_mod=form.callbacks.score_mod,
+                score_mod_bwd=form.callbacks.score_mod_bwd,
+                # unpacked heads: the callbacks see one query head per tile
+                pack_gqa=False,
+            )
+            if form.options.scalars and form.scalars:
+                options["aux_scalars"] = form.scalars
+            return options
         if terms.softcap is not None:
             score_mod, score_mod_bwd = _softcap_score_mods(terms.softcap)
             options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd)
@@ -480,6 +581,8 @@ class FlashAttention4(Backend):
         needs_grad = spec.needs_grad
         layout = self._layout(spec)
         options = self._options(spec, layout)
+        if layout is None and spec.terms.mods:
+            return self._prepare_mods(spec, options)
         if layout is None:
             dense = _flash_attn_func()
 
@@ -506,3 +609,88 @@ class FlashAttention4(Backend):
             return _first_order(out.unflatten(0, (batch, length_q)).transpose(1, 2), needs_grad)
 
         return run_documents
+
+    @staticmethod
+    def _prepare_mods(spec: Spec, options: dict[str, Any]) -> Prepared:
+        """The run of a call with ModBias functions: per call, the tensors they read (as
+        ``aux_tensors``: in-place changes are seen) and the block lists of their masks (rebuilt
+        when a tensor they read changed)."""
+        needs_grad = spec.needs_grad
+        dense = _flash_attn_func()
+        form = _mod_form(spec)
+        program = spec.program
+        mods = program.mods
+        assert mods is not None  # a call with ModBias parts has generated functions
+        traced = mods.traced
+
+        def run_mods(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            per_call = dict(options, aux_tensors=fa4_mods.aux_tensors(traced))
+            if form.block is not None:
+                per_call.update(_block_sparsity(query, key, program, form.block))
+            out, _ = dense(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **per_call
+            )
+            return _first_order(out.transpose(1, 2), needs_grad)
+
+        return run_mods
+
+
+@dataclass(frozen=True)
+class _ModForm:
+    """A call's ModBias functions in FlashAttention 4's form: its callbacks, their options and
+    runtime numbers, its window (open where the band is inside ``mask_mod``) and its block
+    sparsity's block (``None``: no mask function, no block sparsity)."""
+
+    callbacks: fa4_mods.Callbacks | None  # None: not compiled (for explain)
+    options: fa4_mods.Options
+    scalars: tuple[int | float, ...]
+    window: tuple[int | None, int | None]
+    block: tuple[int, int] | None
+
+
+def _mod_form(spec: Spec, compiled: bool = True) -> _ModForm:
+    terms = spec.terms
+    mods = spec.program.mods
+    assert mods is not None  # a call with ModBias parts has generated functions
+    traced: TracedMods = mods.traced
+    has_mask = bool(traced.masks)
+    window = window_size(terms, spec.shape[3] - spec.shape[2])
+    options = fa4_mods.Options(
+        # FlashAttention 4 applies no window together with a mask_mod: the band goes inside
+        band_lo=has_mask and terms.band_lo is not None,
+        band_hi=has_mask and terms.band_hi is not None,
+        softcap=terms.softcap is not None,
+        scalars=fa4_mods.NUMBERS_AS_AUX_SCALARS,
+    )
+    scalars = fa4_mods.aux_scalars(traced, options, (terms.band_lo, terms.band_hi), terms.softcap)
+    callbacks = (
+        fa4_mods.callbacks(
+            traced, options, scalars, differentiable=not fa4_mods.backward_problems(traced)
+        )
+        if compiled
+        else None
+    )
+    return _ModForm(
+        callbacks=callbacks,
+        options=options,
+        scalars=scalars,
+        window=(None, None) if has_mask else window,
+        block=fa4_mods.block_size(spec.head_dim) if has_mask else None,
+    )
+
+
+def _block_sparsity(
+    query: Tensor, key: Tensor, program: Any, block: tuple[int, int]
+) -> dict[str, Any]:
+    """FlashAttention 4's block sparsity of the program's masks, forward and backward, from the
+    library's block lists at FlashAttention 4's block (kept until a tensor they read
+    changes)."""
+    from attnbias.kernels.masks import mod_block_lists
+
+    lists = mod_block_lists(query, key, program, *block)
+    forward, backward = fa4_mods.block_sparse_fields(lists.kv_lists, lists.q_lists)
+    make = _block_sparse_tensors()
+    return {
+        "block_sparse_tensors": make(**forward, block_size=block),
+        "block_sparse_tensors_bwd": make(**backward, block_size=block),
+    }
