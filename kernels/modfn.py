@@ -1620,6 +1620,21 @@ class _TileEmitter:
             return f"{found[1]}.to(tl.float32)", f"{found[2]}.to(tl.float32)", found[3]
         return f"tl.where({found[2]}, 0.0, 1.0)", f"tl.where({found[1]}, 1.0, 0.0)", "NO"
 
+    def _choice(
+        self, args: tuple[Any, ...], bound: Callable[[int], tuple[str, str, str]]
+    ) -> tuple[str, str, str]:
+        """``(lo, hi, unknown)`` of ``where(c, x, y)``: the branch the condition settles, or
+        both (``bound`` gives a branch's bounds as integers or floats)."""
+        c = self.bounds(args[0])
+        lx, hx, ux = bound(args[1])
+        ly, hy, uy = bound(args[2])
+        t, f = (c[1], c[2]) if c[0] == "bool" else ("YES", "YES")
+        return (
+            f"tl.where({t} & {f}, tl.minimum({lx}, {ly}), tl.where({t}, {lx}, {ly}))",
+            f"tl.where({t} & {f}, tl.maximum({hx}, {hy}), tl.where({t}, {hx}, {hy}))",
+            f"({t} & {ux}) | ({f} & {uy})",
+        )
+
     def _int(self, i: int, lo: str, hi: str, unknown: str) -> tuple[str, ...]:
         p = self.prefix
         self.lines += [f"{p}l{i} = {lo}", f"{p}h{i} = {hi}"]
@@ -1742,16 +1757,7 @@ class _TileEmitter:
                 ua = f"{ua} | ({la} < -{2**31}) | ({ha} > {2**31 - 1})"
             return self._int(i, la, ha, ua)
         if op == "where":
-            c = self.bounds(args[0])
-            lx, hx, ux = self.as_int(args[1])
-            ly, hy, uy = self.as_int(args[2])
-            t, f = (c[1], c[2]) if c[0] == "bool" else ("YES", "YES")
-            return self._int(
-                i,
-                f"tl.where({t} & {f}, tl.minimum({lx}, {ly}), tl.where({t}, {lx}, {ly}))",
-                f"tl.where({t} & {f}, tl.maximum({hx}, {hy}), tl.where({t}, {hx}, {hy}))",
-                f"({t} & {ux}) | ({f} & {uy})",
-            )
+            return self._int(i, *self._choice(args, self.as_int))
         la, ha, ua = self.as_int(args[0])
         if op == "neg":
             return self._int(i, f"0 - {ha}", f"0 - {la}", ua)
@@ -1813,17 +1819,7 @@ class _TileEmitter:
             la, ha, ua = self.as_float(args[0])
             return self._float(i, la, ha, ua, False)
         if op == "where":
-            c = self.bounds(args[0])
-            lx, hx, ux = self.as_float(args[1])
-            ly, hy, uy = self.as_float(args[2])
-            t, f = (c[1], c[2]) if c[0] == "bool" else ("YES", "YES")
-            return self._float(
-                i,
-                f"tl.where({t} & {f}, tl.minimum({lx}, {ly}), tl.where({t}, {lx}, {ly}))",
-                f"tl.where({t} & {f}, tl.maximum({hx}, {hy}), tl.where({t}, {hx}, {hy}))",
-                f"({t} & {ux}) | ({f} & {uy})",
-                False,
-            )
+            return self._float(i, *self._choice(args, self.as_float), False)
         if op in ("input", "load") or op not in _FLOAT_TILE_OPS:
             return self._float(i, "FZERO", "FZERO", "YES", False)
         la, ha, ua = self.as_float(args[0])
@@ -1891,7 +1887,7 @@ def _tile_function(traced: TracedMods) -> str:
     return _function("tile_fn", "b, h, q_lo, q_hi, kv_lo, kv_hi, MOD", body)
 
 
-_SOURCES: dict[str, dict[str, Any]] = {}
+_SOURCES: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def jit_from_source(
@@ -1899,9 +1895,10 @@ def jit_from_source(
 ) -> dict[str, Any]:
     """Execute generated ``source`` as a module (its text registered with ``linecache``, where
     Triton and ``inspect`` read a function's source) and return its namespace, which starts
-    with ``names``; the same source gives the same namespace, so its Triton functions compile
-    once per process."""
-    found = _SOURCES.get(source)
+    with ``names``; the same source and ``prefix`` give the same namespace, so its Triton
+    functions compile once per process (callers giving other ``names`` give another
+    ``prefix``)."""
+    found = _SOURCES.get((source, prefix))
     if found is not None:
         return found
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -1910,7 +1907,7 @@ def jit_from_source(
     namespace: dict[str, Any] = {"__name__": f"attnbias_generated_{prefix}_{digest}"}
     namespace.update(names or {})
     exec(compile(source, filename, "exec"), namespace)
-    _SOURCES[source] = namespace
+    _SOURCES[(source, prefix)] = namespace
     return namespace
 
 

@@ -31,8 +31,6 @@ query / key blocks of the block sparsity.
 from __future__ import annotations
 
 import functools
-import hashlib
-import linecache
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from attnbias.kernels.modfn import INDEX_NAMES, Node, TracedMods, _node_inputs
+from attnbias.kernels.modfn import INDEX_NAMES, Node, TracedMods, _node_inputs, jit_from_source
 
 __all__ = [
     "NUMBERS_AS_AUX_SCALARS",
@@ -632,8 +630,6 @@ def generate(traced: TracedMods, options: Options, values: Sequence[int | float]
 
 # -- compiling ---------------------------------------------------------------------------------
 
-_COMPILED: dict[tuple[str, str], dict[str, Any]] = {}
-
 
 @functools.cache
 def _cute_names() -> dict[str, Any]:
@@ -642,23 +638,6 @@ def _cute_names() -> dict[str, Any]:
     from cutlass._mlir.dialects import math as mlir_math
 
     return {"cute": cute, "cutlass": cutlass, "mlir_math": mlir_math}
-
-
-def _exec(source: str, names: Mapping[str, Any], flavour: str) -> dict[str, Any]:
-    """Execute ``source`` with ``names`` (its text registered with ``linecache``, where the
-    DSL and FlashAttention 4's compile cache read a function's source); once per source and
-    namespace flavour."""
-    key = (source, flavour)
-    found = _COMPILED.get(key)
-    if found is not None:
-        return found
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    filename = f"<attnbias-fa4-mods-{digest}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace: dict[str, Any] = {"__name__": f"attnbias_generated_fa4_{digest}", **names}
-    exec(compile(source, filename, "exec"), namespace)
-    _COMPILED[key] = namespace
-    return namespace
 
 
 # The sources of a graph per options (and numbers, when they are literals): generated once.
@@ -685,7 +664,7 @@ def callbacks(
     source = per_graph.get(key)
     if source is None:
         source = per_graph[key] = generate(traced, options, literal)
-    namespace = _exec(source, (names or _cute_names)(), flavour)
+    namespace = jit_from_source(source, f"fa4-mods-{flavour}", (names or _cute_names)())
     return Callbacks(
         source=source,
         mask_mod=namespace.get("mask_mod"),
