@@ -60,13 +60,19 @@ _HOPPER: dict[str, Order] = {
     # ModBias functions: FlashAttention 4 with generated callbacks and block sparsity where it
     # takes them (on capability 9 only), the Triton kernels otherwise. Measured on an H100 at
     # S=16384 (benchmarks/NOTES.md, "ModBias on FlashAttention 4"): training FA4 first (1.25-
-    # 1.9x the Triton kernel on five of seven examples, 0.93x on chunked local); inference the
-    # Triton kernel first (FA4's forward ahead only on prefix-LM and the 2-D neighbourhood).
+    # 1.9x the Triton kernel on five of seven examples). Without gradients, masks alone ("mod
+    # mask") FA4 first (prefix-LM 1.56x, 2-D neighbourhood 1.51x; the masks where it was
+    # slower, chunked local 0.64x and a sliding window 0.90x, now run as the built-ins they
+    # are), score functions ("mod") the Triton kernel first (FA4 0.64-0.78x on T5, the
+    # FlexAttention port and prefix + window + soft-cap).
+    "mod mask": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "mod": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
 # Blackwell follows Hopper, unmeasured, but for ModBias functions, whose FlashAttention 4 form
 # is laid out for Hopper's kernels.
-_BLACKWELL: dict[str, Order] = {kind: order for kind, order in _HOPPER.items() if kind != "mod"}
+_BLACKWELL: dict[str, Order] = {
+    kind: order for kind, order in _HOPPER.items() if kind not in ("mod", "mod mask")
+}
 # Other GPUs and the CPU: stock SDPA where it fuses the mask, then the library's kernels.
 _DEFAULT: dict[str, Order] = {
     "none": Order(("sdpa",)),

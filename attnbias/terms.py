@@ -140,6 +140,8 @@ class Terms:
     # functions apply after the additive terms, in this order. Each part compiles the tuple
     # (``compile_with``) into the program's generated functions.
     mods: tuple[Any, ...] = ()
+    # ModBias parts whose mask functions run as the band and documents above (for describe)
+    forms: tuple[Any, ...] = ()
     # The kernels' form of these terms, built with them and passed unchanged to the
     # launchers (a field rather than a cached property: torch.compile traces its reads).
     program: MaskProgram = field(init=False, repr=False)
@@ -202,6 +204,7 @@ class Terms:
             kv_end=key_range[1],
             doc_parts=self.doc_parts + other.doc_parts,
             mods=self.mods + other.mods,
+            forms=self.forms + other.forms,
         )
 
     def finish(self, length_q: int, length_kv: int) -> Terms:
@@ -226,6 +229,7 @@ class Terms:
             kv_end=self.kv_end,
             doc_parts=self.doc_parts,
             mods=self.mods,
+            forms=self.forms,
         )
 
     @property
@@ -302,7 +306,11 @@ class Terms:
         if self.others:
             return "materialized"
         if self.mods:
-            return "mod"
+            # any(...) of a generator stops torch.compile; a loop does not
+            for part in self.mods:
+                if part.score_mod is not None:
+                    return "mod"
+            return "mod mask"
         if self.slopes is not None:
             return "alibi"
         if self.softcap is not None:
@@ -325,5 +333,6 @@ class Terms:
         )
         terms = [] if program == "no mask" else [program]
         terms += [f"{p.describe()} (generated functions)" for p in self.mods]
+        terms += [f"{p.describe()} ({p.describe_form()})" for p in self.forms]
         terms += [f"{type(p).__name__} (materialized)" for p in self.others]
         return ", ".join(terms) if terms else "no mask"

@@ -9,7 +9,9 @@ the built-in ``SlidingWindowBias``. bf16, H=16, E=128, B·S=16k tokens.
 Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; ``flex`` =
 ``torch.compile(flex_attention)`` with ``create_block_mask`` built once (its Triton backend);
 ``flex (FLASH)`` = the same with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention 4's
-kernels; a row only where it runs); ``builtin`` = the built-in bias where one exists. Times
+kernels; a row only where it runs); ``builtin`` = the built-in bias where one exists;
+``attnbias (functions)`` = a mask that attnbias runs as the built-in it is (a band, equal
+chunks) run as its generated functions instead (``ModBias.run_as_builtin = False``). Times
 are medians of ``do_bench`` over two rounds in alternating order; ``first call`` is the first
 ``sdpa`` call of a fresh bias (tracing, lists, and compiling where the generated code is new);
 ``lists`` is the cost of building the block lists for a new length (the classification kernel
@@ -22,6 +24,7 @@ Run on the GPU: ``python benchmarks/mod_bench.py [--seq 8192 16384]``; prints ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -195,6 +198,11 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
             calls["flex (FLASH)"] = flash
         if builtin is not None:
             calls["builtin (triton)"] = lambda bias=builtin: _pinned(q, k, v, bias)
+        if isinstance(bias, ModBias) and bias.builtin_form() is not None:
+            # the same mask as generated code (what it ran as before it was recognised); a bias
+            # of its own, as the decisions of calls are kept per bias
+            as_functions = dataclasses.replace(bias)
+            calls["attnbias (functions)"] = lambda bias=as_functions: _as_functions(q, k, v, bias)
         times: dict[str, list[float]] = {}
         for r in range(2):
             order = list(calls) if r == 0 else list(calls)[::-1]
@@ -263,6 +271,15 @@ def _function(method: Any) -> Any:
     return mask_mod
 
 
+def _as_functions(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
+    """The call with the mask run as its generated functions, not as the built-in it is."""
+    ModBias.run_as_builtin = False
+    try:
+        return attnbias.sdpa(q, k, v, attn_mask=bias)
+    finally:
+        ModBias.run_as_builtin = True
+
+
 def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
     with attnbias.use_backends("triton"):
         return attnbias.sdpa(q, k, v, attn_mask=bias)
@@ -270,11 +287,16 @@ def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
 
 def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> tuple[float, float]:
     """Building the block lists of ``bias`` for these shapes once more (a new length):
-    ``(GPU ms, wall ms)``, each per build."""
+    ``(GPU ms, wall ms)``, each per build; of its generated functions where it runs as a
+    built-in (which needs no lists)."""
     from attnbias.kernels.masks import _MOD_LISTS, mask_args
     from attnbias.spec import lower
 
-    program = lower(bias, q.shape[2], k.shape[2], q.device, batch=q.shape[0]).program
+    ModBias.run_as_builtin = False
+    try:
+        program = lower(bias, q.shape[2], k.shape[2], q.device, batch=q.shape[0]).program
+    finally:
+        ModBias.run_as_builtin = True
     if program.mods is None or not program.mods.has_mask:
         return 0.0, 0.0
 

@@ -37,3 +37,12 @@ def _fresh_plan_cache() -> None:
     from attnbias import plan_cache
 
     plan_cache.clear()
+
+
+@pytest.fixture
+def generated_mods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModBias masks that are a band or equal chunks run as their functions, not as the
+    built-ins they are (``ModBias.run_as_builtin``): for tests of the generated code."""
+    from attnbias import ModBias
+
+    monkeypatch.setattr(ModBias, "run_as_builtin", False)

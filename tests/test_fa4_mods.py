@@ -45,6 +45,10 @@ from custom_bias import PrefixLM
 from neighbourhood_2d import Neighbourhood2D
 from t5_bias import T5Bias
 
+# the generated callbacks of every mask here, the chunked one included (which runs as the
+# built-in documents by default)
+pytestmark = pytest.mark.usefixtures("generated_mods")
+
 BF16 = torch.bfloat16
 BLOCK = (32, 16)  # the stand-in's block sparsity: small, so that short calls have many blocks
 

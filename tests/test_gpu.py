@@ -433,6 +433,7 @@ FA4_MOD_NAMES = [
 
 
 @needs_fa4
+@pytest.mark.usefixtures("generated_mods")  # the chunked mask as its callbacks, not documents
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", FA4_MOD_NAMES)
 def test_fa4_mod_biases(name: str, head_dim: int) -> None:

@@ -58,7 +58,12 @@ from attnbias.biases import parts_of
 from attnbias.kernels import modfn
 
 ModBias: Any = getattr(attnbias, "ModBias", None)
-pytestmark = pytest.mark.skipif(ModBias is None, reason="attnbias.ModBias is not in this tree")
+pytestmark = [
+    pytest.mark.skipif(ModBias is None, reason="attnbias.ModBias is not in this tree"),
+    # the generated code of every mask here, the band- and chunk-shaped ones included (those
+    # run as the built-ins by default: tests/test_mod_forms.py)
+    pytest.mark.usefixtures("generated_mods"),
+]
 # the bias classes below derive from ModBias; a stand-in base keeps the module importable
 # (and its tests skipped) where the class is missing
 _Base: Any = ModBias if ModBias is not None else object

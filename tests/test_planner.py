@@ -116,7 +116,13 @@ KIND_BIASES: dict[str, Callable[[], AttnBias | None]] = {
     "documents": lambda: DocumentBias.from_seqlens([6, 10]),
     "softcap": lambda: SoftcapBias(20.0),
     "alibi": lambda: AlibiBias(num_heads=2),
-    "mod": lambda: ModBias(mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 4)),
+    "mod mask": lambda: ModBias(
+        mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 4)
+    ),
+    "mod": lambda: ModBias(
+        mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 4),
+        score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5,
+    ),
     "materialized": lambda: TensorBias(torch.zeros(16, 16)) + SlidingWindowBias(3),
 }
 
@@ -720,12 +726,46 @@ CASES = {
         ("triton-decode", "triton"),
     ),
     # ModBias functions: FlashAttention 4's callbacks on Hopper only
+    "mod mask": Case(
+        KIND_BIASES["mod mask"],
+        "mod mask",
+        ("triton-decode", "fa4"),
+        ("triton-decode", "triton"),
+        blackwell=("triton-decode", "triton"),
+    ),
     "mod": Case(
         KIND_BIASES["mod"],
         "mod",
         ("triton-decode", "fa4"),
         ("triton-decode", "triton"),
         blackwell=("triton-decode", "triton"),
+    ),
+    # past the decode kernel's queries: masks alone take FlashAttention 4 first without
+    # gradients, score functions the Triton kernel
+    "mod mask_long": Case(
+        KIND_BIASES["mod mask"],
+        "mod mask",
+        ("fa4", "fa4"),
+        ("triton", "triton"),
+        {"length_q": 80, "length_kv": 80},
+        blackwell=("triton", "triton"),
+    ),
+    "mod_long": Case(
+        KIND_BIASES["mod"],
+        "mod",
+        ("triton", "fa4"),
+        ("triton", "triton"),
+        {"length_q": 80, "length_kv": 80},
+        blackwell=("triton", "triton"),
+    ),
+    # a mask function that is a built-in mask written as a function runs as it
+    "mod as band": Case(
+        lambda: ModBias(
+            mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 4)
+        ),
+        "band",
+        ("triton-decode", "fa4"),
+        ("triton-decode", "triton"),
     ),
     "materialized": Case(
         KIND_BIASES["materialized"],

@@ -7,12 +7,13 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape, resolve_lengths
+from attnbias.biases.documents import DocumentBias
 from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.terms import Block, Call, Terms
@@ -69,6 +70,13 @@ class ModBias(KernelBias):
     :data:`attnbias.kernels.modfn.SUPPORTED`; anything else (a Python ``if`` on an index, an
     unknown operator) is refused at the first call, naming the function and the operator.
 
+    A mask function that is a built-in mask written as a function (a conjunction of comparisons
+    of ``kv_idx - q_idx`` with numbers, such as a causal sliding window, and equal chunks
+    ``q_idx // C == kv_idx // C``, such as Llama 4's chunked attention) runs as that built-in:
+    the same pairs, with the built-ins' analytic tile ranges on every backend that takes them
+    (:func:`attnbias.kernels.modforms.builtin_form`; ``explain`` says so). Set the class
+    attribute ``run_as_builtin = False`` on a subclass to run its function as it is.
+
     Tensor parameters must be on the inputs' device. ``materialize`` evaluates the functions on
     the ``(B, H, L, S)`` grid (for the CPU and the exact routes): a mask becomes ``0`` / ``-inf``,
     a score function of the form ``score + g(...)`` becomes ``g``; any other score function has
@@ -78,6 +86,8 @@ class ModBias(KernelBias):
     #: Overridden by a subclass's methods, or set by ``ModBias(mask_mod=..., score_mod=...)``.
     mask_mod: Callable[..., Any] | None = None
     score_mod: Callable[..., Any] | None = None
+    #: Whether a mask function that is a band and equal chunks runs as the built-in terms.
+    run_as_builtin: ClassVar[bool] = True
 
     def __init__(self, mask_mod: MaskMod | None = None, score_mod: ScoreMod | None = None) -> None:
         for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
@@ -139,6 +149,11 @@ class ModBias(KernelBias):
         mods = tuple(p for p in parts if isinstance(p, ModBias))
         if len(mods) > 1 and mods[0] is self:
             _prepare(mods)
+            if not torch.compiler.is_compiling():  # the parts left as functions, together
+                with contextlib.suppress(ModTraceError):
+                    generated = tuple(p for p in mods if p.builtin_form() is None)
+                    if 1 < len(generated) < len(mods):
+                        _prepare(generated)
 
     def validate_call(self, call: Call) -> None:
         traced = self._traced()  # refuses what cannot be compiled, at the first call
@@ -150,7 +165,59 @@ class ModBias(KernelBias):
                 )
 
     def lower(self, call: Call) -> Terms:
-        return Terms(mods=(self,))
+        form = self.builtin_form()
+        if form is None or (form.chunk is not None and torch.compiler.is_compiling()):
+            # (the chunks' document ids are built and checked on the host, outside a trace)
+            return Terms(mods=(self,))
+        terms = Terms(band_lo=form.band_lo, band_hi=form.band_hi, forms=(self,))
+        if form.chunk is None:
+            return terms
+        return terms.merge(self._chunks(call).lower(call))
+
+    def builtin_form(self) -> Any:
+        """The band and chunks this bias's mask function is
+        (:class:`~attnbias.kernels.modforms.BuiltinForm`), or ``None`` where it is something
+        else, has a score function too, or the class sets ``run_as_builtin = False``."""
+        if not self.run_as_builtin or self.score_mod is not None:
+            return None
+        found = self.__dict__.get("_builtin_form", _UNSET)
+        if found is _UNSET:
+            from attnbias.kernels.modforms import builtin_form
+
+            found = builtin_form(self._traced())
+            object.__setattr__(self, "_builtin_form", found)
+        return found
+
+    def describe_form(self) -> str:
+        """What :meth:`builtin_form` runs the mask function as, in words."""
+        form = self.builtin_form()
+        if form is None:
+            return "its functions (generated code)"
+        parts = []
+        if form.band_lo is not None or form.band_hi is not None:
+            lo = "" if form.band_lo is None else f"{form.band_lo} <= "
+            hi = "" if form.band_hi is None else f" <= {form.band_hi}"
+            parts.append(f"the band {lo}j - i{hi}")
+        if form.chunk is not None:
+            parts.append(f"documents of {form.chunk} positions")
+        return f"its mask_mod as {' and '.join(parts) or 'no mask'}"
+
+    def _chunks(self, call: Call) -> DocumentBias:
+        """The documents of the chunks for ``(L, S)``, kept with the bias (ids on the host,
+        so that every backend reads them as it reads a DocumentBias's)."""
+        form = self.builtin_form()
+        key = (call.length_q, call.length_kv)
+        kept: dict[tuple[int, int], DocumentBias] = self.__dict__.setdefault("_chunk_docs", {})
+        found = kept.get(key)
+        if found is None:
+            q_ids = (torch.arange(call.length_q) + form.q_offset) // form.chunk
+            kv_ids = (torch.arange(call.length_kv) + form.kv_offset) // form.chunk
+            found = DocumentBias(q_ids, kv_ids)
+            with _LOCK:
+                if len(kept) >= _MAX_CHUNK_LAYOUTS:
+                    kept.pop(next(iter(kept)))
+                kept[key] = found
+        return found
 
     def sub_block(self, call: Call, block: Block) -> ModBias:
         """The same functions reading the call's indices: ``q_idx + block.q_start`` and
@@ -233,6 +300,9 @@ class ModBias(KernelBias):
         return f"{type(self).__name__}({', '.join(names)})"
 
 
+_UNSET = object()
+# Chunk layouts kept per bias (:meth:`ModBias._chunks`), one per pair of lengths
+_MAX_CHUNK_LAYOUTS = 16
 # Blocks kept per bias (:meth:`ModBias.sub_block`): the places of a context-parallel call's
 # shard pairs, 4 W^2 at most for W ranks
 _MAX_BLOCKS = 256
