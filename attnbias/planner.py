@@ -30,6 +30,7 @@ from attnbias.policy import (
     COSTS,
     FALLBACK,
     FORM_ROUTES,
+    MOD_MASK_FA4_MIN_KEYS,
     PRIORITY,
     SWITCH_FACTOR,
     Cost,
@@ -285,6 +286,28 @@ def predict(spec: Spec, cost: Cost) -> tuple[float, float]:
     return (0.0 if spec.capturing else host), gpu
 
 
+def _short_reach(gen: str, spec: Spec, policy: _Policy) -> float | None:
+    """For a call of ModBias masks without gradients that FlashAttention 4 would take first
+    (``"mod mask"``), the keys its mask visits per block of query rows where that is below
+    :data:`~attnbias.policy.MOD_MASK_FA4_MIN_KEYS` (the call then takes the order of score
+    functions, the Triton kernel first), else ``None``. Reads the mask's block lists (built
+    once, the kernels' own) with one host synchronisation, so not while a CUDA graph is
+    captured; a decode's short queries go to the decode kernel first anyway."""
+    if (
+        spec.kind != "mod mask"
+        or spec.needs_grad
+        or spec.capturing
+        or policy.only is not None
+        or "mod mask" not in PRIORITY[gen]
+        or spec.shape[2] <= MAX_DECODE_QUERIES
+    ):
+        return None
+    from attnbias.kernels.masks import visited_keys_per_row
+
+    keys = visited_keys_per_row(spec.query, spec.key, spec.program)
+    return keys if keys < MOD_MASK_FA4_MIN_KEYS else None
+
+
 def _weigh(
     spec: Spec, order: tuple[str, ...], costs: dict[str, Cost]
 ) -> tuple[str, dict[str, tuple[float, float]]]:
@@ -321,7 +344,15 @@ def plan(spec: Spec) -> Plan:
     else:
         gen = generation(spec.device)
         fa4_first = spec.capturing and captured_fa4_first(gen, spec)
-        order, heading = _cached_order(gen, kind, spec.needs_grad, policy, fa4_first)
+        reach = _short_reach(gen, spec, policy)
+        if reach is None:
+            order, heading = _cached_order(gen, kind, spec.needs_grad, policy, fa4_first)
+        else:
+            order, heading = _cached_order(gen, "mod", spec.needs_grad, policy, fa4_first)
+            heading = (
+                f"{gen}, {kind}, inference; its mask visits {reach:.0f} keys per block of query "
+                f"rows, below {MOD_MASK_FA4_MIN_KEYS}: the order of score functions"
+            )
     skipped: dict[str, list[str]] = {}
     for at, name in enumerate(order):
         reasons = BACKENDS[name].not_supported_reasons(spec)

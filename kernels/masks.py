@@ -358,6 +358,20 @@ def with_mod_lists(q: Tensor, k: Tensor, program: MaskProgram) -> MaskProgram:
     return program.replace(blocks=blocks)
 
 
+def visited_keys_per_row(q: Tensor, k: Tensor, program: MaskProgram) -> float:
+    """The mean number of keys that the block lists of ``program``'s mask functions visit per
+    block of query rows (partial and full blocks, times their width), over the list rows: the
+    reach of the mask. The lists are the kernels' own (built once and kept); reading the counts
+    is a host synchronisation. The program must have mask functions."""
+    blocks = with_mod_lists(q, k, program).blocks
+    if blocks is None:
+        raise ValueError(f"visited_keys_per_row: {program.describe()} has no mask function")
+    lists = blocks.kv_lists  # (Bl, Hl, Mb, 2, Nb + 1)
+    visited = int(lists[..., 0, 0].sum()) + int(lists[..., 1, 0].sum())
+    rows = lists.shape[0] * lists.shape[1] * lists.shape[2]
+    return visited * blocks.block_n / max(rows, 1)
+
+
 def mod_block_lists(
     q: Tensor, k: Tensor, program: MaskProgram, block_m: int, block_n: int
 ) -> BlockLists:

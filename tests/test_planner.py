@@ -740,16 +740,8 @@ CASES = {
         ("triton-decode", "triton"),
         blackwell=("triton-decode", "triton"),
     ),
-    # past the decode kernel's queries: masks alone take FlashAttention 4 first without
-    # gradients, score functions the Triton kernel
-    "mod mask_long": Case(
-        KIND_BIASES["mod mask"],
-        "mod mask",
-        ("fa4", "fa4"),
-        ("triton", "triton"),
-        {"length_q": 80, "length_kv": 80},
-        blackwell=("triton", "triton"),
-    ),
+    # past the decode kernel's queries: score functions take the Triton kernel first without
+    # gradients (masks alone: test_mod_masks_without_gradients_go_by_their_reach)
     "mod_long": Case(
         KIND_BIASES["mod"],
         "mod",
@@ -824,6 +816,38 @@ CASES = {
         dropout_p=0.1,
     ),
 }
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("prefix", "fa4"), ("diagonal", "triton")], ids=["long", "short"]
+)
+def test_mod_masks_without_gradients_go_by_their_reach(
+    monkeypatch: pytest.MonkeyPatch, name: str, expected: str
+) -> None:
+    """Without gradients a ModBias mask takes FlashAttention 4 first where its block lists
+    visit at least MOD_MASK_FA4_MIN_KEYS keys per block of query rows, else the Triton kernel
+    (160 x 160 under the interpreter: blocks of 16, so a prefix-causal mask visits 5.5 blocks
+    per row block on average and a diagonal of width 3 about 2.8)."""
+    fake_gpu(monkeypatch)
+    monkeypatch.setattr(planner, "MOD_MASK_FA4_MIN_KEYS", 64)
+    masks = {
+        "prefix": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 4),
+        # a square, so no band form: the mask runs as its function
+        "diagonal": lambda b, h, q_idx, kv_idx: (kv_idx - q_idx) * (kv_idx - q_idx) <= 1,
+    }
+    bias = ModBias(mask_mod=masks[name])
+    assert bias.builtin_form() is None
+    spec = spec_of(bias, length_q=160, length_kv=160)
+    assert spec.terms.kind == "mod mask"
+    chosen = plan(spec)
+    assert chosen.backend.name == expected
+    if expected == "triton":
+        assert chosen.order[0] == "triton-decode" and chosen.order[1] == "triton"
+        assert "keys per block of query rows, below 64" in chosen.heading, chosen.heading
+    else:
+        assert chosen.heading == "hopper, mod mask, inference"
+    # with gradients, FlashAttention 4 first whatever the reach
+    assert plan(spec_of(bias, length_q=160, length_kv=160, needs_grad=True)).backend.name == "fa4"
 
 
 def test_cases_cover_every_kind() -> None:
