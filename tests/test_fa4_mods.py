@@ -323,6 +323,32 @@ def test_numbers_as_literals(standin: Recorder, monkeypatch: pytest.MonkeyPatch)
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0.0)
 
 
+def test_past_the_count_of_number_sets_new_numbers_go_to_the_triton_kernel(
+    standin: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Numbers written as literals compile anew per set of numbers: after MAX_NUMBER_SETS sets
+    for the same functions, a call with yet other numbers runs on the Triton kernel (saying
+    why), while the numbers compiled already keep FlashAttention 4."""
+    monkeypatch.setattr(fa4_mods, "NUMBERS_AS_AUX_SCALARS", False)
+    monkeypatch.setattr(fa4_mods, "MAX_NUMBER_SETS", 2)
+    monkeypatch.setattr(fa4_mods, "_NUMBER_SETS", {})
+    q, k, v = qkv(length_q=48, length_kv=48, needs_grad=True)
+    for prefix in (5, 20):
+        attnbias.sdpa(q, k, v, attn_mask=PrefixLM(prefix))
+    assert len(standin.calls) == 2
+    text = attnbias.explain(q, k, v, attn_mask=PrefixLM(30))
+    assert text.startswith("triton:"), text
+    assert "compiled for 2 sets of numbers already and these (30)" in text, text
+    got = attnbias.sdpa(q, k, v, attn_mask=PrefixLM(30))
+    assert len(standin.calls) == 2  # not FlashAttention 4
+    want = attention(q, k, v, PrefixLM(30), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0.0)
+    # a number compiled already, in a new bias: FlashAttention 4 again
+    assert attnbias.explain(q, k, v, attn_mask=PrefixLM(20)).startswith("fa4:")
+    # other functions have their own count
+    assert attnbias.explain(q, k, v, attn_mask=ChunkedLocal(7)).startswith("fa4:")
+
+
 # -- the callbacks themselves on the index grids ------------------------------------------------
 
 

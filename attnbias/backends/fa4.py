@@ -397,11 +397,16 @@ class FlashAttention4(Backend):
         mods = spec.program.mods
         if mods is not None:
             _, heads_q, _, _ = spec.shape
-            reasons += fa4_mods.reasons(
+            found = fa4_mods.reasons(
                 mods.traced,
                 needs_grad=spec.needs_grad,
                 grouped=heads_q != spec.key.shape[1],
             )
+            if not found:
+                form = _mod_form(spec, compiled=False)
+                again = fa4_mods.new_numbers_reason(mods.traced, form.options, form.scalars)
+                found = [] if again is None else [again]
+            reasons += found
         return reasons
 
     @staticmethod

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from attnbias.kernels.modfn import INDEX_NAMES, Node, TracedMods, _node_inputs, jit_from_source
 
 __all__ = [
+    "MAX_NUMBER_SETS",
     "NUMBERS_AS_AUX_SCALARS",
     "Callbacks",
     "Options",
@@ -54,6 +56,7 @@ __all__ = [
     "block_sparse_fields",
     "callbacks",
     "generate",
+    "new_numbers_reason",
     "reasons",
 ]
 
@@ -62,6 +65,12 @@ __all__ = [
 #: kernel). flash-attn-4 4.0.0b36 compiles no kernel with ``aux_scalars`` on the H100 (its
 #: ``AuxData`` is no JIT argument there), so literals are the default.
 NUMBERS_AS_AUX_SCALARS = False
+
+#: With numbers as literals, each new set of numbers for the same functions compiles the
+#: callbacks and FlashAttention 4's kernel anew (seconds). Past this many sets of numbers per
+#: functions (per number-free source), calls with yet other numbers are left to the Triton
+#: kernels, which compile nothing for new numbers (:func:`new_numbers_reason`).
+MAX_NUMBER_SETS = 4
 
 _LOG2E = 1.4426950408889634
 
@@ -664,12 +673,50 @@ def callbacks(
     source = per_graph.get(key)
     if source is None:
         source = per_graph[key] = generate(traced, options, literal)
+    if literal is not None:
+        with _LOCK:
+            _NUMBER_SETS.setdefault(_structure(traced, options), set()).add(literal)
     namespace = jit_from_source(source, f"fa4-mods-{flavour}", (names or _cute_names)())
     return Callbacks(
         source=source,
         mask_mod=namespace.get("mask_mod"),
         score_mod=namespace.get("score_mod"),
         score_mod_bwd=namespace.get("score_mod_bwd") if differentiable else None,
+    )
+
+
+# The sets of literal numbers whose callbacks were made, per number-free source.
+_NUMBER_SETS: dict[str, set[tuple[int | float, ...]]] = {}
+_LOCK = threading.Lock()
+
+
+def _structure(traced: TracedMods, options: Options) -> str:
+    """The functions' source with numbers read from ``aux_scalars``: the same for every set of
+    numbers (kept with the graph's other sources)."""
+    per_graph = _SOURCES.setdefault(traced, {})
+    key = (options, None)
+    source = per_graph.get(key)
+    if source is None:
+        source = per_graph[key] = generate(traced, options, None)
+    return source
+
+
+def new_numbers_reason(
+    traced: TracedMods, options: Options, values: Sequence[int | float]
+) -> str | None:
+    """Why a call of ``traced`` with these numbers is not for FlashAttention 4: its callbacks
+    were made for :data:`MAX_NUMBER_SETS` other sets of numbers already, and these would compile
+    anew. ``None`` where the numbers are runtime ``aux_scalars``, known, or within the count."""
+    if options.scalars:
+        return None
+    seen = _NUMBER_SETS.get(_structure(traced, options), set())
+    if len(seen) < MAX_NUMBER_SETS or tuple(values) in seen:
+        return None
+    return (
+        f"its callbacks were compiled for {len(seen)} sets of numbers already and these "
+        f"({', '.join(map(repr, values))}) would compile them and FlashAttention 4's kernel anew "
+        f"(seconds; flash-attn-4 4.0.0b36 takes no runtime aux_scalars), where the Triton "
+        f"kernel compiles nothing for new numbers"
     )
 
 
