@@ -469,6 +469,20 @@ def test_refusals_name_the_reason(standin: Recorder) -> None:
     assert any("documents together with ModBias" in r for r in _reasons(documents))
 
 
+def test_a_score_function_without_a_written_derivative_runs_without_gradients(
+    standin: Recorder,
+) -> None:
+    """Its callbacks have no ``score_mod_bwd`` (it is not written for ``minimum``), and a call
+    without gradients runs on them."""
+    clamped = ModBias(score_mod=lambda s, b, h, q, kv: torch.minimum(s, torch.tensor(0.5)))
+    q, k, v = qkv(length_q=40, length_kv=40)
+    with torch.no_grad(), use_backends("fa4"):
+        got = attnbias.sdpa(q, k, v, attn_mask=clamped)
+    assert standin.calls[-1]["score_mod_bwd"] is None
+    want = attention(q, k, v, clamped, dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0.0)
+
+
 def test_a_refused_call_runs_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_gpu(monkeypatch)
     table = torch.randn(2, 32, requires_grad=True)

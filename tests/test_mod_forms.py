@@ -260,3 +260,58 @@ def test_the_builtin_route_is_the_one_of_the_same_builtin() -> None:
     window = attnbias.causal_upper_left() + attnbias.SlidingWindowBias(19)
     builtin = explain(q, q, q, attn_mask=window)
     assert ours == builtin.splitlines()[1]  # the order line names the kind: band
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["window", "chunks"])
+def test_torch_compile_fullgraph_over_a_form(name: str) -> None:
+    """Under ``torch.compile(fullgraph=True)`` a band form lowers as the built-in band (known
+    from when the bias was built), equal chunks as the generated functions (their document ids
+    are built on the host, outside a trace): both match the eager call."""
+    bias = Window(300) if name == "window" else Chunked(256)
+    q, k, v = (
+        torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa(q, k, v, attn_mask=bias)
+
+    compiled = torch.compile(call, fullgraph=True)
+    got = compiled(q, k, v)
+    got.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = call(q, k, v)
+    want.sum().backward()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    for got_grad, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(got_grad, t.grad, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["window", "chunks"])
+def test_torch_compile_fullgraph_traces_the_lowering(name: str) -> None:
+    """``torch.compile(fullgraph=True)`` traces a call whose mask has a built-in form (the
+    lowering reads only what the bias kept when it was built), on the exact path; forward and
+    gradients against the fp64 oracle (the GPU test above compiles the kernels)."""
+    torch._dynamo.reset()
+    bias = Window(9) if name == "window" else Chunked(16)
+    q, k, v, grad_out = draw_inputs((1, 2, 2, 48, 48), 16, torch.float32, 0, DEVICE)
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # the exact path: the Triton op does not compile under the interpreter
+        with use_backends("reference"):
+            return sdpa(q, k, v, attn_mask=bias)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    got = run_with_grads(compiled, (q, k, v), grad_out)
+    expected = run_with_grads(
+        lambda q, k, v: attention(q, k, v, bias),
+        (q.double(), k.double(), v.double()),
+        grad_out.double(),
+    )
+    low = run_with_grads(
+        lambda q, k, v: attention(q, k, v, bias, dtype=torch.float32), (q, k, v), grad_out
+    )
+    assert_close_to_oracle(got, expected, low, torch.float32, ("out", "dq", "dk", "dv"))

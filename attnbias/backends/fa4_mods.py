@@ -575,9 +575,10 @@ class _Emitter:
 def generate(traced: TracedMods, options: Options, values: Sequence[int | float] | None) -> str:
     """The Python source of the callbacks of ``traced`` with ``options``: ``mask_mod`` (when the
     graph has mask functions), ``score_mod`` and ``score_mod_bwd`` (when it has score functions
-    or the options a soft-cap). ``values``: the numbers to write as literals (``None``: they are
-    read from ``aux_scalars``, in :func:`aux_scalars`'s order). The source expects ``cute``,
-    ``cutlass`` and ``mlir_math`` in its namespace."""
+    or the options a soft-cap; ``score_mod_bwd`` where :func:`backward_problems` finds none).
+    ``values``: the numbers to write as literals (``None``: they are read from
+    ``aux_scalars``, in :func:`aux_scalars`'s order). The source expects ``cute``, ``cutlass``
+    and ``mlir_math`` in its namespace."""
     slots = _Scalars(traced, options)
     parts = [
         f"# attnbias: FlashAttention 4 callbacks of a traced ModBias graph ({len(traced.nodes)} "
@@ -604,8 +605,10 @@ def generate(traced: TracedMods, options: Options, values: Sequence[int | float]
         parts.append(emitter.function(f"def mask_mod({indices}, {tail}):", keep))
 
     additive = traced.additive_score() and not options.softcap
+    # no score_mod_bwd where a derivative is not written (calls without gradients only)
+    writable = not backward_problems(traced)
     if traced.scores or options.softcap:
-        for backward in (False, True):
+        for backward in (False, True) if writable else (False,):
             emitter = _Emitter(traced, slots, values, {**inputs, "score": "score"})
             score_input = traced.inputs["score"]
             if options.softcap:

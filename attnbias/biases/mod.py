@@ -401,13 +401,15 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
 
 
 def _prepare(parts: tuple[ModBias, ...]) -> None:
-    """:func:`compiled_mods` of ``parts`` ahead of the calls, unless ``torch.compile`` is
-    tracing (the tracer cannot run there); a function the compiler refuses is left to raise
-    at the first call, where the error names it."""
+    """:func:`compiled_mods` of ``parts`` and their built-in forms ahead of the calls, unless
+    ``torch.compile`` is tracing (the tracer cannot run there); a function the compiler refuses
+    is left to raise at the first call, where the error names it."""
     if torch.compiler.is_compiling():
         return
     with contextlib.suppress(ModTraceError):
         compiled_mods(parts)
+        for part in parts:  # read under torch.compile as a kept value only
+            part.builtin_form()
 
 
 def _refuse_inside_compile(*parts: ModBias) -> None:
