@@ -24,11 +24,12 @@ Run on the GPU: ``python benchmarks/mod_bench.py [--seq 8192 16384]``; prints ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,13 +272,20 @@ def _function(method: Any) -> Any:
     return mask_mod
 
 
-def _as_functions(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
-    """The call with the mask run as its generated functions, not as the built-in it is."""
+@contextlib.contextmanager
+def _functions_only() -> Iterator[None]:
+    """Masks run as their generated functions, not as the built-ins some of them are."""
     ModBias.run_as_builtin = False
     try:
-        return attnbias.sdpa(q, k, v, attn_mask=bias)
+        yield
     finally:
         ModBias.run_as_builtin = True
+
+
+def _as_functions(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
+    """The call with the mask run as its generated functions, not as the built-in it is."""
+    with _functions_only():
+        return attnbias.sdpa(q, k, v, attn_mask=bias)
 
 
 def _pinned(q: Tensor, k: Tensor, v: Tensor, bias: Any) -> Tensor:
@@ -292,11 +300,8 @@ def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> tuple[float, float]:
     from attnbias.kernels.masks import _MOD_LISTS, mask_args
     from attnbias.spec import lower
 
-    ModBias.run_as_builtin = False
-    try:
+    with _functions_only():
         program = lower(bias, q.shape[2], k.shape[2], q.device, batch=q.shape[0]).program
-    finally:
-        ModBias.run_as_builtin = True
     if program.mods is None or not program.mods.has_mask:
         return 0.0, 0.0
 

@@ -3,6 +3,7 @@ soft-cap arguments, and the launch order of programs."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -366,10 +367,9 @@ def visited_keys_per_row(q: Tensor, k: Tensor, program: MaskProgram) -> float:
     blocks = with_mod_lists(q, k, program).blocks
     if blocks is None:
         raise ValueError(f"visited_keys_per_row: {program.describe()} has no mask function")
-    lists = blocks.kv_lists  # (Bl, Hl, Mb, 2, Nb + 1)
-    visited = int(lists[..., 0, 0].sum()) + int(lists[..., 1, 0].sum())
-    rows = lists.shape[0] * lists.shape[1] * lists.shape[2]
-    return visited * blocks.block_n / max(rows, 1)
+    partial, full, _ = blocks.counts()
+    rows = math.prod(blocks.kv_lists.shape[:3])  # (Bl, Hl, Mb): the list rows
+    return (partial + full) * blocks.block_n / max(rows, 1)
 
 
 def mod_block_lists(

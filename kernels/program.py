@@ -71,6 +71,16 @@ class BlockLists:
     def per_batch(self) -> bool:
         return self.kv_lists.shape[0] > 1
 
+    def counts(self) -> tuple[int, int, int]:
+        """``(partial, full, blocks)``: the partial and the full blocks listed over every list
+        row, and how many blocks the rows have in all (reading the counts is a host
+        synchronisation)."""
+        lists = self.kv_lists
+        partial = int(lists[..., 0, 0].sum())
+        full = int(lists[..., 1, 0].sum())
+        rows = lists.shape[0] * lists.shape[1] * lists.shape[2]
+        return partial, full, rows * (lists.shape[4] - 1)
+
     @property
     def per_head(self) -> bool:
         return self.kv_lists.shape[1] > 1

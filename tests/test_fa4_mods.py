@@ -17,7 +17,7 @@ import cute_standin
 import pytest
 import torch
 from cute_standin import SSA
-from oracle import assert_close_to_oracle, attention, grid_mask, grid_score, run_with_grads
+from oracle import assert_call_close, attention, grid_mask, grid_score
 from test_planner import fake_gpu, qkv, spec_of
 from torch import Tensor
 
@@ -250,19 +250,11 @@ def check(bias: AttnBias, shape: tuple[int, ...], dtype: torch.dtype, seed: int 
     with use_backends("fa4"):
         leaf = q.detach().requires_grad_()
         route = attnbias.explain(leaf, k, v, attn_mask=bias, enable_gqa=gqa)
-        got = run_with_grads(
-            lambda *t: attnbias.sdpa(*t, attn_mask=bias, enable_gqa=gqa), (q, k, v), grad_out
-        )
+        assert_call_close(
+            lambda *t: attnbias.sdpa(*t, attn_mask=bias, enable_gqa=gqa),
+            bias, (q, k, v), grad_out, enable_gqa=gqa,
+        )  # fmt: skip
     assert route.startswith("fa4:"), route
-    expected = run_with_grads(
-        lambda *t: attention(*t, bias, enable_gqa=gqa),
-        (q.double(), k.double(), v.double()),
-        grad_out.double(),
-    )
-    low = run_with_grads(
-        lambda *t: attention(*t, bias, enable_gqa=gqa, dtype=dtype), (q, k, v), grad_out
-    )
-    assert_close_to_oracle(got, expected, low, dtype, ("out", "dq", "dk", "dv"))
     return [route]
 
 

@@ -499,10 +499,9 @@ class FlashAttention4(Backend):
         the block lists: GPU work and a host synchronisation, for ``explain``)."""
         from attnbias.kernels.masks import mod_block_lists
 
-        lists = mod_block_lists(spec.query, spec.key, spec.program, *block).kv_lists
-        partial = int(lists[..., 0, 0].sum())
-        full = int(lists[..., 1, 0].sum())
-        total = lists.shape[0] * lists.shape[1] * lists.shape[2] * (lists.shape[4] - 1)
+        blocks = mod_block_lists(spec.query, spec.key, spec.program, *block)
+        partial, full, total = blocks.counts()
+        lists = blocks.kv_lists
         return (
             f"block sparsity of {block[0]}x{block[1]} (per list row: {lists.shape[0]} batch x "
             f"{lists.shape[1]} head): of {total} blocks {total - partial - full} skipped, "

@@ -671,14 +671,10 @@ def callbacks(
     ``score_mod_bwd`` is ``None``). ``names`` gives the namespace the source runs in (by
     default the CuTe DSL's; the tests give a stand-in, ``flavour`` tells the two apart)."""
     literal = None if options.scalars else tuple(values)
-    per_graph = _SOURCES.setdefault(traced, {})
-    key = (options, literal)
-    source = per_graph.get(key)
-    if source is None:
-        source = per_graph[key] = generate(traced, options, literal)
+    source = _source(traced, options, literal)
     if literal is not None:
         with _LOCK:
-            _NUMBER_SETS.setdefault(_structure(traced, options), set()).add(literal)
+            _NUMBER_SETS.setdefault(_source(traced, options, None), set()).add(literal)
     namespace = jit_from_source(source, f"fa4-mods-{flavour}", (names or _cute_names)())
     return Callbacks(
         source=source,
@@ -693,14 +689,14 @@ _NUMBER_SETS: dict[str, set[tuple[int | float, ...]]] = {}
 _LOCK = threading.Lock()
 
 
-def _structure(traced: TracedMods, options: Options) -> str:
-    """The functions' source with numbers read from ``aux_scalars``: the same for every set of
-    numbers (kept with the graph's other sources)."""
+def _source(traced: TracedMods, options: Options, literal: tuple[int | float, ...] | None) -> str:
+    """:func:`generate`'s source, kept per graph, options and literal numbers. With ``literal``
+    ``None`` (numbers read from ``aux_scalars``) it is the same for every set of numbers: the
+    key of :data:`_NUMBER_SETS`."""
     per_graph = _SOURCES.setdefault(traced, {})
-    key = (options, None)
-    source = per_graph.get(key)
+    source = per_graph.get((options, literal))
     if source is None:
-        source = per_graph[key] = generate(traced, options, None)
+        source = per_graph[options, literal] = generate(traced, options, literal)
     return source
 
 
@@ -712,7 +708,7 @@ def new_numbers_reason(
     anew. ``None`` where the numbers are runtime ``aux_scalars``, known, or within the count."""
     if options.scalars:
         return None
-    seen = _NUMBER_SETS.get(_structure(traced, options), set())
+    seen = _NUMBER_SETS.get(_source(traced, options, None), set())
     if len(seen) < MAX_NUMBER_SETS or tuple(values) in seen:
         return None
     return (

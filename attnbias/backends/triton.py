@@ -67,10 +67,8 @@ def _tile_counts(spec: Spec) -> str:
     blocks = with_mod_lists(spec.query, spec.key, spec.program).blocks
     if blocks is None:
         return "no block lists"
+    partial, full, total = blocks.counts()
     lists = blocks.kv_lists  # (Bl, Hl, Mb, 2, Nb + 1)
-    partial = int(lists[..., 0, 0].sum())
-    full = int(lists[..., 1, 0].sum())
-    total = lists.shape[0] * lists.shape[1] * lists.shape[2] * (lists.shape[4] - 1)
     return (
         f"of {total} blocks of {blocks.block_m}x{blocks.block_n} (per list row: "
         f"{lists.shape[0]} batch x {lists.shape[1]} head), {total - partial - full} skipped, "
