@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnbias.backends import BACKENDS, ROUTES, Backend
+from attnbias.backends.documents import document_part, documents_layout
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.policy import (
     CAPTURED_FA4_FIRST,
@@ -273,12 +274,34 @@ def _clamped_sum(n: int, cap: int) -> int:
     return cap * (cap + 1) // 2 + (n - cap) * cap
 
 
+def _kept_in_all_rows(spec: Spec) -> int:
+    """The pairs a call keeps per head over its batch rows: those of the band in each
+    document (the documents' layout, read on the host once per bias, as FlashAttention 4's
+    reasons read it; not while a CUDA graph is captured), else of the band in each row. Key
+    ranges are not counted: an upper bound."""
+    batch, _, length_q, length_kv = spec.shape
+    lo, hi = spec.terms.band_lo, spec.terms.band_hi
+    part = document_part(spec) if spec.terms.q_doc is not None and not spec.capturing else None
+    layout = None if part is None else documents_layout(part, spec.device, batch)
+    if layout is None or layout.problem is not None:
+        return batch * kept_pairs(length_q, length_kv, lo, hi)
+    return sum(
+        kept_pairs(
+            length,
+            keys,
+            None if lo is None else lo - start,
+            None if hi is None else hi - start,
+        )
+        for length, keys, start in layout.documents
+    )
+
+
 def predict(spec: Spec, cost: Cost) -> tuple[float, float]:
     """``(host µs, GPU µs)`` of ``spec`` on a backend of ``cost``: the GPU's share from the
-    pairs the band keeps (documents and key ranges are not counted: an upper bound)."""
-    batch, heads, length_q, length_kv = spec.shape
-    pairs = kept_pairs(length_q, length_kv, spec.terms.band_lo, spec.terms.band_hi)
-    flops = 2.0 * batch * heads * pairs * (spec.head_dim + spec.head_dim_v)
+    pairs the band keeps in each document (:func:`_kept_in_all_rows`)."""
+    heads = spec.shape[1]
+    pairs = _kept_in_all_rows(spec)
+    flops = 2.0 * heads * pairs * (spec.head_dim + spec.head_dim_v)
     if spec.needs_grad:
         host, gpu = cost.host_us_training, 3.5 * flops / (cost.tflops_training * 1e6)
     else:

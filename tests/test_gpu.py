@@ -293,6 +293,31 @@ def test_fa4_documents_of_several_batch_rows() -> None:
         check(shared, torch.float16, 2, 4, 4, 1024, 1024, 64, routes=("fa4",), rows_first=True)
 
 
+@pytest.mark.parametrize(("rows_first", "heads_kv"), [(False, 8), (True, 2)])
+def test_equal_documents_as_separate_sequences_of_stock_sdpa(
+    rows_first: bool, heads_kv: int
+) -> None:
+    # chunked attention: documents of one length run as a batch of sequences (a view)
+    chunks = DocumentBias.from_seqlens([256] * 4, device="cuda") + causal_upper_left()
+    bidirectional = DocumentBias.from_seqlens([128] * 8, device="cuda")
+    routes = ("sdpa(documents as sequences)",)
+    with use_backends("sdpa"):
+        for bias, dtype in ((chunks, torch.bfloat16), (bidirectional, torch.float16)):
+            shape = (2, 8, heads_kv, 1024, 1024, 128)
+            check(bias, dtype, *shape, routes=routes, rows_first=rows_first)
+
+
+def test_chunked_attention_takes_stock_sdpa_where_fa4s_host_time_would_show() -> None:
+    # chunks of 1024 at S=16384 (measured: cuDNN 0.16 / 0.76 ms forward / with backward, FA4's
+    # variable-length kernel 0.21 / 1.04); chunks of 4096 keep FlashAttention 4 where installed
+    q = torch.randn(1, 16, 16384, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    small = DocumentBias.from_seqlens([1024] * 16, device="cuda") + causal_upper_left()
+    assert attnbias.explain(q, q, q, attn_mask=small).startswith("sdpa(documents as sequences)")
+    large = DocumentBias.from_seqlens([4096] * 4, device="cuda") + causal_upper_left()
+    route = attnbias.explain(q, q, q, attn_mask=large)
+    assert route.startswith("fa4:" if fa4_installed() else "sdpa(documents"), route
+
+
 @needs_fa4
 def test_fa4_is_chosen_where_the_priority_list_says() -> None:
     # large enough that the GPU's time, not FlashAttention 4's host time, decides

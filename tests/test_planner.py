@@ -50,6 +50,7 @@ from attnbias import (
     use_backends,
 )
 from attnbias.backends import BACKENDS, Backend
+from attnbias.backends.documents import documents_layout
 from attnbias.planner import PRIORITY, kept_pairs, plan
 from attnbias.policy import Cost
 from attnbias.spec import Spec, make_spec
@@ -291,7 +292,13 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "documents",
             True,
-            ("fa4", "triton", "triton-decode", "sdpa", "sdpa+mask", "reference"),
+            ("fa4", "sdpa", "triton", "triton-decode", "sdpa+mask", "reference"),
+        ),
+        (
+            "cpu",
+            "documents",
+            False,
+            ("sdpa", "triton-decode", "triton", "sdpa+mask", "reference"),
         ),
         (
             "blackwell",
@@ -408,6 +415,47 @@ def test_a_large_call_keeps_the_lists_choice(fakes: Fakes, monkeypatch: pytest.M
     pairs = 8192 * 8193 // 2
     assert gpu == pytest.approx(2 * 64 * pairs * 32 / 600e6)
     assert chosen.heading == "hopper, causal, inference"  # the window covers every key
+
+
+@pytest.mark.parametrize(
+    ("bias", "batch"),
+    [
+        (DocumentBias.from_seqlens([6, 10]) + causal_upper_left(), 1),
+        (DocumentBias.from_seqlens([6, 10]) + SlidingWindowBias(2), 3),
+        (DocumentBias.from_seqlens([2, 3, 11], [4, 3, 9]) + causal_lower_right(), 1),
+        (DocumentBias(torch.tensor([[0] * 5 + [1] * 11, [2] * 16])) + causal_upper_left(), 2),
+    ],
+)
+def test_predictions_count_the_pairs_each_document_keeps(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch, bias: AttnBias, batch: int
+) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")
+    spec = spec_of(bias, batch=batch, dtype=torch.float32)
+    _, heads, length_q, length_kv = spec.shape
+    kept = bias.materialize(shape=(batch, heads, length_q, length_kv), dtype=torch.float32)
+    pairs = int(torch.isfinite(kept).expand(batch, 1, length_q, length_kv).sum())
+    _, gpu = plan(spec).predicted["fa4"]
+    assert gpu == pytest.approx(2 * heads * pairs * 128 / 600e6)
+
+
+def test_equal_documents_take_the_backend_of_small_host_time(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weigh_on_hopper(monkeypatch)
+    fakes.refuse("triton-decode", "not a decode")
+    fakes.refuse("triton", "not weighed here")
+    big = {"length_q": 8192, "length_kv": 8192, "heads_q": 64, "heads_kv": 64, "head_dim": 16}
+    # causal alone: fa4's GPU time (229 µs) is above its host time and the fastest (sdpa 458)
+    spec = spec_of(causal_upper_left() + SlidingWindowBias(8191), dtype=torch.float32, **big)
+    assert plan(spec).backend is fakes.backends["fa4"]
+    # the same in documents of 64: 1/128 of the pairs, so fa4 waits on its host time (200 µs)
+    # and the list's next backend, sdpa (25 µs, its GPU time 4 µs), is 8x faster
+    documents = DocumentBias.from_seqlens([64] * 128) + causal_upper_left()
+    chosen = plan(spec_of(documents, dtype=torch.float32, **big))
+    assert chosen.order[:4] == ("triton-decode", "fa4", "sdpa", "triton")
+    assert chosen.backend is fakes.backends["sdpa"], chosen.predicted
+    assert "sdpa before fa4: predicted 8.0x faster per call" in chosen.heading
 
 
 def test_a_backend_only_somewhat_faster_does_not_move_ahead(
@@ -1666,26 +1714,37 @@ def test_documents_of_several_rows_run_on_views_of_the_inputs(
 
 
 def test_varlen_layout_of_documents() -> None:
-    layout = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"))
+    layout = documents_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"))
     assert layout.cu_seqlens_q.tolist() == [0, 2, 5]
     assert layout.cu_seqlens_k.tolist() == [0, 4, 7]
     assert (layout.max_seqlen_q, layout.max_seqlen_k) == (3, 4)
     assert layout.end_offset == 2 and layout.problem is None
-    uneven = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [3, 4]), torch.device("cpu"))
+    # per document: its query and key lengths, its first key minus its first query
+    assert layout.documents == ((2, 4, 0), (3, 3, 2)) and layout.equal_length is None
+    uneven = documents_layout(DocumentBias.from_seqlens([2, 3], [3, 4]), torch.device("cpu"))
     assert uneven.end_offset is None and uneven.problem is None
     bias = DocumentBias.from_seqlens([5, 5])
-    assert fa4.varlen_layout(bias, torch.device("cpu")) is fa4.varlen_layout(
+    assert documents_layout(bias, torch.device("cpu")) is documents_layout(
         bias, torch.device("cpu")
     )
+    assert documents_layout(bias, torch.device("cpu"), 2).equal_length == 5
+    # queries of equal lengths, keys not
+    assert (
+        documents_layout(
+            DocumentBias.from_seqlens([2, 2], [4, 2]), torch.device("cpu")
+        ).equal_length
+        is None
+    )
     # three rows: the 1-D ids repeat per row; ids per row give each row its own documents
-    rows = fa4.varlen_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"), 3)
+    rows = documents_layout(DocumentBias.from_seqlens([2, 3], [4, 3]), torch.device("cpu"), 3)
     assert rows.cu_seqlens_q.tolist() == [0, 2, 5, 7, 10, 12, 15]
     assert rows.cu_seqlens_k.tolist() == [0, 4, 7, 11, 14, 18, 21]
     assert rows.end_offset == 2 and rows.problem is None
     per_row = DocumentBias(torch.tensor([[0, 0, 0, 1], [5, 5, 5, 5]]))
-    layout = fa4.varlen_layout(per_row, torch.device("cpu"), 2)
+    layout = documents_layout(per_row, torch.device("cpu"), 2)
     assert layout.cu_seqlens_q.tolist() == layout.cu_seqlens_k.tolist() == [0, 3, 4, 8]
     assert (layout.max_seqlen_q, layout.end_offset) == (4, 0)
+    assert layout.equal_length is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, attention, run_with_grads
+from oracle import assert_call_close, assert_close_to_oracle, attention, run_with_grads
 from strategies import Problem, problems
 
 import attnbias
@@ -195,3 +195,104 @@ def test_dropout(route: str) -> None:
             0
         )
         torch.testing.assert_close(mean, plain, atol=0.35, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Documents of equal length on stock SDPA, as a batch of separate sequences
+
+
+def _projected(batch: int, heads: int, length: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, H, L, E)`` laid out ``(B, L, H, E)`` in memory, as a projection leaves it."""
+    return torch.randn(batch, length, heads, dim, device=DEVICE).to(dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("batch", "heads_kv", "layout", "view"),
+    [
+        (1, 2, "contiguous", "(B·4, H, 4, E)"),  # one row: always a batch of its documents
+        (2, 2, "projected", "(B·4, H, 4, E)"),  # (B, L, H, E) in memory, grouped heads
+        (2, 4, "contiguous", "(B, H·4, 4, E)"),  # (B, H, L, E) in memory: the heads take them
+    ],
+)
+def test_equal_documents_run_as_separate_sequences(
+    monkeypatch: pytest.MonkeyPatch,
+    causal: bool,
+    batch: int,
+    heads_kv: int,
+    layout: str,
+    view: str,
+) -> None:
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    documents = DocumentBias.from_seqlens([4, 4, 4, 4])
+    bias = documents + causal_upper_left() if causal else documents
+    torch.manual_seed(0)
+    if layout == "projected":
+        q = _projected(batch, 4, 16, 8, dtype)
+        k, v = (_projected(batch, heads_kv, 16, 8, dtype) for _ in range(2))
+    else:
+        q = torch.randn(batch, 4, 16, 8, device=DEVICE).to(dtype)
+        k, v = (torch.randn(batch, heads_kv, 16, 8, device=DEVICE).to(dtype) for _ in range(2))
+    grouped = heads_kv != 4
+    with attnbias.use_backends("sdpa"):
+        text = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=grouped)
+    assert text.startswith("sdpa(documents as sequences)") and view in text, text
+    assert ("is_causal=True" in text.splitlines()[0]) == causal
+    # stock SDPA sees the documents as sequences of 4, views of the inputs (no copy)
+    seen = []
+    stock = attnbias.backends.stock._original_sdpa
+
+    def spy(query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object) -> object:
+        seen.append((query.shape, query.untyped_storage().data_ptr(), kwargs["is_causal"]))
+        return stock(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attnbias.backends.stock, "_original_sdpa", spy)
+    with attnbias.use_backends("sdpa"):
+        sdpa(q, k, v, attn_mask=bias, enable_gqa=grouped)
+        shape, storage, is_causal = seen.pop()
+        assert shape[-2:] == (4, 8) and shape[0] * shape[1] == batch * 4 * 4, shape
+        assert storage == q.untyped_storage().data_ptr() and is_causal == causal
+        assert_call_close(
+            lambda *t: sdpa(*t, attn_mask=bias, enable_gqa=grouped),
+            bias,
+            (q, k, v),
+            torch.randn_like(q),
+            enable_gqa=grouped,
+        )
+    assert len(seen) == 1  # the call against the oracle took the same route
+
+
+@pytest.mark.parametrize(
+    ("bias", "length_kv", "batch", "heads_kv", "reason"),
+    [
+        (DocumentBias.from_seqlens([4, 12]) + causal_upper_left(), 16, 1, 2, "unequal lengths"),
+        (
+            DocumentBias.from_seqlens([8, 8]) + causal_upper_left() + SlidingWindowBias(2),
+            16,
+            1,
+            2,
+            "the band -2 <= j - i <= 0 inside documents of 8 is neither none nor causal",
+        ),
+        (DocumentBias.from_seqlens([8, 8], [4, 4]), 8, 1, 2, "L = 16 != S = 8"),
+        (DocumentBias.from_seqlens([8, 8]), 16, 2, 1, "do not view as a batch"),
+        (
+            DocumentBias.from_seqlens([8, 8]) + DocumentBias.from_seqlens([4, 12]),
+            16,
+            1,
+            2,
+            "more than one DocumentBias",
+        ),
+    ],
+)
+def test_documents_stock_sdpa_does_not_take(
+    bias: attnbias.AttnBias, length_kv: int, batch: int, heads_kv: int, reason: str
+) -> None:
+    q = torch.randn(batch, 2, 16, 8, device=DEVICE)
+    k, v = (torch.randn(batch, heads_kv, length_kv, 8, device=DEVICE) for _ in range(2))
+    grouped = heads_kv != 2
+    text = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=grouped)
+    assert not text.startswith("sdpa(documents"), text
+    assert reason in text, text
+    expected = attention(q.double(), k.double(), v.double(), bias, enable_gqa=grouped)
+    got = sdpa(q, k, v, attn_mask=bias, enable_gqa=grouped)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)

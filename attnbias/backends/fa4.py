@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,11 +32,16 @@ from torch import Tensor
 
 from attnbias.backends import fa4_mods
 from attnbias.backends.base import Backend, LseGrads, Prepared, refuse_double_backward
+from attnbias.backends.documents import (
+    DocumentLayout,
+    document_part,
+    documents_layout,
+    flattens_as_view,
+)
 from attnbias.spec import Spec
 from attnbias.terms import Terms
 
 if TYPE_CHECKING:
-    from attnbias.biases import DocumentBias
     from attnbias.kernels.modfn import TracedMods
 
 __all__ = ["FlashAttention4", "window_size"]
@@ -143,96 +147,11 @@ def _softcap_score_mods(cap: float) -> tuple[Callable[..., Any], Callable[..., A
     return softcap, softcap_bwd
 
 
-@dataclass(frozen=True)
-class _Varlen:
-    """A document bias at one batch size as FlashAttention's variable-length batch: the
-    documents of every batch row, row after row, one sequence each."""
-
-    cu_seqlens_q: Tensor  # (D + 1,) int32, D documents over all rows
-    cu_seqlens_k: Tensor  # (D + 1,) int32
-    max_seqlen_q: int
-    max_seqlen_k: int
-    end_offset: int | None  # key end - query end within its row, when equal for every document
-    problem: str | None  # why it has no exact variable-length form
-
-
-_VARLEN: weakref.WeakKeyDictionary[DocumentBias, dict[tuple[torch.device, int], _Varlen]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _row_runs(ids: Tensor, batch: int) -> list[tuple[list[int], list[int]]]:
-    """``(document ids, their lengths)`` of each of the ``batch`` rows of ``ids`` (``(L,)``,
-    ``(1, L)`` or ``(B, L)``; one copy to the host)."""
-    rows = []
-    for row in ids.reshape(-1, ids.shape[-1]).cpu():
-        values, counts = torch.unique_consecutive(row, return_counts=True)
-        rows.append((values.tolist(), counts.tolist()))
-    return rows * batch if len(rows) == 1 else rows
-
-
-def varlen_layout(bias: DocumentBias, device: torch.device, batch: int = 1) -> _Varlen:
-    """The variable-length form of ``bias`` for ``batch`` rows, built once per bias, device
-    and batch size.
-
-    It reads the ids on the host (one copy if they live on the GPU, then cached).
-    """
-    per_call = _VARLEN.setdefault(bias, {})
-    if (device, batch) in per_call:
-        return per_call[device, batch]
-    problem = None
-    lengths_q: list[int] = []
-    lengths_kv: list[int] = []
-    offsets: set[int] = set()
-    rows = zip(_row_runs(bias.q_doc_ids, batch), _row_runs(bias.kv_ids, batch), strict=True)
-    for row, ((docs_q, row_q), (docs_kv, row_kv)) in enumerate(rows):
-        if docs_q != docs_kv:
-            problem = "a document has queries but no keys, or keys but no queries" + (
-                f" (batch row {row})" if batch > 1 else ""
-            )
-            lengths_q, lengths_kv, offsets = [], [], set()
-            break
-        end_q = end_kv = 0
-        for length_q, length_kv in zip(row_q, row_kv, strict=True):
-            end_q, end_kv = end_q + length_q, end_kv + length_kv
-            offsets.add(end_kv - end_q)
-        lengths_q += row_q
-        lengths_kv += row_kv
-    layout = _Varlen(
-        cu_seqlens_q=_bounds(lengths_q, device),
-        cu_seqlens_k=_bounds(lengths_kv, device),
-        max_seqlen_q=max(lengths_q, default=0),
-        max_seqlen_k=max(lengths_kv, default=0),
-        end_offset=offsets.pop() if len(offsets) == 1 else None,
-        problem=problem,
-    )
-    per_call[device, batch] = layout
-    return layout
-
-
-def _bounds(lengths: list[int], device: torch.device) -> Tensor:
-    """``[0, l0, l0 + l1, ...]`` as int32 on ``device``."""
-    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    bounds[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return bounds.to(device)
-
-
 def _rows_flattened(x: Tensor) -> Tensor:
     """``(B, H, L, E)`` as FlashAttention's variable-length ``(B·L, H, E)``: a view where
-    :func:`_flattens_as_view` (the calls this backend takes with documents), a copy for a call
+    :func:`flattens_as_view` (the calls this backend takes with documents), a copy for a call
     of another layout that reuses such a call's cached decision."""
     return x.transpose(1, 2).flatten(0, 1)
-
-
-def _flattens_as_view(x: Tensor) -> bool:
-    batch, _, length, _ = x.shape
-    return batch == 1 or length == 1 or x.stride(0) == length * x.stride(2)
-
-
-def _document_part(spec: Spec) -> Any:
-    """The one bias the call's documents come from (a ``DocumentBias``), or ``None``."""
-    parts = spec.terms.doc_parts
-    return parts[0] if len(parts) == 1 else None
 
 
 @functools.cache
@@ -411,12 +330,12 @@ class FlashAttention4(Backend):
 
     @staticmethod
     def _document_reasons(spec: Spec) -> list[str]:
-        documents = _document_part(spec)
+        documents = document_part(spec)
         if documents is None:
             return ["more than one DocumentBias in the sum"]
         reasons = []
         batch = spec.shape[0]
-        if batch > 1 and not all(_flattens_as_view(x) for x in (spec.query, spec.key, spec.value)):
+        if batch > 1 and not all(flattens_as_view(x) for x in (spec.query, spec.key, spec.value)):
             reasons.append(
                 f"documents at batch size {batch} where q, k and v are not (B, L, H, E) in "
                 f"memory: its variable-length batch would copy them, slower than the Triton "
@@ -424,7 +343,7 @@ class FlashAttention4(Backend):
             )
         if spec.terms.slopes is not None:
             reasons.append("ALiBi with documents (its distances would restart per document)")
-        layout = varlen_layout(documents, spec.device, batch)
+        layout = documents_layout(documents, spec.device, batch)
         if layout.problem is not None:
             reasons.append(layout.problem)
         has_band = spec.terms.band_lo is not None or spec.terms.band_hi is not None
@@ -436,16 +355,16 @@ class FlashAttention4(Backend):
         return reasons
 
     @staticmethod
-    def _layout(spec: Spec) -> _Varlen | None:
+    def _layout(spec: Spec) -> DocumentLayout | None:
         """The variable-length layout of the call's documents (``None``: no documents)."""
         if spec.terms.q_doc is None:
             return None
-        documents = _document_part(spec)
+        documents = document_part(spec)
         assert documents is not None  # reasons() refuses calls without exactly one
-        return varlen_layout(documents, spec.device, spec.shape[0])
+        return documents_layout(documents, spec.device, spec.shape[0])
 
     @staticmethod
-    def _window(spec: Spec, layout: _Varlen | None) -> tuple[int | None, int | None]:
+    def _window(spec: Spec, layout: DocumentLayout | None) -> tuple[int | None, int | None]:
         if layout is None:
             return window_size(spec.terms, spec.shape[3] - spec.shape[2])
         return window_size(spec.terms, layout.end_offset or 0)
@@ -546,7 +465,7 @@ class FlashAttention4(Backend):
         )[:3]
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), [None] * len(wrt)
 
-    def _options(self, spec: Spec, layout: _Varlen | None) -> dict[str, Any]:
+    def _options(self, spec: Spec, layout: DocumentLayout | None) -> dict[str, Any]:
         """FlashAttention 4's keyword arguments for the call's scale, band and score terms."""
         terms = spec.terms
         options: dict[str, Any] = {

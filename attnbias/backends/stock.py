@@ -1,20 +1,24 @@
 """Stock PyTorch SDPA: without a mask or with ``is_causal`` (its fused kernels: cuDNN,
-FlashAttention 2), and with the bias materialized as an ``(L, S)``-sized mask."""
+FlashAttention 2), on documents of equal lengths as a batch of separate sequences, and with the
+bias materialized as an ``(L, S)``-sized mask."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
+from attnbias.backends.documents import document_part, documents_layout
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
 from attnbias.materialize import MaskedBias
 from attnbias.reference import FiniteInputs, masked_reference_attention
 from attnbias.spec import Spec
+from attnbias.terms import Terms
 
 __all__ = ["MaterializedSDPA", "StockSDPA", "materialized_attention", "stock_sdpa"]
 
@@ -122,6 +126,125 @@ def materialized_attention(
     return out.masked_fill(~masked.keep.any(-1, keepdim=True), 0.0)
 
 
+@dataclass(frozen=True)
+class _Sequences:
+    """A call's documents of ``length`` positions each, ``count`` per row, as separate
+    sequences of stock SDPA: ``(B, H, L, E)`` viewed as ``(B·count, H, length, E)``
+    (``into="batch"``) or, keeping the batch, ``(B, H·count, length, E)`` (``into="heads"``,
+    without grouped heads)."""
+
+    count: int
+    length: int
+    causal: bool  # is_causal=True inside each document (else no mask)
+    into: str
+
+    @property
+    def shape(self) -> str:
+        """The sequences' shape, in words."""
+        n, c = self.count, self.length
+        return f"(B·{n}, H, {c}, E)" if self.into == "batch" else f"(B, H·{n}, {c}, E)"
+
+    def split(self, x: Tensor) -> Tensor:
+        """``(B, H, L, E)`` as the sequences (a view where :func:`_split_as_view`)."""
+        x = x.unflatten(2, (self.count, self.length))  # (B, H, n, C, E)
+        return x.transpose(1, 2).flatten(0, 1) if self.into == "batch" else x.flatten(1, 2)
+
+    def join(self, out: Tensor) -> Tensor:
+        """The sequences' ``(B·n, H, C, Ev)`` or ``(B, H·n, C, Ev)`` output as ``(B, H, L,
+        Ev)``."""
+        if self.into == "batch":
+            return out.unflatten(0, (-1, self.count)).transpose(1, 2).flatten(2, 3)
+        return out.unflatten(1, (-1, self.count)).flatten(2, 3)
+
+    def run(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        dropout_p: float,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> Tensor:
+        """Stock SDPA on the sequences of ``(B, H, L, E)`` inputs: ``(B, Hq, L, Ev)`` out."""
+        out = stock_sdpa(
+            self.split(query),
+            self.split(key),
+            self.split(value),
+            attn_mask=None,
+            dropout_p=dropout_p,
+            is_causal=self.causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return self.join(out)
+
+
+def _split_as_view(x: Tensor, into: str) -> bool:
+    """Whether :meth:`_Sequences.split` of ``x`` ``(B, H, L, E)`` into ``into`` is a view: the
+    merged dimension (batch or heads) is ``L`` positions apart in memory, or of size 1."""
+    dim = 0 if into == "batch" else 1
+    return x.shape[dim] == 1 or x.stride(dim) == x.shape[2] * x.stride(2)
+
+
+def _sequences(spec: Spec) -> _Sequences | list[str]:
+    """The call's documents as separate sequences of stock SDPA, or the reasons it cannot run
+    them so. For terms of documents and a band alone."""
+    batch, heads_q, length_q, length_kv = spec.shape
+    if spec.compiling or spec.capturing:
+        return [
+            "documents are read on the host to run them as separate sequences, which neither "
+            "torch.compile nor CUDA-graph capture allows"
+        ]
+    part = document_part(spec)
+    if part is None:
+        return ["more than one DocumentBias in the sum"]
+    if length_q != length_kv:
+        return [
+            f"documents with L = {length_q} != S = {length_kv}: stock SDPA runs documents only "
+            f"as separate sequences of equal length"
+        ]
+    length = documents_layout(part, spec.device, batch).equal_length
+    if length is None:
+        return [
+            "documents of unequal lengths: stock SDPA runs documents only as separate sequences "
+            "of equal length"
+        ]
+    # the band inside each document, whose diagonal is the call's (equal documents)
+    lo, hi = spec.terms.band_lo, spec.terms.band_hi
+    lo = None if lo is not None and lo <= -(length - 1) else lo
+    hi = None if hi is not None and hi >= length - 1 else hi
+    if lo is not None or hi not in (None, 0):
+        return [
+            f"the band {'-inf' if lo is None else lo} <= j - i <= {'inf' if hi is None else hi} "
+            f"inside documents of {length} is neither none nor causal, the two forms stock SDPA "
+            f"fuses"
+        ]
+    tensors = (spec.query, spec.key, spec.value)
+    if all(_split_as_view(x, "batch") for x in tensors):
+        into = "batch"
+    elif heads_q == spec.key.shape[1] and all(_split_as_view(x, "heads") for x in tensors):
+        into = "heads"
+    else:
+        return [
+            "q, k and v do not view as a batch of the documents (batch size 1, (B, L, H, E) "
+            "in memory, or (B, H, L, E) contiguous without grouped heads do)"
+        ]
+    return _Sequences(length_q // length, length, hi == 0, into)
+
+
+def _documents_only(terms: Terms) -> bool:
+    """Documents and a band alone (no score terms, key range or other parts)."""
+    return (
+        terms.q_doc is not None
+        and terms.slopes is None
+        and terms.softcap is None
+        and not terms.has_key_range
+        and len(terms.others) == 0
+        and len(terms.mods) == 0
+    )
+
+
 def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
     return stock_sdpa(
         spec.query,
@@ -136,8 +259,10 @@ def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
 
 
 class StockSDPA(Backend):
-    """Stock SDPA with no mask, or with ``is_causal=True`` for plain upper-left causal; and
-    the route of calls with a plain tensor mask or none, which it runs unchanged."""
+    """Stock SDPA with no mask, or with ``is_causal=True`` for plain upper-left causal, also
+    on each document where the documents are of equal length (a view of the inputs as a batch
+    of separate sequences: chunked attention); and the route of calls with a plain tensor mask
+    or none, which it runs unchanged."""
 
     name = "sdpa"
     dtypes = _ALL_FLOATS
@@ -154,6 +279,9 @@ class StockSDPA(Backend):
                 "a key range (KeyRangeBias) needs a mask: stock SDPA fuses only no mask and "
                 "plain upper-left causal"
             ]
+        if _documents_only(terms):
+            found = _sequences(spec)
+            return found if isinstance(found, list) else []
         return [
             f"{terms.describe()} is neither no mask nor plain upper-left causal, the two "
             f"forms stock SDPA fuses"
@@ -170,9 +298,19 @@ class StockSDPA(Backend):
         return super().headline(spec)
 
     def label(self, spec: Spec) -> str:
+        if spec.form == "bias" and spec.terms.q_doc is not None:
+            return "sdpa(documents as sequences)"
         return "sdpa(is_causal=True)" if spec.terms.is_plain_causal else "sdpa"
 
     def how(self, spec: Spec) -> str:
+        if spec.form == "bias" and spec.terms.q_doc is not None:
+            found = _sequences(spec)
+            assert isinstance(found, _Sequences)  # reasons() took the call
+            return (
+                f"stock SDPA{' with is_causal=True' if found.causal else ' without a mask'} on "
+                f"the {found.count} documents of {found.length} positions of each row as "
+                f"separate sequences (q, k and v viewed as {found.shape})"
+            )
         if spec.terms.is_plain_causal:
             return "stock SDPA with is_causal=True (cuDNN / FlashAttention on CUDA)"
         return "stock SDPA without a mask"
@@ -180,6 +318,8 @@ class StockSDPA(Backend):
     def run(self, spec: Spec) -> Tensor:
         if spec.form != "bias":  # a plain tensor mask or none, and the flag, as given
             return _stock(spec, spec.mask, spec.is_causal)
+        if spec.terms.q_doc is not None:
+            return self.prepare(spec)(spec.query, spec.key, spec.value)
         # Stock SDPA's fused kernels as they are, on the fastest path there is: what they do
         # with non-finite inputs in masked positions is stock SDPA's documented behaviour.
         return _stock(spec, None, spec.terms.is_plain_causal)
@@ -188,6 +328,15 @@ class StockSDPA(Backend):
         """Stock SDPA with this call's flags bound once: a repeated call builds no spec."""
         if spec.form != "bias":
             mask, is_causal = spec.mask, spec.is_causal
+        elif spec.terms.q_doc is not None:
+            found = _sequences(spec)
+            assert isinstance(found, _Sequences)  # reasons() took the call
+            return functools.partial(
+                found.run,
+                dropout_p=spec.dropout_p,
+                scale=spec.scale,
+                enable_gqa=spec.enable_gqa,
+            )
         else:
             mask, is_causal = None, spec.terms.is_plain_causal
         return functools.partial(
