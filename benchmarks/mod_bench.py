@@ -11,7 +11,10 @@ Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; `
 ``flex (FLASH)`` = the same with ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention 4's
 kernels; a row only where it runs); ``builtin`` = the built-in bias where one exists;
 ``attnbias (functions)`` = a mask that attnbias runs as the built-in it is (a band, equal
-chunks) run as its generated functions instead (``ModBias.run_as_builtin = False``). Times
+chunks) run as its generated functions instead (``ModBias.run_as_builtin = False``);
+``flex (table learns)`` = FlexAttention with the T5 table requiring grad, its forward +
+backward asking for the table's gradient too (its default blocks run out of shared memory in
+that backward on the H100, so the first of ``LEARNED_TABLE_OPTIONS`` that compiles). Times
 are medians of ``do_bench`` over two rounds in alternating order; ``first call`` is the first
 ``sdpa`` call of a fresh bias (tracing, lists, and compiling where the generated code is new);
 ``lists`` is the cost of building the block lists for a new length (the classification kernel
@@ -103,8 +106,18 @@ class WindowMod(ModBias):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < self.window)
 
 
-def cases(seq: int, device: torch.device) -> dict[str, tuple[Any, Any, Any, Any]]:
-    """name -> (attnbias bias, flex mask_mod, flex score_mod, built-in bias or None)."""
+# FlexAttention's kernel options tried in turn for the T5 table that learns: its default
+# blocks, then smaller ones for the backward (the default needs 233 KB of shared memory there).
+LEARNED_TABLE_OPTIONS: tuple[dict[str, int] | None, ...] = (
+    None,
+    {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+    {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16, "num_stages": 1},
+)
+
+
+def cases(seq: int, device: torch.device) -> dict[str, tuple[Any, Any, Any, Any, Any]]:
+    """name -> (attnbias bias, flex mask_mod, flex score_mod, built-in bias or None, (flex
+    score_mod reading a table that requires grad, that table) or None)."""
     # attnbias learns the table (its gradient from the fused backward); FlexAttention gets the
     # same values without a gradient (its backward with a learnable buffer ran out of shared
     # memory on the H100), and plain causal attention is the "builtin" row of this case
@@ -118,20 +131,32 @@ def cases(seq: int, device: torch.device) -> dict[str, tuple[Any, Any, Any, Any]
     def t5_score(score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return score + fixed[h, t5_bucket(q - kv)]
 
-    made: dict[str, tuple[Any, Any, Any, Any]] = {
-        "prefix-LM": (PrefixLM(seq // 8), PrefixLM(seq // 8).mask_mod, None, None),
-        "chunked local": (ChunkedLocal(1024), ChunkedLocal(1024).mask_mod, None, None),
-        "T5 table + causal": (t5 + causal_upper_left(), causal, t5_score, causal_upper_left()),
+    learned = table.detach().clone().requires_grad_()
+
+    def t5_learned(score: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return score + learned[h, t5_bucket(q - kv)]
+
+    made: dict[str, tuple[Any, Any, Any, Any, Any]] = {
+        "prefix-LM": (PrefixLM(seq // 8), PrefixLM(seq // 8).mask_mod, None, None, None),
+        "chunked local": (ChunkedLocal(1024), ChunkedLocal(1024).mask_mod, None, None, None),
+        "T5 table + causal": (
+            t5 + causal_upper_left(),
+            causal,
+            t5_score,
+            causal_upper_left(),
+            (t5_learned, learned),
+        ),
         "window as mask_mod": (
             WindowMod(1024),
             WindowMod(1024).mask_mod,
             None,
             causal_upper_left() + SlidingWindowBias(1023),
+            None,
         ),
     }
     if seq == IMAGE[0] * IMAGE[1]:
         image = Neighbourhood2D(*IMAGE, WINDOW_2D)
-        made["2-D neighbourhood"] = (image, image.mask_mod, None, None)
+        made["2-D neighbourhood"] = (image, image.mask_mod, None, None, None)
     return made
 
 
@@ -159,7 +184,7 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
     )
     grad = torch.randn_like(q)
     rows = []
-    for name, (bias, mask_mod, score_mod, builtin) in cases(seq, device).items():
+    for name, (bias, mask_mod, score_mod, builtin, learned) in cases(seq, device).items():
         if only and name not in only:
             continue
         # a fresh compilation per case: past dynamo's recompile limit flex_attention falls back
@@ -182,9 +207,11 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
 
             return fn
 
-        def forward_backward(call: Callable[[], Tensor]) -> Callable[[], Any]:
+        def forward_backward(
+            call: Callable[[], Tensor], wrt: tuple[Tensor, ...] = ()
+        ) -> Callable[[], Any]:
             def fn() -> Any:
-                torch.autograd.grad(call(), (q, k, v), grad)
+                torch.autograd.grad(call(), (q, k, v, *wrt), grad)
 
             return fn
 
@@ -197,6 +224,12 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
         flash = _flex_flash(flex, q, k, v, score_mod, block_mask)
         if flash is not None:
             calls["flex (FLASH)"] = flash
+        wrt: dict[str, tuple[Tensor, ...]] = {}
+        if learned is not None:
+            learning = _flex_learned(flex, q, k, v, learned, block_mask)
+            if learning is not None:
+                calls["flex (table learns)"] = learning
+                wrt["flex (table learns)"] = (learned[1],)
         if builtin is not None:
             calls["builtin (triton)"] = lambda bias=builtin: _pinned(q, k, v, bias)
         if isinstance(bias, ModBias) and bias.builtin_form() is not None:
@@ -204,13 +237,16 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
             # of its own, as the decisions of calls are kept per bias
             as_functions = dataclasses.replace(bias)
             calls["attnbias (functions)"] = lambda bias=as_functions: _as_functions(q, k, v, bias)
+        for contender, call in calls.items():  # compiled (again, after a reset) before timing
+            forward(call)()
+            forward_backward(call, wrt.get(contender, ()))()
         times: dict[str, list[float]] = {}
         for r in range(2):
             order = list(calls) if r == 0 else list(calls)[::-1]
             for contender in order:
                 times.setdefault(contender + " fwd", []).append(timed(forward(calls[contender])))
                 times.setdefault(contender + " f+b", []).append(
-                    timed(forward_backward(calls[contender]))
+                    timed(forward_backward(calls[contender], wrt.get(contender, ())))
                 )
         ms = {key: statistics.fmean(values) for key, values in times.items()}
         memory = peak_mib(forward_backward(calls["attnbias"]))
@@ -261,6 +297,29 @@ def _flex_flash(
         print(f"flex (FLASH) skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         return None
     return call
+
+
+def _flex_learned(
+    flex: Any, q: Tensor, k: Tensor, v: Tensor, learned: tuple[Any, Tensor], block_mask: Any
+) -> Callable[[], Tensor] | None:
+    """FlexAttention with a score function reading a table that requires grad, under the first
+    of :data:`LEARNED_TABLE_OPTIONS` whose forward + backward (the table's gradient included)
+    compiles and runs; None where none does."""
+    score_mod, table = learned
+    for options in LEARNED_TABLE_OPTIONS:
+
+        def call(options: dict[str, int] | None = options) -> Tensor:
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+
+        try:
+            torch.autograd.grad(call(), (q, k, v, table), torch.ones_like(q))
+        except Exception as exc:  # the next options, or a skipped row
+            print(f"flex (table learns) {options}: {type(exc).__name__}: {str(exc)[:160]!r}")
+            torch._dynamo.reset()
+            continue
+        print(f"flex (table learns) runs with kernel_options={options}")
+        return call
+    return None
 
 
 def _function(method: Any) -> Any:
