@@ -55,10 +55,10 @@ _HOPPER: dict[str, Order] = {
     "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
     "causal": Order(("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")),
     "band": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    # Stock SDPA takes documents only where they are of equal length (chunked attention), as
-    # a batch of separate sequences: with few kept pairs per call it beats FlashAttention 4's
-    # host time (chunks of 1024 at S=16384: cuDNN 0.16 / 0.76 ms against 0.21 / 1.04), with
-    # many it does not (cuDNN's causal ~0.9x FA4's); the weighing below picks between them.
+    # Stock SDPA takes documents only where they are of one length (chunked attention), as
+    # separate sequences: faster than FlashAttention 4 where its host time shows, slower where
+    # the GPU's time decides, so the weighing below picks (benchmarks/NOTES.md, "Documents of
+    # one length on stock SDPA").
     "documents": Order(
         ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
     ),

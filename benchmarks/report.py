@@ -23,6 +23,20 @@ import torch
 from cases import CASE_NAMES, QUERY_STD, Config
 from measure import CaseRun, Row, fmt, fmt_err
 
+# The benchmarks with harnesses of their own, named at the end of RESULTS.md.
+OTHER_RESULTS = (
+    "## Other results",
+    "",
+    "- Custom biases (`ModBias`: prefix-LM, chunked local, 2-D neighbourhood, T5 table, a "
+    "window as `mask_mod`) against FlexAttention, with peak memory and first-call times: "
+    "`benchmarks/MOD_RESULTS.md` (`benchmarks/mod_bench.py`).",
+    "- Short queries against long caches: `benchmarks/DECODE_RESULTS.md` "
+    "(`benchmarks/decode_bench.py`).",
+    "- Hugging Face models: `benchmarks/TRANSFORMERS_RESULTS.md` "
+    "(`benchmarks/transformers_bench.py`).",
+    "",
+)
+
 FLEX_TARGET = 1.0
 SOFTCAP_FLEX_TARGET = 1.5
 MASK_TARGET = 5.0
@@ -344,6 +358,7 @@ def report(
         "",
         *targets_table(entries),
         "",
+        *OTHER_RESULTS,
     ]
     return "\n".join(lines)
 
