@@ -3,8 +3,10 @@
 The cases of the custom-bias benchmark: prefix-LM (prefix S/8, causal after it), chunked local
 attention (chunk 1024, causal inside, as Llama 4), 2-D neighbourhood attention over a 64 x 128
 image with a 15 x 15 window clamped at the border, a T5 relative-position table (16 heads x 32
-buckets) with causal, and a causal sliding window of 1024 keys written as a ``mask_mod`` beside
-the built-in ``SlidingWindowBias``. bf16, H=16, E=128, B·S=16k tokens.
+buckets) with causal, a causal sliding window of 1024 keys written as a ``mask_mod`` beside
+the built-in ``SlidingWindowBias``, and a FlexAttention port (``examples/flex_port.py``: causal
+packed documents read from a closure over per-row ids, Gemma 2's soft-cap as ``score_mod``)
+beside the built-ins it is. bf16, H=16, E=128, B·S=16k tokens.
 
 Contenders: ``attnbias`` = ``attnbias.sdpa(q, k, v, attn_mask=ModBias(...))``; ``flex`` =
 ``torch.compile(flex_attention)`` with ``create_block_mask`` built once (its Triton backend);
@@ -42,11 +44,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import attnbias
-from attnbias import ModBias, SlidingWindowBias, causal_upper_left
+from attnbias import DocumentBias, ModBias, SlidingWindowBias, SoftcapBias, causal_upper_left
 
 HEADS, HEAD_DIM, TOKENS = 16, 128, 16384
 IMAGE = (64, 128)
 WINDOW_2D = 7  # half width: 15 x 15
+PORT_SOFTCAP = 20.0
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,28 @@ def cases(seq: int, device: torch.device) -> dict[str, tuple[Any, Any, Any, Any,
     if seq == IMAGE[0] * IMAGE[1]:
         image = Neighbourhood2D(*IMAGE, WINDOW_2D)
         made["2-D neighbourhood"] = (image, image.mask_mod, None, None, None)
+    made["FlexAttention port"] = _flex_port(TOKENS // seq, seq, device)
     return made
+
+
+def _flex_port(batch: int, seq: int, device: torch.device) -> tuple[Any, Any, Any, Any, Any]:
+    """``examples/flex_port.py``'s functions as FlexAttention code has them: causal packed
+    documents (five cuts per row, drawn once) read from a closure over ``(B, S)`` ids, and a
+    soft-cap ``score_mod``; the built-in row is the same as ``DocumentBias`` + causal +
+    ``SoftcapBias``."""
+    cuts = torch.randint(1, seq, (batch, 5), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).repeat(batch, 1)
+    docs = torch.searchsorted(cuts.sort(dim=-1).values, positions, right=True).to(device)
+
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    def soft_cap(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return PORT_SOFTCAP * torch.tanh(score / PORT_SOFTCAP)
+
+    builtin = DocumentBias(docs) + causal_upper_left() + SoftcapBias(PORT_SOFTCAP)
+    port = ModBias(mask_mod=document_causal, score_mod=soft_cap)
+    return port, document_causal, soft_cap, builtin, None
 
 
 def timed(fn: Callable[[], Any]) -> float:

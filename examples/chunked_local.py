@@ -3,11 +3,12 @@
 Llama 4's local layers cut the sequence into chunks and attend causally inside each one. As a
 ``mask_mod`` that is one line. Equal chunks and a causal comparison are built-in masks written
 as a function (documents of ``chunk`` tokens, and the causal band), so the call runs as those
-built-ins: on a GPU the fastest kernel for causal documents (FlashAttention 4's variable-length
-kernel where installed, else the Triton kernel, visiting only the tiles on the diagonal blocks
-of the chunks), never an L x S mask; ``explain`` shows it. A mask that is not such a form runs
-as generated code in the same kernels. On a CPU smaller sizes run the exact eager path. The
-output and gradients are checked against the exact path (``use_backends("reference")``).
+built-ins: documents of one length are separate sequences, so stock SDPA's causal kernel (cuDNN
+on a GPU) runs them on a view of q, k and v, where that is fastest; else FlashAttention 4's
+variable-length kernel where installed, or the Triton kernel, visiting only the tiles on the
+diagonal blocks of the chunks; never an L x S mask. ``explain`` shows the route. A mask that is
+not such a form runs as generated code in the Triton and FlashAttention 4 kernels. The output
+and gradients are checked against the exact path (``use_backends("reference")``).
 
     python examples/chunked_local.py
 """
