@@ -3,7 +3,10 @@ picks its decoding kernel for short queries), FlashAttention 4 (its split heuris
 ``num_splits=0``, on Blackwell; Hopper has none: one split) and the bytes floor, plus chunked
 prefill and the host time per call.
 
-bf16, B=8, Hq=32, Hkv=8, E=128, lower-right causal with a window, ALiBi or soft-cap added.
+bf16, B=8, Hq=32, Hkv=8, E=128, lower-right causal with a window, ALiBi or soft-cap added,
+and a speculative-decoding draft tree (``examples/speculative_tree.py``: the ``L`` queries are
+the nodes of a binary tree appended to the cache, each attending the cache and its ancestors)
+as a ``ModBias`` against the same ``mask_mod`` in FlexAttention.
 GPU times are CUDA-graph replays of 20 calls (what a serving loop runs), taken in two rounds
 with the contenders in alternating order, best of both; the floor is reading K and V once,
 measured as half of a device-to-device copy of K and V (a copy reads and writes every byte).
@@ -26,7 +29,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import attnbias
-from attnbias import AlibiBias, SlidingWindowBias, SoftcapBias, causal_lower_right
+from attnbias import AlibiBias, ModBias, SlidingWindowBias, SoftcapBias, causal_lower_right
 from attnbias.biases import alibi_slopes
 
 # isort: split
@@ -41,13 +44,39 @@ CALLS_PER_GRAPH = 20
 Call = Callable[[], Tensor]
 
 
-def biases(heads: int = HEADS_Q) -> dict[str, Any]:
+BIASES = ("causal", "window", "alibi", "softcap", "tree")
+
+
+def biases(heads: int, length_q: int, length_kv: int) -> dict[str, Any]:
+    """The biases of :data:`BIASES` for a call of ``(L, S)``."""
     return {
         "causal": causal_lower_right(),
         "window": causal_lower_right() + SlidingWindowBias(WINDOW - 1),
         "alibi": causal_lower_right() + AlibiBias(num_heads=heads),
         "softcap": causal_lower_right() + SoftcapBias(CAP),
+        "tree": ModBias(mask_mod=tree_mask(length_q, length_kv)) + causal_lower_right(),
     }
+
+
+def tree_mask(nodes: int, length_kv: int, device: str = "cuda") -> Callable[..., Tensor]:
+    """The ``mask_mod`` of a binary draft tree of ``nodes`` queries appended to a cache of
+    ``length_kv - nodes`` keys (node ``n``'s parent is ``(n - 1) // 2``): every query keeps the
+    cache, and among the new keys the node itself and its ancestors."""
+    ancestors = torch.zeros(nodes, nodes, dtype=torch.bool)
+    for node in range(nodes):
+        at = node
+        while True:
+            ancestors[node, at] = True
+            if at == 0:
+                break
+            at = (at - 1) // 2
+    table = ancestors.to(device)
+    cache = length_kv - nodes
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx < cache) | table[q_idx, (kv_idx - cache).clamp(min=0)]
+
+    return mask_mod
 
 
 def flex_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call:
@@ -67,7 +96,7 @@ def flex_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call:
     def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return CAP * torch.tanh(score / CAP)
 
-    mask_mod = window if name == "window" else causal
+    mask_mod = {"window": window, "tree": tree_mask(length_q, length_kv)}.get(name, causal)
     score_mod = {"alibi": alibi, "softcap": softcap}.get(name)
     block_mask = create_block_mask(mask_mod, None, None, length_q, length_kv, device=q.device)
     # one compiled kernel per shape and mask: past dynamo's recompile limit it would fall back
@@ -78,6 +107,8 @@ def flex_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call:
 
 
 def fa4_call(name: str, q: Tensor, k: Tensor, v: Tensor) -> Call | None:
+    if name == "tree":  # no FlashAttention 4 form written here
+        return None
     try:
         from flash_attn.cute import flash_attn_func
     except Exception:
@@ -181,7 +212,7 @@ def decode_rows(length_q: int, length_kv: int, names: list[str]) -> list[str]:
     floor = floor_ms(k, v)
     rows = []
     for name in names:
-        bias = biases()[name]
+        bias = biases(HEADS_Q, length_q, length_kv)[name]
 
         def ours(bias: Any = bias) -> Tensor:
             return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
@@ -265,7 +296,9 @@ def host_table() -> None:
     short = q[:, :, :4]
     print("| bias | kernel | bare launch µs | plan µs | sdpa µs | sdpa − bare µs | stock SDPA µs |")
     print("|---|---|--:|--:|--:|--:|--:|")
-    for name, bias in biases(heads=1).items():
+    # the built-ins (a tree's mask depends on the lengths, which differ between the two rows)
+    built_in = {name: bias for name, bias in biases(1, 4, 128).items() if name != "tree"}
+    for name, bias in built_in.items():
         for label, query, planner, backend in (
             ("decode (L=4)", short, plan_decode, "triton-decode"),
             ("training (L=128)", q, plan_forward, "triton"),
@@ -299,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S = 32768 only")
     parser.add_argument("--kv", type=int, nargs="+", help="cache lengths (default: all three)")
-    parser.add_argument("--biases", nargs="+", default=list(biases()), choices=list(biases()))
+    parser.add_argument("--biases", nargs="+", default=list(BIASES), choices=BIASES)
     parser.add_argument(
         "--tables", nargs="+", default=["decode", "prefill", "host"],
         choices=["decode", "prefill", "host"],
