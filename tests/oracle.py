@@ -563,22 +563,26 @@ def assert_call_close(
     grad_out: Tensor,
     *,
     enable_gqa: bool = False,
+    scale: float | None = None,
     rounding: Sequence[float] | None = None,
 ) -> list[Tensor]:
-    """``call(q, k, v)`` (a call with ``bias``) against the oracle: its output and the
-    gradients of ``q, k, v`` (with ``grad_out``) within the budget of stock PyTorch in the
-    inputs' dtype (:func:`assert_close_to_oracle`, a flash kernel's own ``rounding`` from
-    :func:`flash_rounding` included where given). Returns ``[out, dq, dk, dv]``."""
+    """``call(q, k, v)`` (a call with ``bias``, ``scale`` and ``enable_gqa``) against the
+    oracle: its output and the gradients of ``q, k, v`` (with ``grad_out``) within the budget
+    of stock PyTorch in the inputs' dtype (:func:`assert_close_to_oracle`, a flash kernel's own
+    ``rounding`` from :func:`flash_rounding` included where given). Returns ``[out, dq, dk,
+    dv]``."""
     q, k, v = inputs
     dtype = q.dtype
     got = run_with_grads(call, inputs, grad_out)
     expected = run_with_grads(
-        lambda *t: attention(*t, bias, enable_gqa=enable_gqa),
+        lambda *t: attention(*t, bias, scale=scale, enable_gqa=enable_gqa),
         (q.double(), k.double(), v.double()),
         grad_out.double(),
     )
     low = run_with_grads(
-        lambda *t: attention(*t, bias, enable_gqa=enable_gqa, dtype=dtype), inputs, grad_out
+        lambda *t: attention(*t, bias, scale=scale, enable_gqa=enable_gqa, dtype=dtype),
+        inputs,
+        grad_out,
     )
     assert_close_to_oracle(got, expected, low, dtype, ("out", "dq", "dk", "dv"), rounding)
     return got

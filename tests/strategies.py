@@ -84,6 +84,9 @@ def seqlens(draw: st.DrawFn, total: int, count: int) -> list[int]:
 def document_bias(draw: st.DrawFn, batch: int, length_q: int, length_kv: int) -> DocumentBias:
     count = draw(st.integers(1, 4))
     if length_q == length_kv and draw(st.booleans()):
+        if length_q > 0 and draw(st.integers(0, 3)) == 0:  # documents of one length (chunks)
+            count = draw(st.sampled_from([n for n in range(1, 9) if length_q % n == 0]))
+            return DocumentBias.from_seqlens([length_q // count] * count)
         if draw(st.booleans()) and batch > 1:
             rows = [draw(seqlens(length_q, count)) for _ in range(batch)]
             ids = torch.stack(

@@ -6,7 +6,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import assert_call_close, assert_close_to_oracle, attention, run_with_grads
+from oracle import (
+    assert_call_close,
+    assert_close_to_oracle,
+    attention,
+    flash_rounding,
+    run_with_grads,
+)
 from strategies import Problem, problems
 
 import attnbias
@@ -262,6 +268,64 @@ def test_equal_documents_run_as_separate_sequences(
     assert len(seen) == 1  # the call against the oracle took the same route
 
 
+@given(
+    batch=st.integers(1, 3),
+    heads_kv=st.integers(1, 2),
+    group=st.integers(1, 2),
+    count=st.integers(1, 4),
+    length=st.integers(1, 6),
+    head_dim=st.sampled_from([8, 16]),
+    causal=st.booleans(),
+    projected=st.booleans(),
+    scale=st.sampled_from([None, 0.3, -1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_equal_documents_of_any_shape(
+    batch: int,
+    heads_kv: int,
+    group: int,
+    count: int,
+    length: int,
+    head_dim: int,
+    causal: bool,
+    projected: bool,
+    scale: float | None,
+    seed: int,
+) -> None:
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    documents = DocumentBias.from_seqlens([length] * count)
+    bias = documents + causal_upper_left() if causal else documents
+    heads_q, total = heads_kv * group, length * count
+    torch.manual_seed(seed)
+
+    def draw(heads: int) -> torch.Tensor:
+        if projected:
+            return _projected(batch, heads, total, head_dim, dtype)
+        return torch.randn(batch, heads, total, head_dim, device=DEVICE).to(dtype)
+
+    q, k, v = draw(heads_q), draw(heads_kv), draw(heads_kv)
+    grouped = group > 1
+    text = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=grouped, scale=scale)
+    viewable = batch == 1 or count == 1 or projected or not grouped
+    # stock SDPA masks causal scores before scaling them: a scale <= 0 goes elsewhere
+    masks_inside = causal and length > 1
+    takes = viewable and not (masks_inside and scale is not None and scale <= 0)
+    assert text.startswith("sdpa(documents as sequences)") == takes, text
+    grad_out = torch.randn_like(q)
+    assert_call_close(
+        lambda *t: sdpa(*t, attn_mask=bias, enable_gqa=grouped, scale=scale),
+        bias,
+        (q, k, v),
+        grad_out,
+        enable_gqa=grouped,
+        scale=scale,
+        # every route here but the exact ones is a flash kernel (stock SDPA's, the Triton
+        # kernel): their own rounding (with one key per row, dq's exact 0 comes out of a
+        # difference of rounded terms)
+        rounding=flash_rounding(q, k, v, bias, grad_out, scale=scale),
+    )
+
+
 @pytest.mark.parametrize(
     ("bias", "length_kv", "batch", "heads_kv", "reason"),
     [
@@ -296,3 +360,18 @@ def test_documents_stock_sdpa_does_not_take(
     expected = attention(q.double(), k.double(), v.double(), bias, enable_gqa=grouped)
     got = sdpa(q, k, v, attn_mask=bias, enable_gqa=grouped)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_a_causal_call_with_scale_at_most_zero_leaves_stock_sdpa(scale: float) -> None:
+    # stock SDPA's causal kernels mask the scores before scaling them (torch 2.13 on CPU: NaN
+    # rows at scale <= 0); the call takes another route and keeps the contract
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, device=DEVICE) for _ in range(3))
+    for bias in (causal_upper_left(), DocumentBias.from_seqlens([4, 4]) + causal_upper_left()):
+        text = attnbias.explain(q, k, v, attn_mask=bias, scale=scale)
+        assert not text.startswith("sdpa("), text
+        assert f"scale {scale} <= 0 with is_causal=True" in text, text
+        got = sdpa(q, k, v, attn_mask=bias, scale=scale)
+        expected = attention(q.double(), k.double(), v.double(), bias, scale=scale)
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)

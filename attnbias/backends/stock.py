@@ -180,11 +180,12 @@ class _Sequences:
         return self.join(out)
 
 
-def _split_as_view(x: Tensor, into: str) -> bool:
-    """Whether :meth:`_Sequences.split` of ``x`` ``(B, H, L, E)`` into ``into`` is a view: the
-    merged dimension (batch or heads) is ``L`` positions apart in memory, or of size 1."""
+def _split_as_view(x: Tensor, into: str, count: int) -> bool:
+    """Whether :meth:`_Sequences.split` of ``x`` ``(B, H, L, E)`` into ``count`` sequences
+    per row merged with ``into`` is a view: one sequence, or the merged dimension (batch or
+    heads) of size 1 or ``L`` positions apart in memory."""
     dim = 0 if into == "batch" else 1
-    return x.shape[dim] == 1 or x.stride(dim) == x.shape[2] * x.stride(2)
+    return count == 1 or x.shape[dim] == 1 or x.stride(dim) == x.shape[2] * x.stride(2)
 
 
 def _sequences(spec: Spec) -> _Sequences | list[str]:
@@ -220,17 +221,30 @@ def _sequences(spec: Spec) -> _Sequences | list[str]:
             f"inside documents of {length} is neither none nor causal, the two forms stock SDPA "
             f"fuses"
         ]
-    tensors = (spec.query, spec.key, spec.value)
-    if all(_split_as_view(x, "batch") for x in tensors):
+    tensors, count = (spec.query, spec.key, spec.value), length_q // length
+    if all(_split_as_view(x, "batch", count) for x in tensors):
         into = "batch"
-    elif heads_q == spec.key.shape[1] and all(_split_as_view(x, "heads") for x in tensors):
+    elif heads_q == spec.key.shape[1] and all(_split_as_view(x, "heads", count) for x in tensors):
         into = "heads"
     else:
         return [
             "q, k and v do not view as a batch of the documents (batch size 1, (B, L, H, E) "
             "in memory, or (B, H, L, E) contiguous without grouped heads do)"
         ]
-    return _Sequences(length_q // length, length, hi == 0, into)
+    return _Sequences(count, length, hi == 0, into)
+
+
+def _causal_scale_reasons(spec: Spec) -> list[str]:
+    """Why ``is_causal=True`` cannot run ``spec``'s scale: stock SDPA's fused causal kernels
+    (torch 2.13 on CPU, every dtype) mask the scores before scaling them, so at a scale <= 0 a
+    masked score becomes +inf or NaN and so does its row."""
+    scale = spec.resolved_scale
+    if scale > 0:
+        return []
+    return [
+        f"scale {scale} <= 0 with is_causal=True: stock SDPA masks the scores before it scales "
+        f"them, so its masked scores would become +inf or NaN"
+    ]
 
 
 def _documents_only(terms: Terms) -> bool:
@@ -270,8 +284,10 @@ class StockSDPA(Backend):
 
     def reasons(self, spec: Spec) -> list[str]:
         terms = spec.terms
-        if terms.is_empty or terms.is_plain_causal:
+        if terms.is_empty:
             return []
+        if terms.is_plain_causal:
+            return _causal_scale_reasons(spec)
         if terms.has_key_range:
             # Its fused kernels would read the padded keys (no mask to select them away), and
             # a NaN there would reach every row.
@@ -281,7 +297,9 @@ class StockSDPA(Backend):
             ]
         if _documents_only(terms):
             found = _sequences(spec)
-            return found if isinstance(found, list) else []
+            if isinstance(found, list):
+                return found
+            return _causal_scale_reasons(spec) if found.causal else []
         return [
             f"{terms.describe()} is neither no mask nor plain upper-left causal, the two "
             f"forms stock SDPA fuses"
