@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +137,7 @@ class _Sequences:
     count: int
     length: int
     causal: bool  # is_causal=True inside each document (else no mask)
-    into: str
+    into: Literal["batch", "heads"]
 
     @property
     def shape(self) -> str:
@@ -180,7 +181,7 @@ class _Sequences:
         return self.join(out)
 
 
-def _split_as_view(x: Tensor, into: str, count: int) -> bool:
+def _split_as_view(x: Tensor, into: Literal["batch", "heads"], count: int) -> bool:
     """Whether :meth:`_Sequences.split` of ``x`` ``(B, H, L, E)`` into ``count`` sequences
     per row merged with ``into`` is a view: one sequence, or the merged dimension (batch or
     heads) of size 1 or ``L`` positions apart in memory."""
@@ -222,6 +223,7 @@ def _sequences(spec: Spec) -> _Sequences | list[str]:
             f"fuses"
         ]
     tensors, count = (spec.query, spec.key, spec.value), length_q // length
+    into: Literal["batch", "heads"]
     if all(_split_as_view(x, "batch", count) for x in tensors):
         into = "batch"
     elif heads_q == spec.key.shape[1] and all(_split_as_view(x, "heads", count) for x in tensors):
