@@ -296,11 +296,10 @@ def _kept_in_all_rows(spec: Spec) -> int:
     )
 
 
-def predict(spec: Spec, cost: Cost) -> tuple[float, float]:
+def predict(spec: Spec, cost: Cost, pairs: int) -> tuple[float, float]:
     """``(host µs, GPU µs)`` of ``spec`` on a backend of ``cost``: the GPU's share from the
-    pairs the band keeps in each document (:func:`_kept_in_all_rows`)."""
+    ``pairs`` it keeps per head (:func:`_kept_in_all_rows`)."""
     heads = spec.shape[1]
-    pairs = _kept_in_all_rows(spec)
     flops = 2.0 * heads * pairs * (spec.head_dim + spec.head_dim_v)
     if spec.needs_grad:
         host, gpu = cost.host_us_training, 3.5 * flops / (cost.tflops_training * 1e6)
@@ -340,10 +339,11 @@ def _weigh(
     first = order[0]
     if first not in costs:
         return first, {}
-    predicted = {first: predict(spec, costs[first])}
+    pairs = _kept_in_all_rows(spec)  # the same for every backend
+    predicted = {first: predict(spec, costs[first], pairs)}
     for name in order[1:]:
         if name in costs and not BACKENDS[name].not_supported_reasons(spec):
-            predicted[name] = predict(spec, costs[name])
+            predicted[name] = predict(spec, costs[name], pairs)
     best = min(predicted, key=lambda name: max(predicted[name]))
     if max(predicted[first]) > SWITCH_FACTOR * max(predicted[best]):
         return best, predicted

@@ -260,15 +260,20 @@ class Terms:
         return True if found is None else found
 
     @property
-    def _band_only(self) -> bool:
-        """Nothing but a band, a key range aside."""
+    def is_mask_only(self) -> bool:
+        """Only a band, documents and a key range: no score terms (ALiBi, soft-cap), generated
+        functions or materialized parts."""
         return (
-            self.q_doc is None
-            and self.slopes is None
+            self.slopes is None
             and self.softcap is None
             and len(self.others) == 0
             and len(self.mods) == 0  # (`not` of a tuple of objects stops torch.compile)
         )
+
+    @property
+    def _band_only(self) -> bool:
+        """Nothing but a band, a key range aside."""
+        return self.q_doc is None and self.is_mask_only
 
     @property
     def is_plain_causal(self) -> bool:

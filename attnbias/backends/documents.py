@@ -118,9 +118,11 @@ def document_part(spec: Spec) -> Any:
     return parts[0] if len(parts) == 1 else None
 
 
-def flattens_as_view(x: Tensor) -> bool:
-    """Whether ``(B, H, L, E)`` ``x`` flattens its batch rows into one sequence, ``(B·L, H,
-    E)``, as a view: batch size 1, or ``(B, L, H, E)`` in memory (a projection followed by
-    ``.transpose(1, 2)`` leaves it so)."""
-    batch, _, length, _ = x.shape
-    return batch == 1 or length == 1 or x.stride(0) == length * x.stride(2)
+def flattens_as_view(x: Tensor, dim: int = 0) -> bool:
+    """Whether ``(B, H, L, E)`` ``x`` flattens dimension ``dim`` (0: its batch rows, 1: its
+    heads) with its positions into one, ``(B·L, H, E)`` or ``(B, H·L, E)``, as a view: that
+    dimension of size 1, one position, or the dimension ``L`` positions apart in memory (for
+    the batch: ``(B, L, H, E)`` in memory, as a projection followed by ``.transpose(1, 2)``
+    leaves it; for the heads: ``(B, H, L, E)`` contiguous)."""
+    length = x.shape[2]
+    return x.shape[dim] == 1 or length == 1 or x.stride(dim) == length * x.stride(2)

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
-from attnbias.backends.documents import document_part, documents_layout
+from attnbias.backends.documents import document_part, documents_layout, flattens_as_view
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
 from attnbias.materialize import MaskedBias
 from attnbias.reference import FiniteInputs, masked_reference_attention
 from attnbias.spec import Spec
-from attnbias.terms import Terms
 
 __all__ = ["MaterializedSDPA", "StockSDPA", "materialized_attention", "stock_sdpa"]
 
@@ -183,10 +182,9 @@ class _Sequences:
 
 def _split_as_view(x: Tensor, into: Literal["batch", "heads"], count: int) -> bool:
     """Whether :meth:`_Sequences.split` of ``x`` ``(B, H, L, E)`` into ``count`` sequences
-    per row merged with ``into`` is a view: one sequence, or the merged dimension (batch or
-    heads) of size 1 or ``L`` positions apart in memory."""
-    dim = 0 if into == "batch" else 1
-    return count == 1 or x.shape[dim] == 1 or x.stride(dim) == x.shape[2] * x.stride(2)
+    per row merged with ``into`` is a view: one sequence, or the merged dimension flattening
+    with the positions as a view."""
+    return count == 1 or flattens_as_view(x, 0 if into == "batch" else 1)
 
 
 def _sequences(spec: Spec) -> _Sequences | list[str]:
@@ -249,18 +247,6 @@ def _causal_scale_reasons(spec: Spec) -> list[str]:
     ]
 
 
-def _documents_only(terms: Terms) -> bool:
-    """Documents and a band alone (no score terms, key range or other parts)."""
-    return (
-        terms.q_doc is not None
-        and terms.slopes is None
-        and terms.softcap is None
-        and not terms.has_key_range
-        and len(terms.others) == 0
-        and len(terms.mods) == 0
-    )
-
-
 def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
     return stock_sdpa(
         spec.query,
@@ -297,7 +283,7 @@ class StockSDPA(Backend):
                 "a key range (KeyRangeBias) needs a mask: stock SDPA fuses only no mask and "
                 "plain upper-left causal"
             ]
-        if _documents_only(terms):
+        if terms.q_doc is not None and terms.is_mask_only:
             found = _sequences(spec)
             if isinstance(found, list):
                 return found
