@@ -375,3 +375,23 @@ def test_a_causal_call_with_scale_at_most_zero_leaves_stock_sdpa(scale: float) -
         got = sdpa(q, k, v, attn_mask=bias, scale=scale)
         expected = attention(q.double(), k.double(), v.double(), bias, scale=scale)
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_equal_documents_on_stock_sdpa_never_read_other_documents() -> None:
+    # NaN keys and values in the first document reach no row of the second (which, causal
+    # over the whole row, would attend them), forward or backward: separate sequences
+    torch.manual_seed(0)
+    bias = DocumentBias.from_seqlens([4, 4]) + causal_upper_left()
+    q, k, v = (torch.randn(1, 2, 8, 8, device=DEVICE) for _ in range(3))
+    k[:, :, :4], v[:, :, :4] = float("nan"), float("nan")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with attnbias.use_backends("sdpa"):
+        assert attnbias.explain(*leaves, attn_mask=bias).startswith("sdpa(documents")
+        out = sdpa(*leaves, attn_mask=bias)
+    grad_out = torch.zeros_like(out)
+    grad_out[:, :, 4:] = 1.0  # the second document's rows only
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    second = [x[:, :, 4:] for x in (q, k, v)]
+    expected = attention(*(x.double() for x in second), causal_upper_left())
+    torch.testing.assert_close(out[:, :, 4:].double(), expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.isfinite(g[:, :, 4:]).all() for g in grads)
