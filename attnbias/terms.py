@@ -15,6 +15,7 @@ Shape legend: B batch, Hq query heads, L query length, S key length.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,8 +141,14 @@ class Terms:
     # functions apply after the additive terms, in this order. Each part compiles the tuple
     # (``compile_with``) into the program's generated functions.
     mods: tuple[Any, ...] = ()
-    # ModBias parts whose mask functions run as the band and documents above (for describe)
+    # ModBias parts whose functions run as the band, documents and soft-cap above (for
+    # describe)
     forms: tuple[Any, ...] = ()
+    # The ModBias part whose score function the soft-cap is (``cap * tanh(score / cap)``). A
+    # score function applies after the additive terms, a soft-cap before them: in a sum with
+    # additive terms, another soft-cap or an earlier score function it runs as its functions
+    # instead (:meth:`merge`).
+    softcap_part: Any = None
     # The kernels' form of these terms, built with them and passed unchanged to the
     # launchers (a field rather than a cached property: torch.compile traces its reads).
     program: MaskProgram = field(init=False, repr=False)
@@ -164,7 +171,17 @@ class Terms:
     def merge(self, other: Terms) -> Terms:
         """Both terms at once: bands and key ranges intersect, documents combine, ALiBi slopes
         add up (of two shifts, the ALiBi parts are materialized instead); the soft-cap is the
-        one that is set (a sum holds at most one)."""
+        one that is set (a sum holds at most one; a score function written as a soft-cap runs
+        as its function where the order of the sum matters)."""
+        first, second = self, other
+        if first.softcap_part is not None and (second.adds_to_scores or second.softcap is not None):
+            first = first.softcap_as_function()
+        if second.softcap_part is not None and (
+            first.adds_to_scores or first.softcap is not None or first.has_score_functions
+        ):
+            second = second.softcap_as_function()
+        if first is not self or second is not other:
+            return first.merge(second)
         if other.q_doc is None or other.kv_doc is None:
             docs = (self.q_doc, self.kv_doc)
         elif self.q_doc is None or self.kv_doc is None:
@@ -205,7 +222,34 @@ class Terms:
             doc_parts=self.doc_parts + other.doc_parts,
             mods=self.mods + other.mods,
             forms=self.forms + other.forms,
+            softcap_part=self.softcap_part if other.softcap is None else other.softcap_part,
         )
+
+    def softcap_as_function(self) -> Terms:
+        """These terms with the soft-cap of ``softcap_part`` run as that part's functions,
+        first of the score functions (no other one came before it in the sum; its mask, kept
+        by the band or documents too, is then evaluated twice)."""
+        part = self.softcap_part
+        return dataclasses.replace(
+            self,
+            softcap=None,
+            softcap_part=None,
+            mods=(part, *self.mods),
+            forms=tuple(p for p in self.forms if p is not part),
+        )
+
+    @property
+    def adds_to_scores(self) -> bool:
+        """ALiBi or materialized parts: terms added to the scores before score functions."""
+        return self.slopes is not None or len(self.others) > 0
+
+    @property
+    def has_score_functions(self) -> bool:
+        # (any(...) of a generator stops torch.compile; a loop does not)
+        for part in self.mods:  # noqa: SIM110
+            if part.score_mod is not None:
+                return True
+        return False
 
     def finish(self, length_q: int, length_kv: int) -> Terms:
         """These terms for a call with ``(L, S)``: a side of the band that every ``(i, j)``
@@ -230,6 +274,7 @@ class Terms:
             doc_parts=self.doc_parts,
             mods=self.mods,
             forms=self.forms,
+            softcap_part=self.softcap_part,
         )
 
     @property
@@ -311,11 +356,7 @@ class Terms:
         if self.others:
             return "materialized"
         if self.mods:
-            # any(...) of a generator stops torch.compile; a loop does not
-            for part in self.mods:
-                if part.score_mod is not None:
-                    return "mod"
-            return "mod mask"
+            return "mod" if self.has_score_functions else "mod mask"
         if self.slopes is not None:
             return "alibi"
         if self.softcap is not None:

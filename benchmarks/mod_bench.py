@@ -259,7 +259,11 @@ def run(seq: int, only: list[str] | None = None) -> list[str]:
         if isinstance(bias, ModBias) and bias.builtin_form() is not None:
             # the same mask as generated code (what it ran as before it was recognised); a bias
             # of its own, as the decisions of calls are kept per bias
-            as_functions = dataclasses.replace(bias)
+            as_functions = (
+                dataclasses.replace(bias)
+                if dataclasses.is_dataclass(bias)
+                else ModBias(mask_mod=bias.mask_mod, score_mod=bias.score_mod)
+            )
             calls["attnbias (functions)"] = lambda bias=as_functions: _as_functions(q, k, v, bias)
         for contender, call in calls.items():  # compiled (again, after a reset) before timing
             forward(call)()

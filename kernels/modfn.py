@@ -646,10 +646,16 @@ class TracedMods:
         for name, node_id in self.inputs.items():
             if name in values:
                 cache[node_id] = values[name]
-        needed = set().union(*(self._ancestors(i) for i in wanted))
+        needed = set().union(*(self.ancestors(i) for i in wanted))
         for node_id in sorted(needed - set(cache)):  # a node comes after its inputs
             cache[node_id] = _TORCH_EVAL[self.nodes[node_id].op](self, self.nodes[node_id], cache)
         return [cache[i] for i in wanted]
+
+    def evaluate(self, node_id: int, **values: Tensor) -> Tensor:
+        """The value of ``node_id`` on broadcast index tensors named as the inputs (``b``,
+        ``h``, ``q_idx``, ``kv_idx``, ``score``); those it depends on must be given."""
+        (result,) = self._evaluate([node_id], values)
+        return torch.as_tensor(result)
 
     def mask_grid(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor | None:
         """The masks on broadcast int64 index tensors: bool, their broadcast shape (``None``
@@ -691,7 +697,7 @@ class TracedMods:
                 other = node.args[1]
             else:
                 return False
-            if {start, current} & self._ancestors(other):
+            if {start, current} & self.ancestors(other):
                 return False
             current = result
         return True
@@ -703,7 +709,8 @@ class TracedMods:
             found = self.__dict__["_narrow"] = _narrow_casts(self)
         return found
 
-    def _ancestors(self, node_id: int) -> set[int]:
+    def ancestors(self, node_id: int) -> set[int]:
+        """The nodes ``node_id`` is computed from, itself included."""
         seen: set[int] = set()
         stack = [node_id]
         while stack:
@@ -1201,7 +1208,7 @@ class _Emitter:
         one load from memory per pair."""
         args = node.args
         positions = {self.traced.inputs["q_idx"], self.traced.inputs["kv_idx"]}
-        reads = [self.traced._ancestors(i) & positions for i in args[1:]]
+        reads = [self.traced.ancestors(i) & positions for i in args[1:]]
         varying = [d for d, r in enumerate(reads) if r]
         if len(varying) != 1 or reads[varying[0]] != positions:
             return None
@@ -1371,7 +1378,7 @@ def _score_cut(traced: TracedMods) -> list[int] | None:
         if node_id in seen:
             continue
         seen.add(node_id)
-        if not traced._ancestors(node_id) & positions:
+        if not traced.ancestors(node_id) & positions:
             continue
         node = traced.nodes[node_id]
         if node.kind != "float":
@@ -1396,8 +1403,8 @@ def _may_collapse(traced: TracedMods, node_id: int, positions: set[int]) -> bool
     operation between it and the positions may collapse a range."""
     return any(
         traced.nodes[i].op in _COLLAPSING
-        for i in traced._ancestors(node_id)
-        if traced._ancestors(i) & positions
+        for i in traced.ancestors(node_id)
+        if traced.ancestors(i) & positions
     )
 
 
@@ -1431,7 +1438,7 @@ def _score_body(
     for function in traced.scores:
         result = emitter.value(function.result, tangent=with_grad)
     last = traced.scores[-1].result if traced.scores else None
-    if last is not None and traced.inputs["score"] not in traced._ancestors(last):
+    if last is not None and traced.inputs["score"] not in traced.ancestors(last):
         result = f"({result} + tl.zeros_like(score))"  # the tile's shape in either branch
     lines = [*emitter.lines, f"r0 = {result}"]
     if with_grad:
@@ -1486,7 +1493,7 @@ def _param_grads(traced: TracedMods, tile: _ScoreTile | None = None) -> list[str
     if not traced.scores:
         return ["pass"]
     result = traced.scores[-1].result
-    ancestors = traced._ancestors(result)
+    ancestors = traced.ancestors(result)
     floats = [slot for slot, p in enumerate(traced.params) if p.is_floating_point()]
     grad_slot = len(traced.runtime_args())
     positions = {traced.inputs["q_idx"], traced.inputs["kv_idx"]}
@@ -1511,7 +1518,7 @@ def _param_grads(traced: TracedMods, tile: _ScoreTile | None = None) -> list[str
         # contiguous strides of the float32 gradient buffer
         strides = [" * ".join(sizes[d + 1 :]) or "1" for d in range(dims)]
         index = [emitter.clamped(node, d) for d in range(dims)]
-        varying = [d for d, i in enumerate(node.args[1:]) if traced._ancestors(i) & positions]
+        varying = [d for d, i in enumerate(node.args[1:]) if traced.ancestors(i) & positions]
         uniform = [d for d in range(dims) if d not in varying]
         g = f"g{node_id}"
         lines = [*emitter.lines]

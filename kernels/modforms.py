@@ -7,12 +7,18 @@ A traced ``mask_mod`` (:class:`~attnbias.kernels.modfn.TracedMods`) that is a co
   ``(kv_idx <= q_idx) & (q_idx - kv_idx < W)``;
 - one equality ``(q_idx + a) // C == (kv_idx + c) // C`` with a constant ``C > 0``: documents of
   ``C`` positions, for example Llama 4's chunked attention ``q_idx // C == kv_idx // C``;
+- one equality of an integer read of the query side and one of the key side,
+  ``x(b, q_idx) == y(b, kv_idx)``: document ids, for example FlexAttention's packed documents
+  ``docs[b, q_idx] == docs[b, kv_idx]`` over a ``(B, S)`` tensor of ids. These are documents
+  only where the ids do not decrease along the sequence, which the values decide: the front-end
+  evaluates both sides on the call's positions and checks that, per tensor version;
 
 keeps exactly the pairs of that band and those documents, so it can run as the built-in terms
 (their analytic tile ranges, and every backend that takes the built-ins) instead of as a
-generated function. :func:`builtin_form` finds that form, reading the traced graph only:
-anything else (another operator, a read of ``b``, ``h`` or a tensor, a float, an ``|``) gives
-``None`` and the function runs as it is.
+generated function. A score function ``cap * tanh(score / cap)`` with one positive number
+``cap`` is a soft-cap. :func:`builtin_form` finds these forms, reading the traced graph only:
+anything else (another operator, a read of ``h``, a float, an ``|``, any other score function)
+gives ``None`` and the functions run as they are.
 
 Nothing here knows about bias classes or terms; the front-end turns a form into terms.
 """
@@ -28,15 +34,28 @@ __all__ = ["BuiltinForm", "builtin_form"]
 
 @dataclass(frozen=True)
 class BuiltinForm:
-    """The band ``band_lo <= j - i <= band_hi`` (``None``: open side) and the documents
-    ``(i + q_offset) // chunk == (j + kv_offset) // chunk`` (``chunk`` ``None``: no documents)
-    that a mask function keeps, pair for pair."""
+    """The band ``band_lo <= j - i <= band_hi`` (``None``: open side), the documents
+    ``(i + q_offset) // chunk == (j + kv_offset) // chunk`` (``chunk`` ``None``: no chunks)
+    and the document ids ``x(b, i) == y(b, j)`` (``ids``: the graph's nodes ``x`` and ``y``,
+    reading the parameters of the slots ``id_params``) that the mask functions keep, pair for
+    pair, and the soft-cap ``cap * tanh(score / cap)`` that the score function is
+    (``softcap`` ``None``: no score function)."""
 
     band_lo: int | None = None
     band_hi: int | None = None
     chunk: int | None = None
     q_offset: int = 0
     kv_offset: int = 0
+    ids: tuple[int, int] | None = None
+    id_params: tuple[int, ...] = ()
+    softcap: float | None = None
+
+    @property
+    def needs_host(self) -> bool:
+        """Whether lowering the form reads or builds tensors on the host (the chunks' ids, the
+        ids' order) or may fall back to the functions (a soft-cap in a sum with score terms):
+        not under ``torch.compile``, which runs the functions instead."""
+        return self.chunk is not None or self.ids is not None or self.softcap is not None
 
 
 # A linear form ``a_q * q_idx + a_kv * kv_idx + c`` of exact Python integers.
@@ -48,11 +67,18 @@ _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}
 
 
 def builtin_form(traced: TracedMods) -> BuiltinForm | None:
-    """The band and documents that the mask functions of ``traced`` are, or ``None`` (also for
-    no mask function at all)."""
-    if not traced.masks:
+    """The band, documents and soft-cap that the functions of ``traced`` are, or ``None``
+    (also for no function at all)."""
+    if not traced.masks and not traced.scores:
         return None
     reader = _Reader(traced)
+    softcap: float | None = None
+    if traced.scores:
+        if len(traced.scores) != 1:
+            return None
+        softcap = reader.softcap(traced.scores[0].result)
+        if softcap is None:
+            return None
     atoms: list[int] = []
     for function in traced.masks:
         if not reader.conjuncts(function.result, atoms):
@@ -60,6 +86,7 @@ def builtin_form(traced: TracedMods) -> BuiltinForm | None:
     lo: int | None = None
     hi: int | None = None
     chunk: tuple[int, int, int] | None = None
+    ids: tuple[int, int] | None = None
     for atom in atoms:
         found = reader.band(atom)
         if found is not None:
@@ -70,12 +97,18 @@ def builtin_form(traced: TracedMods) -> BuiltinForm | None:
                 hi = atom_hi if hi is None else min(hi, atom_hi)
             continue
         documents = reader.chunks(atom)
-        if documents is None or (chunk is not None and chunk != documents):
+        if documents is not None:
+            if chunk is not None and chunk != documents:
+                return None
+            chunk = documents
+            continue
+        read = reader.ids(atom)
+        if read is None or (ids is not None and ids != read):
             return None
-        chunk = documents
-    if chunk is None:
-        return BuiltinForm(lo, hi)
-    return BuiltinForm(lo, hi, *chunk)
+        ids = read
+    id_params = () if ids is None else reader.params_read(ids)
+    size, q_offset, kv_offset = chunk or (None, 0, 0)
+    return BuiltinForm(lo, hi, size, q_offset, kv_offset, ids, id_params, softcap)
 
 
 class _Reader:
@@ -84,6 +117,7 @@ class _Reader:
         self.nodes = traced.nodes
         self.q = traced.inputs["q_idx"]
         self.kv = traced.inputs["kv_idx"]
+        self.index_names = {node_id: name for name, node_id in traced.inputs.items()}
 
     def node(self, node_id: int) -> Node:
         return self.nodes[node_id]
@@ -201,4 +235,65 @@ class _Reader:
             return "q", divisor[2], inner[2]
         if inner[:2] == (0, 1):
             return "kv", divisor[2], inner[2]
+        return None
+
+    def reads(self, node_id: int) -> set[str]:
+        """The inputs (``b``, ``h``, ``q_idx``, ``kv_idx``, ``score``) ``node_id`` depends on."""
+        return {
+            self.index_names[i] for i in self.traced.ancestors(node_id) if i in self.index_names
+        }
+
+    def ids(self, node_id: int) -> tuple[int, int] | None:
+        """The atom as ``x(b, q_idx) == y(b, kv_idx)`` of integers: ``(x, y)``."""
+        node = self.node(node_id)
+        if node.op != "eq":
+            return None
+        sides: dict[str, int] = {}
+        for arg in node.args:
+            if self.node(arg).kind != "int":
+                return None
+            reads = self.reads(arg)
+            if reads in ({"q_idx"}, {"b", "q_idx"}):
+                sides.setdefault("q", arg)
+            elif reads in ({"kv_idx"}, {"b", "kv_idx"}):
+                sides.setdefault("kv", arg)
+        if len(sides) != 2:
+            return None
+        return sides["q"], sides["kv"]
+
+    def params_read(self, nodes: tuple[int, ...]) -> tuple[int, ...]:
+        """The slots of the tensor parameters that ``nodes`` read, in slot order."""
+        slots = {
+            self.node(i).args[0]
+            for node_id in nodes
+            for i in self.traced.ancestors(node_id)
+            if self.node(i).op == "load"
+        }
+        return tuple(sorted(slots))
+
+    def number(self, node_id: int) -> float | None:
+        """A constant node's value as a float, or ``None``."""
+        node = self.node(node_id)
+        if node.op != "const":
+            return None
+        value = self.traced.consts[node.args[0]]
+        return None if isinstance(value, bool) else float(value)
+
+    def softcap(self, node_id: int) -> float | None:
+        """The score function's result as ``cap * tanh(score / cap)`` (either factor first)
+        with one finite ``cap > 0``: ``cap``, or ``None``."""
+        node = self.node(node_id)
+        if node.op != "mul":
+            return None
+        for cap_node, tanh_node in (node.args, node.args[::-1]):
+            cap, inner = self.number(cap_node), self.node(tanh_node)
+            if cap is None or not (0 < cap < float("inf")) or inner.op != "tanh":
+                continue
+            divided = self.node(inner.args[0])
+            if (
+                divided.op == "truediv"
+                and divided.args[0] == self.traced.inputs["score"]
+                and self.number(divided.args[1]) == cap
+            ):
+                return cap
         return None

@@ -1,6 +1,7 @@
-"""``ModBias`` masks that are built-in masks written as functions: a band (``kv_idx - q_idx``
-compared with numbers) and equal chunks (``q_idx // C == kv_idx // C``) run as the built-in
-band and documents (``attnbias.kernels.modforms``).
+"""``ModBias`` functions that are built-in biases written as functions: a band (``kv_idx -
+q_idx`` compared with numbers), equal chunks (``q_idx // C == kv_idx // C``) and document ids
+(``docs[b, q_idx] == docs[b, kv_idx]``) run as the built-in band and documents, and a score
+function ``cap * tanh(score / cap)`` as the built-in soft-cap (``attnbias.kernels.modforms``).
 
 The forms found are checked against the functions themselves called on real index tensors (not
 through the tracer), over drawn conjunctions; look-alikes that are no such form are left to the
@@ -92,9 +93,6 @@ NOT_FOUND: dict[str, Callable[..., Any]] = {
     "an absolute distance": lambda b, h, q, kv: torch.abs(q - kv) <= 3,
     "a 32-bit cast": lambda b, h, q, kv: kv.int() <= q.int(),
     "two chunk sizes": lambda b, h, q, kv: (q // 16 == kv // 16) & (q // 8 == kv // 8),
-    "different divisors": lambda b, h, q, kv: q // 16 == kv // 8,
-    "a negative divisor": lambda b, h, q, kv: q // -4 == kv // -4,
-    "remainders": lambda b, h, q, kv: q % 4 == kv % 4,
     "always False": lambda b, h, q, kv: (kv <= q) & False,
 }
 
@@ -297,3 +295,212 @@ def test_torch_compile_fullgraph_traces_the_lowering(name: str) -> None:
 
     compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
     assert_call_close(compiled, bias, (q, k, v), grad_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Document ids and soft-cap: FlexAttention's packed documents and Gemma 2's soft-cap
+
+
+def packed_ids(rows: int, length: int, cuts: int, seed: int) -> Tensor:
+    """``(rows, length)`` non-decreasing document ids, ``cuts`` random boundaries per row."""
+    generator = torch.Generator().manual_seed(seed)
+    bounds = torch.randint(1, max(length, 2), (rows, cuts), generator=generator).sort(-1).values
+    return torch.searchsorted(bounds, torch.arange(length).repeat(rows, 1), right=True)
+
+
+def documents_of(docs: Tensor) -> Callable[..., Any]:
+    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return document_causal
+
+
+def soft_cap(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+DOCS = packed_ids(2, 80, 4, 0)
+ONE_ROW = packed_ids(1, 80, 3, 1)[0]
+
+IDS_FOUND: dict[str, Callable[..., Any]] = {
+    "per batch row": lambda b, h, q, kv: DOCS[b, q] == DOCS[b, kv],
+    "indexed twice": lambda b, h, q, kv: DOCS[b][q] == DOCS[b][kv],
+    "keys first, causal": lambda b, h, q, kv: (kv <= q) & (DOCS[b, kv] == DOCS[b, q]),
+    "one row": lambda b, h, q, kv: ONE_ROW[q] == ONE_ROW[kv],
+    "shifted": lambda b, h, q, kv: ONE_ROW[q + 1] == ONE_ROW[kv],
+    "a cast": lambda b, h, q, kv: DOCS[b, q].int() == DOCS[b, kv].long(),
+    "two divisors": lambda b, h, q, kv: q // 16 == kv // 8,
+    "remainders": lambda b, h, q, kv: q % 4 == kv % 4,
+    "a negative divisor": lambda b, h, q, kv: q // -4 == kv // -4,
+}
+
+IDS_NOT_FOUND: dict[str, Callable[..., Any]] = {
+    "a head's ids": lambda b, h, q, kv: DOCS[h, q] == DOCS[h, kv],
+    "not equal": lambda b, h, q, kv: DOCS[b, q] != DOCS[b, kv],
+    "one side reads both": lambda b, h, q, kv: DOCS[b, q] == DOCS[b, kv] + q - q,
+    "float ids": lambda b, h, q, kv: DOCS[b, q] * 0.5 == DOCS[b, kv] * 0.5,
+    "a query position": lambda b, h, q, kv: DOCS[b, q] == 2,
+    "two layouts of ids": lambda b, h, q, kv: (DOCS[b, q] == DOCS[b, kv]) & (q % 4 == kv % 4),
+}
+
+
+@pytest.mark.parametrize("name", list(IDS_FOUND))
+def test_document_ids_found(name: str) -> None:
+    found = form(IDS_FOUND[name])
+    assert found is not None and found.ids is not None and found.softcap is None
+
+
+@pytest.mark.parametrize("name", list(IDS_NOT_FOUND))
+def test_document_id_look_alikes_stay_functions(name: str) -> None:
+    assert form(IDS_NOT_FOUND[name]) is None
+
+
+def test_the_ids_read_tensors_by_slot() -> None:
+    other = ONE_ROW.clone()
+    found = form(lambda b, h, q, kv: ONE_ROW[q] + 0 * DOCS[0, 0] == other[kv])
+    assert found is not None and found.id_params == (0, 1, 2)
+    assert form(IDS_FOUND["two divisors"]).id_params == ()  # type: ignore[union-attr]
+
+
+SOFTCAP_FOUND: dict[str, Callable[..., Any]] = {
+    "cap first": lambda s, b, h, q, kv: 30 * torch.tanh(s / 30),
+    "cap last": lambda s, b, h, q, kv: (s / 2.5).tanh() * 2.5,
+}
+SOFTCAP_NOT_FOUND: dict[str, Callable[..., Any]] = {
+    "two caps": lambda s, b, h, q, kv: 30 * torch.tanh(s / 20),
+    "a negative cap": lambda s, b, h, q, kv: -30 * torch.tanh(s / -30),
+    "times the inverse": lambda s, b, h, q, kv: 30 * torch.tanh(s * (1 / 30)),
+    "plus one": lambda s, b, h, q, kv: 30 * torch.tanh(s / 30) + 1,
+    "a head's cap": lambda s, b, h, q, kv: (h + 1) * torch.tanh(s / (h + 1)),
+    "doubled": lambda s, b, h, q, kv: 2 * s,
+}
+
+
+@pytest.mark.parametrize("name", list(SOFTCAP_FOUND))
+def test_softcap_score_functions_found(name: str) -> None:
+    alone = ModBias(score_mod=SOFTCAP_FOUND[name]).builtin_form()
+    with_mask = ModBias(mask_mod=IDS_FOUND["per batch row"], score_mod=SOFTCAP_FOUND[name])
+    cap = 30.0 if name == "cap first" else 2.5
+    assert alone == BuiltinForm(softcap=cap)
+    assert with_mask.builtin_form().softcap == cap
+
+
+@pytest.mark.parametrize("name", list(SOFTCAP_NOT_FOUND))
+def test_softcap_look_alikes_stay_functions(name: str) -> None:
+    assert ModBias(score_mod=SOFTCAP_NOT_FOUND[name]).builtin_form() is None
+    assert (
+        ModBias(
+            mask_mod=lambda b, h, q, kv: kv <= q, score_mod=SOFTCAP_NOT_FOUND[name]
+        ).builtin_form()
+        is None
+    )
+
+
+def ids_call(
+    bias: Any, shape: tuple[int, int, int, int, int], dtype: torch.dtype, route: str, seed: int = 0
+) -> str:
+    """One call of ``bias`` through ``route`` against the oracle; returns ``explain``'s first
+    line."""
+    q, k, v, grad_out = draw_inputs(shape, 16, dtype, seed, DEVICE)
+    gqa = shape[1] != shape[2]
+
+    def ours(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with use_backends(route):
+            return sdpa(q, k, v, attn_mask=bias, enable_gqa=gqa)
+
+    rounding = flash_rounding(q, k, v, bias, grad_out) if route == "triton" else None
+    assert_call_close(ours, bias, (q, k, v), grad_out, enable_gqa=gqa, rounding=rounding)
+    with use_backends(route):
+        return explain(q, k, v, attn_mask=bias, enable_gqa=gqa).splitlines()[0]
+
+
+IDS_SHAPES: dict[str, tuple[tuple[int, int, int, int, int], torch.dtype]] = {
+    "square": ((2, 2, 1, 80, 80), torch.float32),
+    "L < S, GQA": ((2, 4, 2, 33, 80), torch.float16),
+    "L > S": ((2, 2, 2, 80, 41), torch.float32),
+}
+
+
+@pytest.mark.parametrize("route", ["triton", "reference"])
+@pytest.mark.parametrize("name", list(IDS_SHAPES))
+def test_flexattention_documents_and_softcap_run_as_the_builtins(name: str, route: str) -> None:
+    """``examples/flex_port.py``'s functions: the ids become documents, the score function a
+    soft-cap, and the call matches the oracle (which evaluates the functions themselves)."""
+    shape, dtype = IDS_SHAPES[name]
+    docs = packed_ids(shape[0], max(shape[3], shape[4]), 4, 2).to(DEVICE)
+    bias = ModBias(mask_mod=documents_of(docs), score_mod=soft_cap)
+    line = ids_call(bias, shape, dtype, route)
+    assert "documents of the ids it compares" in line and "soft-cap 20" in line, line
+    assert "generated functions" not in line, line
+
+
+def test_ids_that_decrease_run_the_functions() -> None:
+    """Ids that decrease along a row are no documents: the functions run as they are."""
+    for name in ("remainders", "a negative divisor"):
+        line = ids_call(
+            ModBias(mask_mod=IDS_FOUND[name]), (1, 2, 1, 40, 40), torch.float32, "triton"
+        )
+        assert "generated functions" in line, (name, line)
+    line = ids_call(
+        ModBias(mask_mod=IDS_FOUND["two divisors"]), (1, 2, 1, 48, 24), torch.float32, "triton"
+    )
+    assert "documents of the ids it compares" in line, line
+
+
+def test_ids_written_in_place_are_seen_by_the_next_call() -> None:
+    """The ids are read again after an in-place write, whether the call was planned before
+    (the plan cache) or not: sorted again into other documents, then made to decrease (the
+    functions run), then sorted back."""
+    shape = (2, 2, 1, 64, 64)
+    docs = packed_ids(2, 64, 3, 3).to(DEVICE)
+    bias = ModBias(mask_mod=documents_of(docs), score_mod=soft_cap)
+    summed = bias + KeyRangeBias(start=[0, 2], end=[64, 60])
+    for target in (bias, summed):
+        assert "documents of the ids" in ids_call(target, shape, torch.float32, "triton")
+        ids_call(target, shape, torch.float32, "triton", seed=1)  # planned, then cached
+        docs.copy_(packed_ids(2, 64, 5, 4))
+        assert "documents of the ids" in ids_call(target, shape, torch.float32, "triton")
+        docs[1, 10] = 7  # decreases after it
+        assert "generated functions" in ids_call(target, shape, torch.float32, "triton")
+        docs.copy_(packed_ids(2, 64, 3, 3))
+
+
+def test_ids_of_an_inference_tensor() -> None:
+    """Tensors without a version counter: not cached, read at every call."""
+    with torch.inference_mode():
+        docs = packed_ids(1, 48, 3, 5).to(DEVICE)
+    bias = ModBias(mask_mod=documents_of(docs))
+    assert bias.cache_key() is None
+    assert "documents of the ids" in ids_call(bias, (1, 2, 2, 48, 48), torch.float32, "triton")
+    with torch.inference_mode():
+        docs[0, 20:] = docs[0, 20]  # an in-place write, inside inference mode
+    assert "documents of the ids" in ids_call(bias, (1, 2, 2, 48, 48), torch.float32, "triton")
+
+
+SUMS: dict[str, tuple[Callable[[Any], Any], bool]] = {
+    # (the sum of the port's bias, whether its score function still runs as the soft-cap)
+    "causal first": (lambda port: attnbias.causal_upper_left() + port, True),
+    "key range after": (lambda port: port + KeyRangeBias(start=[1, 0], end=[40, 33]), True),
+    "ALiBi first": (lambda port: attnbias.AlibiBias(2) + port, False),
+    "ALiBi after": (lambda port: port + attnbias.AlibiBias(2), False),
+    "a soft-cap": (lambda port: SoftcapBias(3.0) + port, False),
+    "a score function first": (lambda port: ModBias(score_mod=doubled) + port, False),
+    "a score function after": (lambda port: port + ModBias(score_mod=doubled), True),
+    "twice": (lambda port: port + ModBias(mask_mod=port.mask_mod, score_mod=soft_cap), False),
+}
+
+
+def doubled(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return 2 * score
+
+
+@pytest.mark.parametrize("name", list(SUMS))
+def test_a_softcap_score_function_keeps_its_place_in_a_sum(name: str) -> None:
+    """A score function applies after the additive terms and the score functions before it,
+    a soft-cap before them all: in a sum where that order matters, the soft-cap runs as its
+    function (the oracle applies the functions in the semantics' order)."""
+    make, as_softcap = SUMS[name]
+    docs = packed_ids(2, 40, 3, 6).to(DEVICE)
+    bias = make(ModBias(mask_mod=documents_of(docs), score_mod=soft_cap))
+    line = ids_call(bias, (2, 2, 1, 40, 40), torch.float32, "triton")
+    assert ("its score_mod as soft-cap 20" in line) == as_softcap, line

@@ -133,7 +133,7 @@ def _score_path(traced: TracedMods) -> set[int]:
 
 def _needed(traced: TracedMods) -> set[int]:
     results = [f.result for f in (*traced.masks, *traced.scores)]
-    return set().union(*(traced._ancestors(r) for r in results)) if results else set()
+    return set().union(*(traced.ancestors(r) for r in results)) if results else set()
 
 
 def _as_int32(traced: TracedMods) -> TracedMods:
@@ -206,7 +206,7 @@ def backward_problems(traced: TracedMods) -> list[str]:
     score's path whose derivative it does not write."""
     if not traced.scores or traced.additive_score():
         return []
-    path = _score_path(traced) & traced._ancestors(traced.scores[-1].result)
+    path = _score_path(traced) & traced.ancestors(traced.scores[-1].result)
     return [
         f"the derivative of {op} of the score (the backward callback is written for + - * /, "
         f"casts, where, exp, log, tanh, sqrt and sigmoid)"

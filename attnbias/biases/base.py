@@ -248,6 +248,12 @@ class AttnBias(ABC):
         it (the default: a bias of unknown kind may change what it lowers to)."""
         return None
 
+    @property
+    def cache_key_varies(self) -> bool:
+        """Whether :meth:`cache_key` may change from call to call (it holds the versions of
+        tensors that decide the lowering), so that a sum must ask for it at every call."""
+        return False
+
     def parameters(self) -> tuple[Tensor, ...]:
         """The tensors of this bias that may require grad (a call then records gradients)."""
         return ()
@@ -373,13 +379,23 @@ class CompositeBias(AttnBias):
         return masked
 
     def cache_key(self) -> Hashable | None:
-        # worked out once (biases are immutable); False where a part has none
+        # worked out once (biases are immutable) unless a part's key varies; False where a
+        # part has none
         found = self.__dict__.get("_cache_key")
         if found is None:
             keys = tuple(part.cache_key() for part in self.parts)
             found = False if None in keys else HashedKey(keys)
-            object.__setattr__(self, "_cache_key", found)
+            if not self.cache_key_varies:
+                object.__setattr__(self, "_cache_key", found)
         return found or None
+
+    @property
+    def cache_key_varies(self) -> bool:
+        found = self.__dict__.get("_key_varies")
+        if found is None:
+            found = any(part.cache_key_varies for part in self.parts)
+            object.__setattr__(self, "_key_varies", found)
+        return bool(found)
 
     def parameters(self) -> tuple[Tensor, ...]:
         return tuple(t for part in self.parts for t in part.parameters())

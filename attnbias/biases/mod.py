@@ -70,12 +70,16 @@ class ModBias(KernelBias):
     :data:`attnbias.kernels.modfn.SUPPORTED`; anything else (a Python ``if`` on an index, an
     unknown operator) is refused at the first call, naming the function and the operator.
 
-    A mask function that is a built-in mask written as a function (a conjunction of comparisons
-    of ``kv_idx - q_idx`` with numbers, such as a causal sliding window, and equal chunks
-    ``q_idx // C == kv_idx // C``, such as Llama 4's chunked attention) runs as that built-in:
-    the same pairs, with the built-ins' analytic tile ranges on every backend that takes them
-    (:func:`attnbias.kernels.modforms.builtin_form`; ``explain`` says so). Set the class
-    attribute ``run_as_builtin = False`` on a subclass to run its function as it is.
+    Functions that are built-ins written as functions run as those built-ins: a conjunction of
+    comparisons of ``kv_idx - q_idx`` with numbers (a causal sliding window), equal chunks
+    ``q_idx // C == kv_idx // C`` (Llama 4's chunked attention) and document ids compared
+    across the two sides (``docs[b, q_idx] == docs[b, kv_idx]``, where the ids do not decrease
+    along a row: checked per call shape and tensor version) as the band and documents, and a
+    score function ``cap * tanh(score / cap)`` as the soft-cap (where the sum has no ALiBi,
+    tensor bias, other soft-cap or earlier score function, which would apply before it). The
+    same pairs and scores, with the built-ins' analytic tile ranges on every backend that
+    takes them (:func:`attnbias.kernels.modforms.builtin_form`; ``explain`` says so). Set the
+    class attribute ``run_as_builtin = False`` on a subclass to run its functions as they are.
 
     Tensor parameters must be on the inputs' device. ``materialize`` evaluates the functions on
     the ``(B, H, L, S)`` grid (for the CPU and the exact routes): a mask becomes ``0`` / ``-inf``,
@@ -166,19 +170,32 @@ class ModBias(KernelBias):
 
     def lower(self, call: Call) -> Terms:
         form = self.builtin_form()
-        if form is None or (form.chunk is not None and torch.compiler.is_compiling()):
-            # (the chunks' document ids are built and checked on the host, outside a trace)
+        if form is None or (form.needs_host and torch.compiler.is_compiling()):
+            # (document ids are built and checked on the host, outside a trace)
             return Terms(mods=(self,))
-        terms = Terms(band_lo=form.band_lo, band_hi=form.band_hi, forms=(self,))
-        if form.chunk is None:
-            return terms
-        return terms.merge(self._chunks(call).lower(call))
+        terms = Terms(
+            band_lo=form.band_lo,
+            band_hi=form.band_hi,
+            softcap=form.softcap,
+            softcap_part=None if form.softcap is None else self,
+            forms=(self,),
+        )
+        if form.chunk is not None:
+            terms = terms.merge(self._chunks(call).lower(call))
+        if form.ids is not None:
+            documents = self._documents_of_ids(call)
+            if documents is None:  # ids that decrease along a row: no documents
+                return Terms(mods=(self,))
+            terms = terms.merge(documents.lower(call))
+        return terms
 
     def builtin_form(self) -> Any:
-        """The band and chunks this bias's mask function is
-        (:class:`~attnbias.kernels.modforms.BuiltinForm`), or ``None`` where it is something
-        else, has a score function too, or the class sets ``run_as_builtin = False``."""
-        if not self.run_as_builtin or self.score_mod is not None:
+        """The band, documents and soft-cap this bias's functions are
+        (:class:`~attnbias.kernels.modforms.BuiltinForm`), or ``None`` where they are
+        something else or the class sets ``run_as_builtin = False``. Document ids read from
+        the indices (``docs[b, q_idx] == docs[b, kv_idx]``) are documents only where they do
+        not decrease along a row: each call checks that (:meth:`lower`)."""
+        if not self.run_as_builtin:
             return None
         found = self.__dict__.get("_builtin_form", _UNSET)
         if found is _UNSET:
@@ -200,7 +217,14 @@ class ModBias(KernelBias):
             parts.append(f"the band {lo}j - i{hi}")
         if form.chunk is not None:
             parts.append(f"documents of {form.chunk} positions")
-        return f"its mask_mod as {' and '.join(parts) or 'no mask'}"
+        if form.ids is not None:
+            parts.append("documents of the ids it compares")
+        said = []
+        if self.mask_mod is not None:
+            said.append(f"its mask_mod as {' and '.join(parts) or 'no mask'}")
+        if form.softcap is not None:
+            said.append(f"its score_mod as soft-cap {form.softcap:g}")
+        return ", ".join(said)
 
     def _chunks(self, call: Call) -> DocumentBias:
         """The documents of the chunks for ``(L, S)``, kept with the bias (ids on the host,
@@ -218,6 +242,61 @@ class ModBias(KernelBias):
                     kept.pop(next(iter(kept)))
                 kept[key] = found
         return found
+
+    def _documents_of_ids(self, call: Call) -> DocumentBias | None:
+        """The documents of the form's ids ``x(b, q_idx) == y(b, kv_idx)`` for the call: both
+        sides evaluated on the call's positions (and batch rows, where they read ``b``), or
+        ``None`` where the ids decrease along a row (no documents), the batch size is unknown
+        for ids that read ``b``, or a length is 0. Checked once per shape, device and version
+        of the tensors read (host synchronisations then), and kept with the bias: a tensor
+        written in place is read again at the next call."""
+        form = self.builtin_form()
+        traced = self._traced()
+        q_node, kv_node = form.ids
+        reads_batch = traced.inputs["b"] in traced.ancestors(q_node) | traced.ancestors(kv_node)
+        if (reads_batch and call.batch is None) or call.length_q == 0 or call.length_kv == 0:
+            return None
+        rows = call.batch_size if reads_batch else 1
+        versions = self._id_versions()
+        key = (rows, call.length_q, call.length_kv, call.device)
+        kept: dict[Any, tuple[Any, DocumentBias | None]] = self.__dict__.setdefault("_id_docs", {})
+        found = kept.get(key)
+        if found is not None and versions is not None and found[0] == versions:
+            return found[1]
+        b = torch.arange(rows, device=call.device)[:, None]
+        ids = []
+        for node, name, length in (
+            (q_node, "q_idx", call.length_q),
+            (kv_node, "kv_idx", call.length_kv),
+        ):
+            positions = torch.arange(length, device=call.device)[None, :]
+            value = traced.evaluate(node, b=b, **{name: positions})
+            ids.append(
+                value.to(device=call.device, dtype=torch.long).expand(rows, length).contiguous()
+            )
+        try:
+            documents: DocumentBias | None = DocumentBias(ids[0], ids[1])
+        except ValueError:  # the ids decrease somewhere along a row
+            documents = None
+        with _LOCK:
+            if len(kept) >= _MAX_CHUNK_LAYOUTS:
+                kept.pop(next(iter(kept)))
+            kept[key] = (versions, documents)
+        return documents
+
+    def _id_versions(self) -> tuple[int, ...] | None:
+        """The versions of the tensors the form's ids read, or ``None`` where one has no
+        version counter (an inference tensor: its ids are read at every call)."""
+        params = self._traced().params
+        try:
+            return tuple(params[slot]._version for slot in self.builtin_form().id_params)
+        except RuntimeError:
+            return None
+
+    @property
+    def cache_key_varies(self) -> bool:
+        form = self.builtin_form()
+        return form is not None and form.ids is not None and len(form.id_params) > 0
 
     def sub_block(self, call: Call, block: Block) -> ModBias:
         """The same functions reading the call's indices: ``q_idx + block.q_start`` and
@@ -275,8 +354,14 @@ class ModBias(KernelBias):
         full = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         return additive.to(dtype).expand(full).contiguous()
 
-    def cache_key(self) -> Hashable:
-        return _Identity(self)
+    def cache_key(self) -> Hashable | None:
+        """The bias by identity, with the versions of the tensors its document ids read
+        (a call after an in-place write is planned again); ``None`` where a tensor has no
+        version counter."""
+        if not self.cache_key_varies:
+            return _Identity(self)
+        versions = self._id_versions()
+        return None if versions is None else (_Identity(self), versions)
 
     def parameters(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self._traced().params if t.is_floating_point())
