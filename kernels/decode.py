@@ -143,11 +143,14 @@ def _decode_fwd(
     MERGE_LAST: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
+    HEADLESS_TILE_FN: tl.constexpr = None,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
-    Generated mask functions (``MASK_FN``) are evaluated on every visited block: the band's
-    range holds no full block for them (the training kernel's block lists do).
+    Generated mask functions (``MASK_FN``) may drop pairs of any visited block: the band's
+    range holds no full run for them (the training kernel's block lists do). Where they do not
+    read the head, their bounds over a block (``HEADLESS_TILE_FN``) skip evaluating them on
+    the blocks they keep whole (a draft tree's cache).
 
     With ``SPLIT`` it stores the share's normalised output and base-2 log-sum-exp in
     ``Parts`` (float32: ``(splits, B * Hkv * tiles, BLOCK_M, BLOCK_E)`` outputs, then
@@ -235,7 +238,8 @@ def _decode_fwd(
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, TILE_FN=HEADLESS_TILE_FN, q_first=first_q,
+        q_last=last_q,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

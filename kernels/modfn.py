@@ -1970,6 +1970,11 @@ class CompiledMods:
             "SCORE_GRAD_FN": self.score_grad_fn if self.has_score else None,
             "PARAM_GRAD_FN": self.param_grad_fn if param_grads else None,
             "TILE_FN": self.tile_fn if self.has_mask else None,
+            # for tiles of rows of several heads (the decode kernel's packed rows): only where
+            # the masks do not read the head
+            "HEADLESS_TILE_FN": (
+                self.tile_fn if self.has_mask and "h" not in self.traced.reads() else None
+            ),
         }
 
     def describe(self) -> str:

@@ -490,8 +490,16 @@ def test_explain_names_the_triton_kernel(name: str) -> None:
     assert text.startswith("triton:"), text
 
 
+def gapped_cache(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Key blocks kept whole, dropped whole and cut (by the band): the decode kernel's tile
+    bounds skip the function on the first and must not on the others."""
+    return (kv_idx < 40) | (kv_idx >= 70)
+
+
 @pytest.mark.parametrize(
-    "name", ["tree", "tree_t5", "head_windows"], ids=["tree", "tree+T5", "head_windows"]
+    "name",
+    ["tree", "tree_t5", "head_windows", "gapped"],
+    ids=["tree", "tree+T5", "head_windows", "gapped"],
 )
 def test_a_decode_step_on_the_decode_kernel(name: str) -> None:
     """Few queries, no gradients: the decode kernel runs the functions too (forward), with
@@ -499,6 +507,9 @@ def test_a_decode_step_on_the_decode_kernel(name: str) -> None:
     shape = (2, 4, 2, 4, 40)
     if name == "head_windows":
         bias: AttnBias = HeadWindows(3)
+    elif name == "gapped":
+        shape = (2, 4, 2, 4, 100)
+        bias = ModBias(mask_mod=gapped_cache) + causal_lower_right()
     else:
         bias = speculative_tree(ANCESTORS.to(DEVICE), 40) + causal_lower_right()
         if name == "tree_t5":
