@@ -148,9 +148,9 @@ def _decode_fwd(
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
     Generated mask functions (``MASK_FN``) may drop pairs of any visited block: the band's
-    range holds no full run for them (the training kernel's block lists do). Where they do not
-    read the head, their bounds over a block (``HEADLESS_TILE_FN``) skip evaluating them on
-    the blocks they keep whole (a draft tree's cache).
+    full run stays full only where they do not read the head and their bounds over the run
+    (``HEADLESS_TILE_FN``) show them keeping all of it (a draft tree's cache); otherwise every
+    block is partial (the training kernel's block lists settle each block).
 
     With ``SPLIT`` it stores the share's normalised output and base-2 log-sum-exp in
     ``Parts`` (float32: ``(splits, B * Hkv * tiles, BLOCK_M, BLOCK_E)`` outputs, then
@@ -196,7 +196,22 @@ def _decode_fwd(
         HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
-    if MASK_FN is not None:  # every block partial: the mask functions apply everywhere
+    if MASK_FN is not None and HEADLESS_TILE_FN is not None:
+        # the band's full run stays full where the masks' bounds over all of it (or all but
+        # its last block, which a draft tree's root shares with the cache) keep every pair
+        q_lo = tl.zeros([], dtype=tl.int32) + first_q
+        _, drops_all = HEADLESS_TILE_FN(
+            off_b, off_b * 0, q_lo, last_q, full_first * BLOCK_N, full_end * BLOCK_N - 1, MOD
+        )
+        _, drops_shorter = HEADLESS_TILE_FN(
+            off_b, off_b * 0, q_lo, last_q, full_first * BLOCK_N, full_end * BLOCK_N - BLOCK_N - 1,
+            MOD,
+        )  # fmt: skip
+        full_end = tl.where(
+            drops_all == 0, full_end, tl.where(drops_shorter == 0, full_end - 1, full_first)
+        )
+        full_end = tl.maximum(full_end, full_first)
+    elif MASK_FN is not None:  # every block partial: the mask functions apply everywhere
         full_first = block_end
         full_end = block_end
     # this program's even share [share_first, share_end) of the visited blocks
@@ -238,8 +253,7 @@ def _decode_fwd(
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, TILE_FN=HEADLESS_TILE_FN, q_first=first_q,
-        q_last=last_q,
+        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -799,7 +813,7 @@ def plan_decode(
         BLOCK_M=layout.block_m,
         BLOCK_N=cfg.block_n,
         **mask.flags(q),
-        **mask.mod_options(backward=False),
+        **mask.mod_options(backward=False, decode=True),
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,

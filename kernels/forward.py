@@ -83,18 +83,12 @@ def _attn_fwd_inner(
     LISTED_TILES: tl.constexpr = 0,
     BOUNDED: tl.constexpr = True,
     TILED_SCORES: tl.constexpr = False,
-    TILE_FN: tl.constexpr = None,
-    q_first=0,
-    q_last=0,
 ):
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
     in list order, so that one loop (one software pipeline) runs over every listed block.
     ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``).
-    ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``).
-    ``TILE_FN`` (contiguous tiles only; the masks' bounds over a tile, for any head, see
-    ``modfn._tile_function``): a partial tile whose queries ``[q_first, q_last]`` and keys the
-    masks keep all of skips evaluating ``MASK_FN`` on its pairs."""
+    ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``)."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -133,28 +127,10 @@ def _attn_fwd_inner(
                 qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN, TILED=TILED_SCORES)
         if MASKED:
             # masked pairs select -inf whatever their score (a NaN key there stays out)
-            if TILE_FN is not None:
-                tl.static_assert(LISTED_TILES == 0)
-                key_first = tl.zeros([], dtype=tl.int32) + t * BLOCK_N  # (a tensor, also
-                key_last = tl.minimum(key_first + BLOCK_N, seq_k) - 1  # when interpreted)
-                _may_keep, may_drop = TILE_FN(
-                    MODC[0], MODC[0] * 0, q_first, q_last, key_first, key_last, MODC[4]
-                )
-                if may_drop:
-                    keep = _partial_keep(
-                        offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
-                        MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
-                    )  # fmt: skip
-                else:  # the masks keep every pair of the tile
-                    keep = _partial_keep(
-                        offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
-                        MASK_FN=None, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
-                    )  # fmt: skip
-            else:
-                keep = _partial_keep(
-                    offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
-                    MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
-                )  # fmt: skip
+            keep = _partial_keep(
+                offs_m, offs_n, row_lo, row_hi, seq_k, MODC,
+                MASK_FN=MASK_FN, BOUNDED=BOUNDED, BOUNDS=BOUNDS,
+            )  # fmt: skip
             qk = tl.where(keep, qk, float("-inf"))
         # PLAIN keeps raw dot products so that scaling and subtracting the max is one FMA.
         if PLAIN:
@@ -194,12 +170,10 @@ def _attn_fwd_runs(
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False, TILE_FN: tl.constexpr = None,
-    q_first=0, q_last=0,
+    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
-    mask) and a partial suffix, each ``[first, end)`` in blocks (``TILE_FN``, ``q_first``,
-    ``q_last``: see ``_attn_fwd_inner``)."""
+    mask) and a partial suffix, each ``[first, end)`` in blocks."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
@@ -208,7 +182,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, TILE_FN=TILE_FN, q_first=q_first, q_last=q_last,
+        TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -228,7 +202,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, TILE_FN=TILE_FN, q_first=q_first, q_last=q_last,
+        TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     return acc, l_i, m_i
 

@@ -67,13 +67,17 @@ class MaskArgs:
             return None
         return LISTED_MASK_FORWARD_CONFIGS
 
-    def mod_options(self, *, backward: bool) -> dict[str, Any]:
-        """The ``tl.constexpr`` generated-function parameters of a training kernel without
-        generated functions: ``None`` each (passed all the same: a traced launch takes every
-        parameter explicitly). With them, :meth:`kernel` binds them and this is empty."""
+    def mod_options(self, *, backward: bool, decode: bool = False) -> dict[str, Any]:
+        """The ``tl.constexpr`` generated-function parameters of a training kernel (or the
+        decode kernel) without generated functions: ``None`` each (passed all the same: a
+        traced launch takes every parameter explicitly). With them, :meth:`kernel` binds them
+        and this is empty."""
         if self.mods is not None:
             return {}
-        return {"MASK_FN": None, "SCORE_GRAD_FN" if backward else "SCORE_FN": None}
+        options = {"MASK_FN": None, "SCORE_GRAD_FN" if backward else "SCORE_FN": None}
+        if decode:
+            options["HEADLESS_TILE_FN"] = None
+        return options
 
     def param_grad_option(self) -> dict[str, Any]:
         """The dQ kernel's ``PARAM_GRAD_FN`` without generated functions (with them,
