@@ -199,13 +199,12 @@ def _decode_fwd(
     if MASK_FN is not None and HEADLESS_TILE_FN is not None:
         # the band's full run stays full where the masks' bounds over all of it (or all but
         # its last block, which a draft tree's root shares with the cache) keep every pair
-        q_lo = tl.zeros([], dtype=tl.int32) + first_q
         _, drops_all = HEADLESS_TILE_FN(
-            off_b, off_b * 0, q_lo, last_q, full_first * BLOCK_N, full_end * BLOCK_N - 1, MOD
+            off_b, off_b * 0, first_q, last_q, full_first * BLOCK_N, full_end * BLOCK_N - 1, MOD
         )
         _, drops_shorter = HEADLESS_TILE_FN(
-            off_b, off_b * 0, q_lo, last_q, full_first * BLOCK_N, full_end * BLOCK_N - BLOCK_N - 1,
-            MOD,
+            off_b, off_b * 0, first_q, last_q, full_first * BLOCK_N,
+            full_end * BLOCK_N - BLOCK_N - 1, MOD,
         )  # fmt: skip
         full_end = tl.where(
             drops_all == 0, full_end, tl.where(drops_shorter == 0, full_end - 1, full_first)

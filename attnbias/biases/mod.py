@@ -237,10 +237,7 @@ class ModBias(KernelBias):
             q_ids = (torch.arange(call.length_q) + form.q_offset) // form.chunk
             kv_ids = (torch.arange(call.length_kv) + form.kv_offset) // form.chunk
             found = DocumentBias(q_ids, kv_ids)
-            with _LOCK:
-                if len(kept) >= _MAX_CHUNK_LAYOUTS:
-                    kept.pop(next(iter(kept)))
-                kept[key] = found
+            _keep(kept, key, found, _MAX_LAYOUTS)
         return found
 
     def _documents_of_ids(self, call: Call) -> DocumentBias | None:
@@ -278,10 +275,7 @@ class ModBias(KernelBias):
             documents: DocumentBias | None = DocumentBias(ids[0], ids[1])
         except ValueError:  # the ids decrease somewhere along a row
             documents = None
-        with _LOCK:
-            if len(kept) >= _MAX_CHUNK_LAYOUTS:
-                kept.pop(next(iter(kept)))
-            kept[key] = (versions, documents)
+        _keep(kept, key, (versions, documents), _MAX_LAYOUTS)
         return documents
 
     def _id_versions(self) -> tuple[int, ...] | None:
@@ -308,10 +302,7 @@ class ModBias(KernelBias):
         found = kept.get(key)
         if found is None:
             found = _shifted(self, *key)
-            with _LOCK:
-                if len(kept) >= _MAX_BLOCKS:
-                    kept.pop(next(iter(kept)))
-                kept[key] = found
+            _keep(kept, key, found, _MAX_BLOCKS)
         return found
 
     def compile_with(self, parts: tuple[Any, ...]) -> Any:
@@ -386,11 +377,20 @@ class ModBias(KernelBias):
 
 
 _UNSET = object()
-# Chunk layouts kept per bias (:meth:`ModBias._chunks`), one per pair of lengths
-_MAX_CHUNK_LAYOUTS = 16
+# Document layouts kept per bias (:meth:`ModBias._chunks`, :meth:`ModBias._documents_of_ids`),
+# one per call shape
+_MAX_LAYOUTS = 16
 # Blocks kept per bias (:meth:`ModBias.sub_block`): the places of a context-parallel call's
 # shard pairs, 4 W^2 at most for W ranks
 _MAX_BLOCKS = 256
+
+
+def _keep(kept: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
+    """``kept[key] = value``, the oldest entry dropped first where ``kept`` holds ``limit``."""
+    with _LOCK:
+        if len(kept) >= limit:
+            kept.pop(next(iter(kept)))
+        kept[key] = value
 
 
 def _shifted(bias: ModBias, q_start: int, kv_start: int) -> ModBias:
