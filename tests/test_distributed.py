@@ -51,6 +51,8 @@ from attnbias import (
     use_backends,
 )
 from attnbias.biases.band import BandBias
+from attnbias.distributed import blocks, exchange
+from attnbias.distributed.layouts import check_dim
 
 TIMEOUT_S = 120
 
@@ -65,9 +67,12 @@ def expected_positions(length: int, world: int, rank: int, layout: str) -> list[
     return first + list(range(mirror * size, (mirror + 1) * size))
 
 
+NAMED = ("contiguous", "zigzag")
+
+
 def _checks(rank: int, world: int) -> None:
     """Every check of one rank (run in each spawned process)."""
-    for layout in distributed.LAYOUTS:
+    for layout in NAMED:
         length = 4 * world
         want = expected_positions(length, world, rank, layout)
         assert distributed.positions(length, layout=layout).tolist() == want, layout
@@ -274,8 +279,9 @@ def _sharded(
     length_q, length_kv = inputs[0].shape[2], inputs[1].shape[2]
     bias = case.make(length_q, length_kv, params)
     out = distributed.sdpa(
-        *parts, attn_mask=bias, is_causal=case.is_causal, enable_gqa=case.gqa, layout=layout
-    )
+        *parts, attn_mask=bias, is_causal=case.is_causal, enable_gqa=case.gqa, layout=layout,
+        mode="sequence",
+    )  # fmt: skip
     grads = torch.autograd.grad(out, parts + params, distributed.shard(grad_out, layout=layout))
     results = [distributed.unshard(t.detach(), layout=layout) for t in (out, *grads[:3])]
     for grad in grads[3:]:
@@ -330,7 +336,7 @@ def _check_case(case: Case, world: int, layout: str) -> None:
 
 def _empty_rows(rank: int, world: int) -> None:
     """Rows that keep no key anywhere: output 0, gradients 0, all finite."""
-    for layout in distributed.LAYOUTS:
+    for layout in NAMED:
         case = _cases()[8]  # key ranges: batch row 1 keeps nothing
         inputs, grad_out, params = _inputs(case, world, torch.float32)
         got = _sharded(case, inputs, grad_out, params, layout)
@@ -344,7 +350,7 @@ def _half_precision(rank: int, world: int) -> None:
     """bfloat16 and GQA within the oracle's budget."""
     case = _cases()[11]  # the sum
     inputs, grad_out, params = _inputs(case, world, torch.bfloat16)
-    for layout in distributed.LAYOUTS:
+    for layout in NAMED:
         got = _sharded(case, inputs, grad_out, params, layout)
         exact = _whole(case, [t.double() for t in inputs], grad_out.double(), params,
                        lambda q, k, v, b: attention(q, k, v, b, enable_gqa=True))  # fmt: skip
@@ -381,33 +387,51 @@ def _refusals(rank: int, world: int) -> None:
 
 
 def _transfers(rank: int, world: int) -> None:
-    """A part goes only where some pair keeps it. Under contiguous causal, rank ``r`` attends
-    the parts of ranks ``0 .. r - 1``, each passed on by rank ``r - 1``, which attended it the
-    step before; in the backward the parts go round again, rank ``r`` takes over the gradients
-    accumulated by rank ``r - 1`` (for the parts ``0 .. r - 2``) and, below ``W - 1``, its own
-    part's come home once, from rank ``W - 1``. With one document per rank nothing moves."""
-    received: list[int] = []
-    original = distributed._receives
+    """Each rank receives only the key/value runs that hold kept pairs for its queries,
+    straight from their owner, and returns their gradients straight to it. Under contiguous
+    causal, rank ``r`` receives the parts of ranks ``r - 1, ..., 0`` (one a step), in the
+    backward again, and its own part's gradients come home from ranks ``r + 1 .. W - 1``. A
+    window of 3 keys back (blocks of 2 positions: 4 positions) reaches only the rank before;
+    one document per rank moves nothing."""
+    received: list[tuple[int, int, int]] = []  # (peer, positions, tag) of each receive
+    original = exchange._receives
 
     def counting(tensors: Any, peer: int, group: Any, tag: int) -> Any:
-        received.append(peer)
+        received.extend((peer, t.shape[2], tag + i) for i, t in enumerate(tensors))
         return original(tensors, peer, group, tag)
 
-    distributed._receives = counting  # type: ignore[assignment]
+    def peers(tag: int) -> list[int]:
+        return [peer for peer, _, t in received if t == tag]
+
+    exchange._receives = counting  # type: ignore[assignment]
     try:
-        q = torch.randn(1, 2, 4, 8, requires_grad=True)
-        out = distributed.sdpa(q, q, q, attn_mask=causal_upper_left(), layout="contiguous")
-        assert received == [rank - 1] * rank, received
+        q = torch.randn(1, 2, 8, 8, requires_grad=True)
+        out = distributed.sdpa(
+            q, q, q, attn_mask=causal_upper_left(), layout="contiguous", mode="sequence"
+        )
+        assert peers(0) == list(range(rank - 1, -1, -1)), received
+        assert all(n == 8 for _, n, _ in received), received
         received.clear()
         out.sum().backward()
-        home = [world - 1] if rank < world - 1 else []
-        assert sorted(received) == sorted([rank - 1] * (rank + max(rank - 1, 0)) + home), received
+        assert peers(0) == list(range(rank - 1, -1, -1)), received
+        assert peers(2) == list(range(rank + 1, world)), received
         received.clear()
-        docs = DocumentBias(torch.arange(world).repeat_interleave(4))
-        distributed.sdpa(q, q, q, attn_mask=docs, layout="contiguous").sum().backward()
+        window = causal_upper_left() + SlidingWindowBias(3)
+        distributed.sdpa(
+            q, q, q, attn_mask=window, layout="contiguous", mode="sequence"
+        ).sum().backward()
+        want = [(rank - 1, 4)] * 2 if rank > 0 else []  # forward, then backward: keys
+        assert [(p, n) for p, n, t in received if t == 0] == want, received
+        home = [(rank + 1, 4)] if rank < world - 1 else []  # the gradients of its last 4
+        assert [(p, n) for p, n, t in received if t == 2] == home, received
+        received.clear()
+        docs = DocumentBias(torch.arange(world).repeat_interleave(8))
+        distributed.sdpa(
+            q, q, q, attn_mask=docs, layout="contiguous", mode="sequence"
+        ).sum().backward()
         assert received == [], received
     finally:
-        distributed._receives = original  # type: ignore[assignment]
+        exchange._receives = original  # type: ignore[assignment]
 
 
 def _compiled(rank: int, world: int) -> None:
@@ -427,10 +451,63 @@ def _compiled(rank: int, world: int) -> None:
         torch.compile(whole_graph, backend="eager", fullgraph=True)(q)
 
 
+def _auto_layouts(rank: int, world: int) -> None:
+    """``layout="auto"`` and a balanced :class:`Layout`: every case whose bias does not read
+    its parameters (the layout is worked out from the bias before the call), checked like the
+    named layouts; the strings and the object agree."""
+    for case in _cases():
+        if case.params:
+            continue
+        length_q, length_kv = case.chunk_q * 2 * world, case.chunk_kv * 2 * world
+        bias = case.make(length_q, length_kv, [])
+        layout = distributed.layout_for(bias, length_q, length_kv)
+        assert layout.world == world
+        if length_q == length_kv and bias is not None:
+            q = torch.arange(length_q)[None, None, :, None]
+            assert torch.equal(
+                distributed.shard(q, layout="auto", bias=bias), distributed.shard(q, layout=layout)
+            )
+        _check_case(case, world, layout)
+    # a balanced assignment of 4 chunks a rank, given by hand
+    custom = distributed.Layout(
+        tuple(tuple(sorted((r, 2 * world + r, 4 * world - 1 - r, 2 * world - 1 - r)))
+              for r in range(world))
+    )  # fmt: skip
+    _check_case(_cases()[7], world, custom)  # documents
+
+
+def _explain_and_modes(rank: int, world: int) -> None:
+    """explain names the mode, both predictions and what each rank receives; the head mode is
+    refused by name where the heads do not split; a DeviceMesh dimension is a group."""
+    part = torch.randn(1, 4, 8, 8)
+    text = distributed.explain(part, part, part, attn_mask=causal_upper_left(),
+                               layout="contiguous", mode="sequence")  # fmt: skip
+    assert f"rank {rank} of {world}" in text, text
+    assert "mode 'sequence' (asked for)" in text and "heads" in text, text
+    assert f"rank {world - 1} receives {8 * (world - 1)} key/value positions" in text, text
+    text = distributed.explain(part, part, part, attn_mask=causal_upper_left())
+    assert "least predicted time" in text, text
+    odd = torch.randn(1, 3, 8, 8)
+    if 3 % world:
+        with pytest.raises(ValueError, match="mode='heads' cannot run this call: .*Hq=3"):
+            distributed.sdpa(odd, odd, odd, mode="heads")
+        assert "mode 'sequence'" in distributed.explain(odd, odd, odd)
+    with pytest.raises(ValueError, match="mode='ring'"):
+        distributed.sdpa(part, part, part, mode="ring")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    by_mesh = distributed.sdpa(q, q, q, attn_mask=causal_upper_left(), group=mesh["cp"])
+    assert torch.equal(by_mesh, distributed.sdpa(q, q, q, attn_mask=causal_upper_left()))
+
+
 def _attention_checks(rank: int, world: int) -> None:
-    for layout in distributed.LAYOUTS:
+    for layout in NAMED:
         for case in _cases():
             _check_case(case, world, layout)
+    _auto_layouts(rank, world)
+    _explain_and_modes(rank, world)
     _empty_rows(rank, world)
     _half_precision(rank, world)
     _refusals(rank, world)
@@ -442,6 +519,8 @@ def _attention_checks(rank: int, world: int) -> None:
 def _attention_worker(rank: int, world: int, port: int) -> None:
     # the exact eager path runs every shard pair (the Triton interpreter would take minutes)
     os.environ.pop("TRITON_INTERPRET", None)
+    # blocks of 2 positions: the exchanged runs and the pairs are cut inside the chunks
+    blocks.GRAIN = 2
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -491,13 +570,13 @@ def test_without_a_process_group_the_error_says_how_to_start_one() -> None:
 
 
 def test_an_unknown_layout_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="layout='ring'.*'contiguous', 'zigzag'"):
-        distributed._chunks(8, 2, "ring")
+    with pytest.raises(ValueError, match="layout='ring'.*'contiguous', 'zigzag', 'auto'"):
+        distributed.Layout.named("ring", 2)
 
 
 def test_a_dim_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="dim=4 is out of range"):
-        distributed._check_dim(torch.zeros(1, 1, 4, 1), 4)
+        check_dim(torch.zeros(1, 1, 4, 1), 4)
 
 
 @dataclass(frozen=True, eq=False)
@@ -690,3 +769,101 @@ def test_a_block_of_every_bias_is_its_materialized_form_sliced() -> None:
             part = bias.sub_block(call, block).materialize(shape=(batch, heads, rows, cols))
             expected = whole[..., q_start : q_start + rows, kv_start : kv_start + cols]
             assert torch.equal(part.expand(batch, heads, rows, cols), expected), (bias, block)
+
+
+# -- the keep grid, layouts and the choice of layout (no processes) ----------------------------
+
+
+def _true_grid(bias: AttnBias, batch: int, heads: int, length_q: int, length_kv: int,
+               grain_q: int, grain_kv: int) -> Tensor:  # fmt: skip
+    """Which blocks keep a pair, from the materialized mask (the oracle's form)."""
+    shape = (batch, heads, length_q, length_kv)
+    keep = bias.masked(None, shape, torch.float64).keep
+    if keep is None:
+        keep = torch.ones((), dtype=torch.bool)
+    keep = keep.expand(shape).any(1).any(0)
+    return keep.reshape(length_q // grain_q, grain_q, length_kv // grain_kv, grain_kv).any(3).any(1)
+
+
+def _grid_cases() -> list[tuple[str, AttnBias, bool]]:
+    """(name, bias over a (2, 3, 24, 24) call, whether the grid is exact at its blocks)."""
+    docs = torch.tensor([0] * 5 + [1] * 9 + [2] * 3 + [3] * 7)
+    return [
+        ("causal", causal_upper_left(), True),
+        ("lower-right window", causal_lower_right() + SlidingWindowBias(5), True),
+        ("window both sides", SlidingWindowBias(3, 6), True),
+        ("key ranges", KeyRangeBias([3, 10], [9, 13]), True),
+        ("documents + causal", DocumentBias(docs) + causal_upper_left(), False),
+        ("prefix-LM", PrefixLM(5), True),
+        ("strided + causal", Strided() + causal_upper_left(), True),
+        ("table (score only)", RelativeTable(torch.zeros(3, 2 * RELATIVE + 1)), True),
+    ]
+
+
+@pytest.mark.parametrize("grains", [(1, 1), (2, 4), (4, 3), (8, 8)])
+def test_the_keep_grid_never_leaves_out_a_kept_block(grains: tuple[int, int]) -> None:
+    """Every block that keeps a pair of the materialized mask is in the grid; where the bias's
+    terms are bands, key ranges or evaluated masks, exactly those blocks are."""
+    grain_q, grain_kv = grains
+    call = attnbias.terms.Call(2, 3, 24, 24, torch.device("cpu"))
+    for name, bias, exact in _grid_cases():
+        grid = blocks.keep_grid(bias, call, grain_q, grain_kv)
+        truth = _true_grid(bias, 2, 3, 24, 24, grain_q, grain_kv)
+        assert grid.shape == truth.shape, name
+        assert bool((grid | ~truth).all()), f"{name}: a kept block is left out"
+        if exact:
+            assert torch.equal(grid, truth), f"{name}: {grid.int()} != {truth.int()}"
+        else:
+            assert not bool(grid.all()), f"{name}: the grid keeps every block"
+
+
+def test_a_layout_splits_and_assembles_any_assignment_of_chunks() -> None:
+    layout = distributed.Layout(((4, 1), (0, 5), (3, 2)))
+    assert layout.world == 3 and layout.pieces == 6
+    assert layout.ranges(0, 12) == [(8, 10), (2, 4)]
+    assert layout.positions(1, 12).tolist() == [0, 1, 10, 11]
+    whole = torch.arange(2 * 12).reshape(2, 12)
+    parts = [layout.take(whole, r, 1) for r in range(3)]
+    assert torch.equal(parts[2], whole[:, [6, 7, 4, 5]])
+    assert torch.equal(layout.assemble(parts, 1), whole)
+    with pytest.raises(ValueError, match="each chunk id 0 .. P - 1 must appear exactly once"):
+        distributed.Layout(((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="same number of chunks"):
+        distributed.Layout(((0, 1), (2,)))
+    with pytest.raises(ValueError, match="length 10 .* 'custom' layout over 3 ranks.*pad it to 12"):
+        layout.ranges(0, 10)
+
+
+def test_the_auto_layout_follows_the_bias() -> None:
+    """Causal: zigzag (balanced, every rank receives alike); a window shorter than a part:
+    contiguous (balanced, and only the window's reach moves); no mask: contiguous (fewest
+    chunks); documents of very different lengths: a balanced assignment whose slowest rank
+    has less work than zigzag's or contiguous's. (Long enough that computation, not
+    transfers, decides.)"""
+    length = 65536
+    assert distributed.layout_for(causal_upper_left(), length, world=4).chunks == (
+        distributed.Layout.zigzag(4).chunks
+    )
+    window = causal_upper_left() + SlidingWindowBias(1023)
+    assert distributed.layout_for(window, length, world=4).chunks == (
+        distributed.Layout.contiguous(4).chunks
+    )
+    assert distributed.layout_for(None, length, world=2).chunks == ((0,), (1,))
+    docs = DocumentBias.from_seqlens([32768, 4096, 4096, 16384, 8192]) + causal_upper_left()
+    chosen = distributed.layout_for(docs, length, world=2)
+    call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
+    grid = blocks.keep_grid(docs, call, 256, 256)
+    work = {
+        layout.name: max(blocks.layout_costs(grid, layout, 1.0, 0.0).compute)
+        for layout in (chosen, distributed.Layout.zigzag(2), distributed.Layout.contiguous(2))
+    }
+    assert work[chosen.name] < min(work["zigzag"], work["contiguous"]), work
+    assert chosen.name.startswith("auto: balanced"), chosen
+
+
+def test_the_balanced_assignment_evens_out_the_work() -> None:
+    grid = torch.ones(16, 16, dtype=torch.bool).tril()  # causal, 16 chunks of one block
+    layout = blocks.balanced_layout(grid, 4, 4)
+    work = [sum(c + 1 for c in chunks) for chunks in layout.chunks]
+    assert sorted(c for chunks in layout.chunks for c in chunks) == list(range(16))
+    assert max(work) - min(work) <= 1, (layout, work)

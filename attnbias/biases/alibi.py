@@ -10,7 +10,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelBias, Shape, cached_on, device_key, resolve_lengths
+from attnbias.biases.base import (
+    Device,
+    KernelBias,
+    Shape,
+    cached_on,
+    check_head_range,
+    device_key,
+    resolve_lengths,
+)
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.terms import Block, Call, Terms
 
@@ -190,6 +198,28 @@ class AlibiBias(KernelBias):
         if self.slopes is None:
             return AlibiBias(num_heads=self.num_heads, shift=shift)
         return AlibiBias(slopes=self.slopes, shift=shift)
+
+    def sub_heads(self, call: Call, start: int, count: int) -> AlibiBias:
+        """The slopes of the heads ``[start, start + count)``, the same shift. Slopes you
+        passed are narrowed (a view: their gradient reaches yours); the paper's slopes for
+        ``num_heads`` become the slice's own slopes, made once per range and device."""
+        check_head_range(call, start, count, "AlibiBias")
+        self.validate_call(call)  # slopes for the call's heads, or a ValueError saying so
+        if start == 0 and count == self.heads:
+            return self
+        if self.slopes is not None:
+            return AlibiBias(slopes=self.slopes.narrow(-1, start, count), shift=self.shift)
+        heads = self.heads
+        slopes = cached_on(
+            self._on_device,
+            (device_key(call.device), start, count),
+            lambda: torch.tensor(
+                alibi_slopes(heads)[start : start + count],
+                dtype=torch.float32,
+                device=call.device,
+            ),
+        )
+        return AlibiBias(slopes=slopes, shift=self.shift)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         return MaskedBias(None, self.materialize(device, shape=shape, dtype=compute_dtype(dtype)))

@@ -13,7 +13,10 @@ A bias kind is one module of this package. It defines a frozen dataclass derivin
 * :meth:`AttnBias.cache_key`: its identity in the plan cache (``None``: not cached);
 * :meth:`AttnBias.parameters`: the tensors whose gradient it may need;
 * :meth:`AttnBias.sub_block`: the bias of a block of a call's scores, as a bias of its own
-  (context parallelism runs each shard pair so).
+  (context parallelism runs each shard pair so);
+* :meth:`AttnBias.sub_heads`: the bias of a range of a call's query heads, as a bias of a call
+  with that many heads (the head-parallel mode of context parallelism runs each rank's heads
+  so).
 
 The sum of biases (:class:`~attnbias.biases.composite.CompositeBias`) merges its parts' terms
 and masked forms without knowing their kinds.
@@ -48,12 +51,14 @@ __all__ = [
     "CompositeBias",
     "Device",
     "HashedKey",
+    "HeadSlicedBias",
     "KernelBias",
     "KernelMask",
     "Shape",
     "SlicedBias",
     "band_keep",
     "cached_on",
+    "check_head_range",
     "device_key",
     "keep_to_additive",
     "materialize_masked",
@@ -159,7 +164,7 @@ class AttnBias(ABC):
 
     Beyond these, a subclass may override the public methods below (the built-in kinds do):
     :meth:`validate_call`, :meth:`lower`, :meth:`masked`, :meth:`cache_key`,
-    :meth:`parameters` and :meth:`sub_block`.
+    :meth:`parameters`, :meth:`sub_block` and :meth:`sub_heads`.
     """
 
     def materialize(
@@ -277,6 +282,30 @@ class AttnBias(ABC):
                 f"implement materialize() or sub_block(call, block)"
             )
         return SlicedBias(self, call, block)
+
+    def sub_heads(self, call: Call, start: int, count: int) -> AttnBias:
+        """The bias of the query heads ``[start, start + count)`` of ``call``, as a bias of a
+        call of ``(B, count, L, S)``: its head ``h`` keeps and adds exactly what this bias does
+        for head ``start + h`` of ``call``. Its tensors that require grad are (or are views
+        of) this bias's own, so gradients reach :meth:`parameters` (those of the other heads'
+        entries are zero).
+
+        By default the materialized form of the whole call's heads, narrowed to the range
+        (:class:`HeadSlicedBias`): exact for any bias with :meth:`materialize`, but ``L x S``
+        (per head where it depends on the head) in size; the built-in kinds give a bias of
+        their own kind (``self`` where the bias does not depend on the head, sliced ALiBi
+        slopes and tensors, ``ModBias`` functions reading the call's head index). A bias that
+        only dispatches has no head form: ``TypeError``."""
+        check_head_range(call, start, count, type(self).__name__)
+        if type(self).materialize is AttnBias.materialize:
+            raise TypeError(
+                f"{type(self).__name__} has no materialized form and no sub_heads(); "
+                f"attention over a range of the heads (head-parallel context parallelism) "
+                f"needs one of them: implement materialize() or sub_heads(call, start, count)"
+            )
+        if start == 0 and count == call.heads:
+            return self
+        return HeadSlicedBias(self, call, start, count)
 
     def in_sum(self, parts: tuple[AttnBias, ...]) -> None:
         """Called once on each part as a sum of ``parts`` (this bias among them) is built:
@@ -404,6 +433,14 @@ class CompositeBias(AttnBias):
         """The sum of the parts' blocks."""
         return CompositeBias(tuple(part.sub_block(call, block) for part in self.parts))
 
+    def sub_heads(self, call: Call, start: int, count: int) -> AttnBias:
+        """The sum of the parts' head ranges (the sum itself where no part depends on the
+        head)."""
+        heads = tuple(part.sub_heads(call, start, count) for part in self.parts)
+        if all(a is b for a, b in zip(heads, self.parts, strict=True)):
+            return self
+        return CompositeBias(tuple(p for part in heads for p in parts_of(part)))
+
     def __repr__(self) -> str:
         return " + ".join(repr(p) for p in self.parts)
 
@@ -449,6 +486,59 @@ class SlicedBias(AttnBias):
         return (
             f"{self.bias!r}[{block.q_start}:{block.q_start + block.length_q}, "
             f"{block.kv_start}:{block.kv_start + block.length_kv}]"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class HeadSlicedBias(AttnBias):
+    """A range of the query heads of another bias's materialized form
+    (:meth:`AttnBias.sub_heads`'s default): ``bias`` materialized for all ``call.heads`` heads
+    (``(B, Hq, L, S)``, the batch and lengths from the asked shape), then the heads
+    ``[start, start + count)`` taken where the result has a head dimension. Exact for any
+    bias that materializes; ``L x S`` in size, per head where it depends on the head."""
+
+    bias: AttnBias
+    call: Call
+    start: int
+    count: int
+
+    def needs_materialization(self) -> bool:
+        return True
+
+    def materialize(
+        self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        call = self.call
+        length_q, length_kv = resolve_lengths(
+            shape, call.length_q, call.length_kv, type(self.bias).__name__
+        )
+        lead = () if shape is None else tuple(shape)[:-3]
+        whole = (int(lead[0]) if lead else call.batch_size, call.heads, length_q, length_kv)
+        result = check_materialized(
+            self.bias, self.bias.materialize(device, shape=whole, dtype=dtype), whole, device
+        )
+        # a head dimension of 1 (or none) broadcasts over every head, and so over the range
+        if result.dim() >= 3 and result.shape[-3] != 1:
+            result = result.narrow(-3, self.start, self.count)
+        return result
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        return self.bias.parameters()
+
+    def __repr__(self) -> str:
+        return f"{self.bias!r}[heads {self.start}:{self.start + self.count}]"
+
+
+def check_head_range(call: Call, start: int, count: int, owner: str) -> None:
+    """``ValueError`` naming the values unless ``[start, start + count)`` is a range of
+    ``call``'s ``Hq`` query heads."""
+    for name, value in (("start", start), ("count", count)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}.sub_heads: {name} must be an int, got {value!r}")
+    if start < 0 or count < 0 or start + count > call.heads:
+        raise ValueError(
+            f"{owner}.sub_heads: the heads [{start}, {start + count}) are not a range of the "
+            f"call's Hq={call.heads} query heads; pass 0 <= start and start + count <= {call.heads}"
         )
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelMask, Shape, cached_on, device_key
+from attnbias.biases.base import Device, KernelMask, Shape, cached_on, check_head_range, device_key
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -207,6 +207,11 @@ class DocumentBias(KernelMask):
             )
             self._blocks[block] = found
         return found
+
+    def sub_heads(self, call: Call, start: int, count: int) -> DocumentBias:
+        """The bias itself: the same documents for every head."""
+        check_head_range(call, start, count, "DocumentBias")
+        return self
 
     def cache_key(self) -> Hashable:
         # by identity: the plan-cache entry keeps the bias alive, so that its identity cannot

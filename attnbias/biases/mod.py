@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelBias, Shape, resolve_lengths
+from attnbias.biases.base import Device, KernelBias, Shape, check_head_range, resolve_lengths
 from attnbias.biases.documents import DocumentBias
 from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
@@ -305,10 +305,41 @@ class ModBias(KernelBias):
             _keep(kept, key, found, _MAX_BLOCKS)
         return found
 
+    def sub_heads(self, call: Call, start: int, count: int) -> ModBias:
+        """The same functions reading the call's head index, ``h + start`` (the bias itself
+        where they do not read ``h``, or ``start`` is 0). The offset is a number of the traced
+        functions, so a runtime argument: the head ranges of one bias share their generated
+        code. Kept with the bias, per start."""
+        check_head_range(call, start, count, type(self).__name__)
+        if start == 0 or not self._reads_head():
+            return self
+        kept: dict[int, ModBias] = self.__dict__.setdefault("_head_ranges", {})
+        found = kept.get(start)
+        if found is None:
+            found = _shifted(self, 0, 0, start)
+            _keep(kept, start, found, _MAX_HEAD_STARTS)
+        return found
+
+    def _reads_head(self) -> bool:
+        """Whether a function reads ``h`` (``True`` for functions the compiler refuses: their
+        head range then raises at its first call, naming the function)."""
+        try:
+            traced = self._traced()
+        except ModTraceError:
+            return True
+        return any("h" in function.reads for function in (*traced.masks, *traced.scores))
+
     def compile_with(self, parts: tuple[Any, ...]) -> Any:
         """The kernels' form of ``parts``, the ModBias parts of a sum in order (this one
         among them): see :func:`compiled_mods`."""
         return compiled_mods(parts)
+
+    def keep_rows(self, device: Device, shape: Shape, q_start: int) -> Tensor | None:
+        """The masks on the ``(B, H, L, S)`` grid of ``shape`` for the query rows
+        ``[q_start, q_start + L)`` of a larger call (bool, the shape the functions read;
+        ``None`` without masks): a slice of rows without functions traced anew."""
+        b, h, q_idx, kv_idx = _grid(device, shape, type(self).__name__)
+        return self._traced().mask_grid(b, h, q_idx + q_start, kv_idx)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         traced = self._traced()
@@ -383,6 +414,9 @@ _MAX_LAYOUTS = 16
 # Blocks kept per bias (:meth:`ModBias.sub_block`): the places of a context-parallel call's
 # shard pairs, 4 W^2 at most for W ranks
 _MAX_BLOCKS = 256
+# Head ranges kept per bias (:meth:`ModBias.sub_heads`): one per rank of a head-parallel call
+# (each rank uses one; a process that plays several ranks, several)
+_MAX_HEAD_STARTS = 64
 
 
 def _keep(kept: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
@@ -393,25 +427,32 @@ def _keep(kept: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
         kept[key] = value
 
 
-def _shifted(bias: ModBias, q_start: int, kv_start: int) -> ModBias:
-    """``bias``'s functions with the query and key indices moved by the given offsets."""
+def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) -> ModBias:
+    """``bias``'s functions with the query, key and head indices moved by the given offsets."""
     masks, scores = bias.functions()
     mask_mod = score_mod = None
+    moved = f"[+{q_start}, +{kv_start}]" if head_start == 0 else f"[h+{head_start}]"
     if masks:
         mask = masks[0]
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return mask(b, h, q_idx + q_start, kv_idx + kv_start)
+            return mask(b, _plus(h, head_start), q_idx + q_start, kv_idx + kv_start)
 
-        mask_mod.__name__ = mask_mod.__qualname__ = f"{_name(mask)}[+{q_start}, +{kv_start}]"
+        mask_mod.__name__ = mask_mod.__qualname__ = f"{_name(mask)}{moved}"
     if scores:
         score = scores[0]
 
         def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return score(s, b, h, q_idx + q_start, kv_idx + kv_start)
+            return score(s, b, _plus(h, head_start), q_idx + q_start, kv_idx + kv_start)
 
-        score_mod.__name__ = score_mod.__qualname__ = f"{_name(score)}[+{q_start}, +{kv_start}]"
+        score_mod.__name__ = score_mod.__qualname__ = f"{_name(score)}{moved}"
     return ModBias(mask_mod=mask_mod, score_mod=score_mod)
+
+
+def _plus(index: Any, offset: int) -> Any:
+    """``index + offset``, or ``index`` itself for 0: the functions then read no more of the
+    head than they did."""
+    return index if offset == 0 else index + offset
 
 
 def _name(fn: Callable[..., Any]) -> str:

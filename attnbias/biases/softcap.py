@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelBias, Shape
+from attnbias.biases.base import Device, KernelBias, Shape, check_head_range
 from attnbias.materialize import MaskedBias
 from attnbias.terms import Block, Call, Terms
 
@@ -57,6 +57,11 @@ class SoftcapBias(KernelBias):
 
     def sub_block(self, call: Call, block: Block) -> SoftcapBias:
         """The same cap: it acts on each score alone."""
+        return self
+
+    def sub_heads(self, call: Call, start: int, count: int) -> SoftcapBias:
+        """The bias itself: the same cap for every head."""
+        check_head_range(call, start, count, "SoftcapBias")
         return self
 
     def cache_key(self) -> Hashable:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import AttnBias, Device, Shape, keep_to_additive
+from attnbias.biases.base import AttnBias, Device, Shape, check_head_range, keep_to_additive
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.terms import Block, Call
 
@@ -110,6 +110,22 @@ class TensorBias(AttnBias):
         if bias.shape[-1] != 1:
             bias = bias.narrow(-1, block.kv_start, block.length_kv)
         return TensorBias(bias)
+
+    def sub_heads(self, call: Call, start: int, count: int) -> TensorBias:
+        """A view of the heads ``[start, start + count)`` where the tensor has a head
+        dimension; the bias itself where it is the same for every head."""
+        check_head_range(call, start, count, "TensorBias")
+        bias = self.bias
+        if bias.dim() < 3 or bias.shape[-3] == 1:
+            return self
+        if bias.shape[-3] != call.heads:
+            raise ValueError(
+                f"TensorBias of shape {tuple(bias.shape)} has {bias.shape[-3]} heads but the "
+                f"call has Hq={call.heads}; give it a head dimension of Hq or 1"
+            )
+        if start == 0 and count == call.heads:
+            return self
+        return TensorBias(bias.narrow(-3, start, count))
 
     def __repr__(self) -> str:
         return f"TensorBias(shape={tuple(self.bias.shape)}, dtype={self.bias.dtype})"

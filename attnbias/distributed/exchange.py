@@ -1,0 +1,422 @@
+"""Attention over a sequence split across ranks, exchanging only the key/value blocks that hold
+kept pairs (the sequence mode of :func:`attnbias.distributed.sdpa`).
+
+From the bias's keep grid (:mod:`.blocks`) every rank works out the same schedule: for each
+receiving rank and each owning rank, the runs of the owner's part whose keys some query of the
+receiver keeps. At step ``t`` rank ``r`` attends what rank ``(r - t) % W`` sends it (its own
+part at step 0) while the transfers of step ``t + 1`` are in flight; partial outputs merge by
+their log-sum-exp. A window shorter than a rank's part exchanges with the neighbours only, and
+only the window's reach; documents only within documents; a causal mask everything below the
+diagonal. The backward sends the same runs again (recomputing each pair) and returns their
+gradients straight to their owners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnbias.biases import AttnBias
+from attnbias.materialize import compute_dtype
+from attnbias.planner import Plan, plan
+from attnbias.spec import make_spec
+from attnbias.terms import Block, Call
+
+from .blocks import grain, keep_grid
+from .layouts import Layout
+
+__all__ = ["Schedule", "exchange_sdpa"]
+
+Run = tuple[int, int]  # [start, stop) in a rank's part
+
+
+@dataclass(frozen=True, eq=False)
+class Pair:
+    """A query chunk and a run of keys: the rows in this rank's query part, the columns in the
+    key/value tensors in hand (its own part, or a received buffer) and the block of the whole
+    call they are, with the bias's block made with the call."""
+
+    rows: slice
+    cols: slice
+    block: Block
+    sub: AttnBias | None
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """One call's exchange, the same on every rank.
+
+    ``needs[r][o]``: the runs of rank ``o``'s key/value part that rank ``r`` receives (merged,
+    in ``o``'s part order; none for ``r == o``). ``pairs[t]``: this rank's pairs at step ``t``
+    over what it holds then (its own part at step 0, else the runs of rank ``(rank - t) % W``
+    laid end to end)."""
+
+    rank: int
+    world: int
+    group: Any
+    bias: AttnBias | None
+    call: Call
+    layout: Layout
+    scale: float | None
+    enable_gqa: bool
+    needs_grad: bool
+    needs: list[list[list[Run]]]
+    pairs: list[list[Pair]]
+
+    @classmethod
+    def make(
+        cls,
+        bias: AttnBias | None,
+        call: Call,
+        layout: Layout,
+        rank: int,
+        group: Any,
+        *,
+        scale: float | None,
+        enable_gqa: bool,
+        needs_grad: bool,
+        grid: Tensor | None = None,
+    ) -> Schedule:
+        """The schedule of ``bias`` over ``call`` split by ``layout``, seen from ``rank``;
+        ``grid``: the bias's keep grid at the layout's grains, if already worked out."""
+        world = layout.world
+        length_q, length_kv = call.length_q, call.length_kv
+        grain_q, grain_kv = grain(length_q, layout.pieces), grain(length_kv, layout.pieces)
+        if grid is None:
+            grid = keep_grid(bias, call, grain_q, grain_kv)
+        # global blocks of each rank's part, in part order
+        q_blocks = [_blocks(layout.ranges(r, length_q), grain_q) for r in range(world)]
+        kv_blocks = [_blocks(layout.ranges(r, length_kv), grain_kv) for r in range(world)]
+        needs: list[list[list[Run]]] = []
+        for receiver in range(world):
+            rows = grid[q_blocks[receiver]]  # (receiver's query blocks, S / gk)
+            kept_columns = rows.any(0)
+            row: list[list[Run]] = []
+            for owner in range(world):
+                if owner == receiver:
+                    row.append([])
+                    continue
+                kept = kept_columns[kv_blocks[owner]].tolist()
+                row.append(_runs(kept, grain_kv))
+            needs.append(row)
+        pairs = []
+        for step in range(world):
+            owner = (rank - step) % world
+            runs = [(0, length_kv // world)] if step == 0 else needs[rank][owner]
+            pairs.append(_pairs(bias, call, grid, layout, rank, owner, runs, grain_q, grain_kv))
+        return cls(rank, world, group, bias, call, layout, scale, enable_gqa, needs_grad,
+                   needs, pairs)  # fmt: skip
+
+    def received(self, rank: int) -> int:
+        """The key/value positions ``rank`` receives in the forward."""
+        return sum(b - a for owner in self.needs[rank] for a, b in owner)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def transfers(self, step: int, own: tuple[Tensor, ...]) -> tuple[list[Any], Any]:
+        """The operations that bring each rank what it attends at ``step`` (posted one step
+        earlier), and this rank's receive buffers (``None``: it receives nothing then). The
+        operations hold the packed sends: keep them until the transfers are done."""
+        ops: list[Any] = []
+        incoming = None
+        if not 1 <= step < self.world:
+            return ops, incoming
+        me, world = self.rank, self.world
+        receiver = (me + step) % world
+        runs = self.needs[receiver][me]
+        if runs:
+            ops += _sends(tuple(_pack(t, runs) for t in own), receiver, self.group, _KV_TAG)
+        owner = (me - step) % world
+        runs = self.needs[me][owner]
+        if runs:
+            count = sum(b - a for a, b in runs)
+            incoming = tuple(_empty_like_part(t, count) for t in own)
+            ops += _receives(incoming, owner, self.group, _KV_TAG)
+        return ops, incoming
+
+    def gradient_transfers(
+        self, step: int, finished: tuple[Tensor, ...] | None, template: tuple[Tensor, ...]
+    ) -> tuple[list[Any], tuple[Tensor, ...] | None]:
+        """The operations, posted at ``step``, that return the key/value gradients of the
+        runs attended at ``step - 1`` to their owner, and the buffers of the gradients of this
+        rank's own runs coming home from the rank that attended them then."""
+        ops: list[Any] = []
+        before = step - 1
+        if not 1 <= before < self.world:
+            return ops, None
+        me, world = self.rank, self.world
+        if finished is not None:
+            ops += _sends(finished, (me - before) % world, self.group, _GRAD_TAG)
+        runs = self.home_runs(step)
+        home = None
+        if runs:
+            count = sum(b - a for a, b in runs)
+            home = tuple(_empty_like_part(t, count) for t in template)
+            ops += _receives(home, (me + before) % world, self.group, _GRAD_TAG)
+        return ops, home
+
+    def home_runs(self, step: int) -> list[Run]:
+        """The runs of this rank's part whose gradients come home at ``step``: those the
+        rank ``step - 1`` after it attended at step ``step - 1``."""
+        return self.needs[(self.rank + step - 1) % self.world][self.rank]
+
+    # -- the pairs ---------------------------------------------------------------------------
+
+    def plan_pair(
+        self, query: Tensor, key: Tensor, value: Tensor, pair: Pair, *, backward: bool = False
+    ) -> Plan:
+        """The planned call of a pair: with the block's bias made with the call, or in the
+        ``backward`` made again (under grad mode there, so that the gradients of the block's
+        tensors reach the bias's own)."""
+        sub = pair.sub
+        if backward and self.bias is not None:
+            sub = self.bias.sub_block(self.call, pair.block)
+        spec = make_spec(
+            query[:, :, pair.rows],
+            key[:, :, pair.cols],
+            value[:, :, pair.cols],
+            sub,
+            False,
+            self.scale,
+            0.0,
+            self.enable_gqa,
+            needs_lse=True,
+        )
+        return plan(dataclasses.replace(spec, needs_grad=self.needs_grad))
+
+
+def _blocks(ranges: list[tuple[int, int]], size: int) -> list[int]:
+    """The global blocks of ``size`` that ``ranges`` cover, in order."""
+    return [b for a, stop in ranges for b in range(a // size, stop // size)]
+
+
+def _runs(kept: list[bool], size: int) -> list[Run]:
+    """The runs of a part whose blocks of ``size`` are kept, merged where they touch."""
+    runs: list[Run] = []
+    for index, flag in enumerate(kept):
+        if not flag:
+            continue
+        start = index * size
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], start + size)
+        else:
+            runs.append((start, start + size))
+    return runs
+
+
+def _pairs(
+    bias: AttnBias | None,
+    call: Call,
+    grid: Tensor,
+    layout: Layout,
+    rank: int,
+    owner: int,
+    runs: list[Run],
+    grain_q: int,
+    grain_kv: int,
+) -> list[Pair]:
+    """This rank's pairs over ``runs`` of ``owner``'s part laid end to end: each query chunk
+    against each piece of a run inside one of the owner's chunks (a block of the whole call
+    must be contiguous), narrowed to the key blocks that chunk keeps; none where it keeps
+    nothing."""
+    q_ranges = layout.ranges(rank, call.length_q)
+    kv_ranges = layout.ranges(owner, call.length_kv)
+    chunk_kv = kv_ranges[0][1] - kv_ranges[0][0]
+    pieces = []  # (column in the buffer, global start, length)
+    column = 0
+    for a, b in runs:
+        position = a
+        while position < b:
+            chunk = position // chunk_kv
+            stop = min(b, (chunk + 1) * chunk_kv)
+            start = kv_ranges[chunk][0] + position - chunk * chunk_kv
+            pieces.append((column, start, stop - position))
+            column += stop - position
+            position = stop
+    found = []
+    row = 0
+    for qa, qb in q_ranges:
+        rows = grid[qa // grain_q : qb // grain_q].any(0)  # (S / gk,)
+        for column, start, length in pieces:
+            kept = rows[start // grain_kv : (start + length) // grain_kv].nonzero().flatten()
+            if kept.numel() == 0:
+                continue
+            first, last = int(kept[0]) * grain_kv, (int(kept[-1]) + 1) * grain_kv
+            block = Block(qa, start + first, qb - qa, last - first)
+            sub = None if bias is None else bias.sub_block(call, block)
+            found.append(
+                Pair(slice(row, row + qb - qa),
+                     slice(column + first, column + last), block, sub)
+            )  # fmt: skip
+        row += qb - qa
+    return found
+
+
+class ExchangeAttention(torch.autograd.Function):
+    """The exchange's forward and backward, with the bias's tensors as inputs of their own
+    (their gradients)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, query: Tensor, key: Tensor, value: Tensor, schedule: Schedule, *params: Tensor
+    ) -> Tensor:
+        compute = compute_dtype(query.dtype)
+        batch, heads_q, part_q, _ = query.shape
+        out = torch.zeros(
+            batch, heads_q, part_q, value.shape[-1], dtype=compute, device=query.device
+        )
+        lse = torch.full((batch, heads_q, part_q), -float("inf"), dtype=compute,
+                         device=query.device)  # fmt: skip
+        own = (key, value)
+        held: tuple[Tensor, ...] | None = own
+        for step in range(schedule.world):
+            ops, incoming = schedule.transfers(step + 1, own)
+            works = _start(ops)
+            if held is not None:
+                for pair in schedule.pairs[step]:
+                    chosen = schedule.plan_pair(query, held[0], held[1], pair)
+                    pair_out, pair_lse = chosen.backend.forward_lse(chosen.spec)
+                    _merge(out, lse, pair.rows, pair_out, pair_lse)
+            _wait(works)
+            held = incoming
+        result = out.to(query.dtype)
+        ctx.schedule = schedule
+        ctx.save_for_backward(query, key, value, result, lse, *params)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # asked to build a graph of the gradients
+            raise RuntimeError(
+                "attnbias.distributed.sdpa: double backward (create_graph=True) is not "
+                "supported: the exchange's gradients are not themselves differentiable"
+            )
+        schedule: Schedule = ctx.schedule
+        query, key, value, out, lse, *params = ctx.saved_tensors
+        compute = compute_dtype(query.dtype)
+        grad_q = torch.zeros(query.shape, dtype=compute, device=query.device)
+        grad_own = [torch.zeros(t.shape, dtype=compute, device=t.device) for t in (key, value)]
+        grad_params: list[Tensor | None] = [None] * len(params)
+        own = (key, value)
+        template = tuple(grad_own)
+        held: tuple[Tensor, ...] | None = own
+        finished: tuple[Tensor, ...] | None = None
+        for step in range(schedule.world + 1):
+            ops, incoming = schedule.transfers(step + 1, own)
+            grad_ops, home = schedule.gradient_transfers(step, finished, template)
+            works = _start(ops + grad_ops)
+            finished = None
+            if step < schedule.world and held is not None:
+                # the own part's gradients in place; a received run's in a buffer of its own
+                grad_k, grad_v = grad_own if step == 0 else (
+                    torch.zeros(held[0].shape, dtype=compute, device=query.device),
+                    torch.zeros(held[1].shape, dtype=compute, device=query.device),
+                )  # fmt: skip
+                for pair in schedule.pairs[step]:
+                    with torch.enable_grad():
+                        chosen = schedule.plan_pair(query, held[0], held[1], pair, backward=True)
+                    dq, dk, dv, dparams = chosen.backend.backward_lse(
+                        chosen.spec,
+                        grad_out[:, :, pair.rows],
+                        out[:, :, pair.rows],
+                        lse[:, :, pair.rows],
+                        params,
+                    )
+                    grad_q[:, :, pair.rows] += dq
+                    grad_k[:, :, pair.cols] += dk
+                    grad_v[:, :, pair.cols] += dv
+                    for i, grad in enumerate(dparams):
+                        if grad is not None:
+                            total = grad_params[i]
+                            grad_params[i] = grad if total is None else total + grad
+                if step > 0:
+                    finished = (grad_k, grad_v)
+            _wait(works)
+            if home is not None:
+                runs = schedule.home_runs(step)
+                _unpack_add(grad_own[0], home[0], runs)
+                _unpack_add(grad_own[1], home[1], runs)
+            held = incoming
+        return (
+            grad_q.to(query.dtype),
+            grad_own[0].to(key.dtype),
+            grad_own[1].to(value.dtype),
+            None,
+            *(
+                None if g is None else g.to(p.dtype)
+                for g, p in zip(grad_params, params, strict=True)
+            ),
+        )
+
+
+def exchange_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, schedule: Schedule, params: tuple[Tensor, ...]
+) -> Tensor:
+    """This rank's rows of the output, ``(B, Hq, L / W, Ev)``."""
+    result: Tensor = ExchangeAttention.apply(query, key, value, schedule, *params)
+    return result
+
+
+def _merge(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Tensor) -> None:
+    """Merge a partial result (``part_out`` ``(B, Hq, m, Ev)``, ``part_lse`` ``(B, Hq, m)``)
+    into ``out`` / ``lse`` at ``rows``, in place: the log-sum-exp weighted mean. Rows that
+    keep nothing in both stay 0 and ``-inf``; a NaN row stays NaN."""
+    current_out, current_lse = out[:, :, rows], lse[:, :, rows]
+    part_lse = part_lse.to(lse.dtype)
+    merged = torch.logaddexp(current_lse, part_lse)
+    finite = torch.where(torch.isfinite(merged), merged, torch.zeros((), dtype=merged.dtype))
+    weight = torch.exp(current_lse - finite)[..., None]
+    part_weight = torch.exp(part_lse - finite)[..., None]
+    out[:, :, rows] = current_out * weight + part_out.to(out.dtype) * part_weight
+    lse[:, :, rows] = merged
+
+
+_KV_TAG = 0
+_GRAD_TAG = 2
+
+
+def _pack(x: Tensor, runs: list[Run]) -> Tensor:
+    """The runs of ``x``'s positions (dim 2) laid end to end, contiguous."""
+    if len(runs) == 1 and runs[0] == (0, x.shape[2]):
+        return x.contiguous()
+    return torch.cat([x[:, :, a:b] for a, b in runs], 2).contiguous()
+
+
+def _unpack_add(whole: Tensor, packed: Tensor, runs: list[Run]) -> None:
+    """Add ``packed`` (the runs laid end to end) into ``whole`` at the runs."""
+    column = 0
+    for a, b in runs:
+        whole[:, :, a:b] += packed[:, :, column : column + b - a]
+        column += b - a
+
+
+def _empty_like_part(x: Tensor, count: int) -> Tensor:
+    return torch.empty((*x.shape[:2], count, *x.shape[3:]), dtype=x.dtype, device=x.device)
+
+
+def _sends(tensors: tuple[Tensor, ...], peer: int, group: Any, tag: int) -> list[Any]:
+    return [
+        dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=peer, tag=tag + i)
+        for i, t in enumerate(tensors)
+    ]
+
+
+def _receives(tensors: tuple[Tensor, ...], peer: int, group: Any, tag: int) -> list[Any]:
+    return [
+        dist.P2POp(dist.irecv, t, group=group, group_peer=peer, tag=tag + i)
+        for i, t in enumerate(tensors)
+    ]
+
+
+def _start(ops: list[Any]) -> list[Any]:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()

@@ -1,0 +1,182 @@
+"""Tensors between the whole sequence and the ranks' parts: :func:`shard`, :func:`unshard`,
+:func:`positions`, and the layout a bias balances best (:func:`layout_for`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnbias.biases import AttnBias
+from attnbias.terms import Call
+
+from .blocks import Costs, choose_layout, grain, layout_candidates
+from .layouts import LAYOUTS, Layout, as_group, check_dim, world_of
+
+__all__ = ["layout_for", "positions", "resolve_layout", "shard", "unshard"]
+
+#: Predicted seconds of one key/value block's transfers (forward and backward: the keys and
+#: values twice, their float32 gradients once) over one block of kept pairs' computation, for a
+#: block of 256 positions with as many key/value heads as query heads; a rank's time is the
+#: longer of the two, as transfers overlap computation. Used only to choose the layout of
+#: ``layout="auto"``, the same on every rank (benchmarks/NOTES.md, "Context parallelism").
+TRANSFER_PER_BLOCK_AT_256 = 9.0
+
+
+def layout_for(
+    bias: AttnBias | None,
+    length: int,
+    length_kv: int | None = None,
+    *,
+    group: Any = None,
+    world: int | None = None,
+    device: Any = None,
+) -> Layout:
+    """The layout that balances ``bias`` over a sequence of ``length`` queries (and
+    ``length_kv`` keys, by default as many) across the ranks of ``group`` (or ``world``
+    ranks): the least predicted time per step among contiguous, zigzag and a balanced
+    assignment of ``4 W`` chunks by their kept pairs (heaviest chunk first to the least loaded
+    rank), where ties go to the layout whose ranks receive fewer key/value blocks.
+
+    The same bias and lengths give the same layout on every rank, with no communication;
+    this is what ``layout="auto"`` means for :func:`shard`, :func:`unshard`,
+    :func:`positions` and :func:`attnbias.distributed.sdpa`. The costs are worked out from the
+    bias lowered without a batch size, for one head, on ``device`` (where its tensors are;
+    the CPU by default)."""
+    kv = length if length_kv is None else length_kv
+    return _auto(bias, length, kv, _size(group, world), device)[0]
+
+
+def _auto(
+    bias: AttnBias | None, length_q: int, length_kv: int, world: int, device: Any
+) -> tuple[Layout, list[Costs]]:
+    finest, _ = layout_candidates(length_q, length_kv, world)
+    if length_q % world or length_kv % world:
+        Layout.contiguous(world).chunk_size(length_q)  # the error for lengths W does not divide
+        Layout.contiguous(world).chunk_size(length_kv)
+    call = Call(None, 1, length_q, length_kv, torch.device(device or "cpu"))
+    ratio = TRANSFER_PER_BLOCK_AT_256 * 256 / grain(length_q, finest)
+    best, costs = choose_layout(bias, call, world, 1.0, ratio)
+    layout = best.layout
+    return Layout(layout.chunks, f"auto: {layout.name}"), costs
+
+
+def _size(group: Any, world: int | None) -> int:
+    if world is not None:
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"world={world!r}: expected a positive number of ranks")
+        return world
+    return world_of(group)[1]
+
+
+def resolve_layout(
+    layout: str | Layout,
+    world: int,
+    bias: AttnBias | None,
+    length_q: int,
+    length_kv: int,
+    device: Any = None,
+) -> Layout:
+    """``layout`` (a name of :data:`LAYOUTS` or a :class:`Layout`) for ``world`` ranks;
+    ``"auto"`` works it out from ``bias`` (:func:`layout_for`)."""
+    if isinstance(layout, Layout):
+        if layout.world != world:
+            raise ValueError(
+                f"layout {layout} is for {layout.world} ranks, but the group has {world}; "
+                f"make it for this group (attnbias.distributed.layout_for(..., group=group))"
+            )
+        return layout
+    if layout == "auto":
+        return _auto(bias, length_q, length_kv, world, device)[0]
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"layout={layout!r}: expected one of {', '.join(map(repr, LAYOUTS))} or a "
+            f"attnbias.distributed.Layout"
+        )
+    return Layout.named(layout, world)
+
+
+def positions(
+    length: int,
+    *,
+    group: Any = None,
+    layout: str | Layout = "zigzag",
+    device: Any = None,
+    bias: AttnBias | None = None,
+) -> Tensor:
+    """The global positions (int64, ``(length / W,)``) of this rank's part of a sequence of
+    ``length``, in the order :func:`shard` lays them out (``layout="auto"`` needs ``bias``)."""
+    rank, world = world_of(group)
+    chosen = _layout(layout, world, bias, length, device)
+    return chosen.positions(rank, length, device)
+
+
+def shard(
+    x: Tensor,
+    *,
+    group: Any = None,
+    layout: str | Layout = "zigzag",
+    dim: int = 2,
+    bias: AttnBias | None = None,
+) -> Tensor:
+    """This rank's part of ``x`` along ``dim`` (``x`` is the whole tensor, the same on every
+    rank). Shape: ``x``'s with ``dim`` divided by the group's size ``W``.
+
+    ``layout``: ``"zigzag"``, ``"contiguous"``, ``"auto"`` (the layout :func:`layout_for`
+    gives for ``bias`` over a square call of ``x``'s length; for queries and keys of different
+    lengths pass the :class:`Layout` that ``layout_for(bias, L, S)`` returns) or a
+    :class:`Layout`. Raises ``ValueError`` when the length along ``dim`` cannot be split
+    evenly, naming the length, ``W`` and the layout."""
+    dim = check_dim(x, dim)
+    rank, world = world_of(group)
+    chosen = _layout(layout, world, bias, x.shape[dim], x.device)
+    return chosen.take(x, rank, dim)
+
+
+def unshard(
+    x: Tensor,
+    *,
+    group: Any = None,
+    layout: str | Layout = "zigzag",
+    dim: int = 2,
+    bias: AttnBias | None = None,
+) -> Tensor:
+    """The whole tensor from every rank's part ``x`` (as :func:`shard` gave it), on every rank;
+    ``dim`` grows ``W`` times. Differentiable: the gradient of a part is the sum over ranks of
+    the gradients of the whole tensor's matching positions."""
+    dim = check_dim(x, dim)
+    _, world = world_of(group)
+    chosen = _layout(layout, world, bias, x.shape[dim] * world, x.device)
+    chosen.chunk_size(x.shape[dim] * world)  # the layout's checks
+    return _Unshard.apply(x, as_group(group), chosen, dim)
+
+
+def _layout(
+    layout: str | Layout, world: int, bias: AttnBias | None, length: int, device: Any
+) -> Layout:
+    if layout == "auto" and bias is None:
+        raise ValueError(
+            "layout='auto' is worked out from the bias: pass bias= (the attn_mask of the "
+            "call), or the Layout that attnbias.distributed.layout_for(bias, L, S) returns"
+        )
+    return resolve_layout(layout, world, bias, length, length, device)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, layout: Layout, dim: int) -> Tensor:
+        ctx.group, ctx.layout, ctx.dim = group, layout, dim
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(layout.world)]
+        dist.all_gather(parts, x, group=group)
+        return layout.assemble(parts, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # every rank used the whole tensor: a part's gradient sums theirs
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return ctx.layout.take(grad, rank, ctx.dim), None, None, None
