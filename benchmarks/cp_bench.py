@@ -127,6 +127,8 @@ def need_and_sent(bias: Any, length: int, layout: Any, world: int) -> tuple[list
 
 def run_rank(rank: int, world: int, port: int, args: Any) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    # one host thread per rank, as torchrun sets OMP_NUM_THREADS=1 for several processes
+    torch.set_num_threads(args.threads)
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -342,6 +344,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--out", default="cp.json")
     parser.add_argument("--report", default=None)
+    parser.add_argument("--threads", type=int, default=1, help="host threads per rank")
     args = parser.parse_args()
     if args.report:
         print(report(args.report))

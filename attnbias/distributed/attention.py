@@ -4,6 +4,9 @@ mode (all-to-all) and say why."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,11 +168,37 @@ def _sdpa(
             query, key, value, local.bias, scale=local.scale, enable_gqa=local.enable_gqa,
             group=group, layout=local.layout,
         )  # fmt: skip
+    return exchange_sdpa(query, key, value, _schedule(local, rank, group), local.params)
+
+
+_SCHEDULES: OrderedDict[Hashable, Schedule] = OrderedDict()
+_SCHEDULES_KEPT = 32
+_LOCK = threading.Lock()
+
+
+def _schedule(local: _Local, rank: int, group: Any) -> Schedule:
+    """The exchange's schedule of this rank's call, kept for the identical calls after it
+    where the bias has a plan-cache key (its blocks then stay what they are)."""
+    identity = None if local.bias is None else local.bias.cache_key()
+    key = None
+    if local.bias is None or identity is not None:
+        key = (identity, local.call, local.layout, rank, id(group), local.scale,
+               local.enable_gqa, local.needs_grad)  # fmt: skip
+        with _LOCK:
+            found = _SCHEDULES.get(key)
+            if found is not None and found.group is group:
+                _SCHEDULES.move_to_end(key)
+                return found
     schedule = Schedule.make(
         local.bias, local.call, local.layout, rank, group, scale=local.scale,
         enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
     )  # fmt: skip
-    return exchange_sdpa(query, key, value, schedule, local.params)
+    if key is not None:
+        with _LOCK:
+            _SCHEDULES[key] = schedule
+            while len(_SCHEDULES) > _SCHEDULES_KEPT:
+                _SCHEDULES.popitem(last=False)
+    return schedule
 
 
 @dataclass(frozen=True)
@@ -259,11 +288,8 @@ class _Local:
         params = () if bias is None else bias.parameters()
         tensors = [query, key, value, *params]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        grid = keep_grid(
-            bias, call, grain(length_q, chosen.pieces), grain(length_kv, chosen.pieces)
-        )
-        choice = _choose(mode, bias, call, chosen, grid, key.shape[1], query.shape[-1],
-                         value.shape[-1], query.element_size(), needs_grad)  # fmt: skip
+        grid, choice = _decision(mode, bias, call, chosen, key.shape[1], query.shape[-1],
+                                 value.shape[-1], query.element_size(), needs_grad)  # fmt: skip
         header = [
             *query.shape, *key.shape, value.shape[-1], _DTYPES.index(query.dtype),
             int(enable_gqa), int(scale is None), MODES.index(choice.mode),
@@ -271,6 +297,45 @@ class _Local:
         ]  # fmt: skip
         return cls(bias, call, chosen, grid, choice, scale, enable_gqa, needs_grad, params,
                    header)  # fmt: skip
+
+
+_DECISIONS: OrderedDict[Hashable, tuple[Tensor, Choice]] = OrderedDict()
+
+
+def _decision(
+    mode: str,
+    bias: AttnBias | None,
+    call: Call,
+    layout: Layout,
+    heads_kv: int,
+    dim: int,
+    dim_v: int,
+    element: int,
+    needs_grad: bool,
+) -> tuple[Tensor, Choice]:
+    """The keep grid at the layout's grains and the mode, kept for the identical calls after
+    it where the bias has a plan-cache key: a call then does no tensor arithmetic on the host
+    (small CPU reductions cost milliseconds where several processes share the cores)."""
+    identity = None if bias is None else bias.cache_key()
+    key = None
+    if bias is None or identity is not None:
+        key = (identity, call, layout, mode, heads_kv, dim, dim_v, element, needs_grad)
+        with _LOCK:
+            found = _DECISIONS.get(key)
+            if found is not None:
+                _DECISIONS.move_to_end(key)
+                return found
+    grid = keep_grid(
+        bias, call, grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
+    )
+    decided = grid, _choose(mode, bias, call, layout, grid, heads_kv, dim, dim_v, element,
+                            needs_grad)  # fmt: skip
+    if key is not None:
+        with _LOCK:
+            _DECISIONS[key] = decided
+            while len(_DECISIONS) > _SCHEDULES_KEPT:
+                _DECISIONS.popitem(last=False)
+    return decided
 
 
 def _choose(

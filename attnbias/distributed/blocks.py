@@ -181,10 +181,15 @@ def layout_costs(
     columns = rows.any(1)  # (query chunk, key chunk, key block of the chunk)
     compute, received, seconds = [], [], []
     for rank in range(world):
-        mine = list(layout.chunks[rank])
-        others = [c for c in range(pieces) if c not in mine]
-        work = int(per_chunk[mine].sum())
-        needed = int(columns[mine][:, others].any(0).sum()) if others else 0
+        # index_select, not a list index: advanced indexing of a CPU tensor costs
+        # milliseconds where several processes share the cores
+        mine = torch.tensor(layout.chunks[rank], dtype=torch.int64)
+        others = torch.tensor([c for c in range(pieces) if c not in layout.chunks[rank]],
+                              dtype=torch.int64)  # fmt: skip
+        work = int(per_chunk.index_select(0, mine).sum())
+        needed = 0
+        if others.numel():
+            needed = int(columns.index_select(0, mine).index_select(1, others).any(0).sum())
         compute.append(work)
         received.append(needed)
         seconds.append(max(work * block_seconds, needed * transfer_seconds))

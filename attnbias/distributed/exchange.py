@@ -94,14 +94,15 @@ class Schedule:
         kv_blocks = [_blocks(layout.ranges(r, length_kv), grain_kv) for r in range(world)]
         needs: list[list[list[Run]]] = []
         for receiver in range(world):
-            rows = grid[q_blocks[receiver]]  # (receiver's query blocks, S / gk)
-            kept_columns = rows.any(0)
+            # rows by index_select, not a list index: advanced indexing of a CPU tensor costs
+            # milliseconds where several processes share the cores
+            kept_columns = _rows(grid, q_blocks[receiver]).any(0)
             row: list[list[Run]] = []
             for owner in range(world):
                 if owner == receiver:
                     row.append([])
                     continue
-                kept = kept_columns[kv_blocks[owner]].tolist()
+                kept = _rows(kept_columns, kv_blocks[owner]).tolist()
                 row.append(_runs(kept, grain_kv))
             needs.append(row)
         pairs = []
@@ -190,6 +191,11 @@ class Schedule:
         return plan(dataclasses.replace(spec, needs_grad=self.needs_grad))
 
 
+def _rows(x: Tensor, index: list[int]) -> Tensor:
+    """``x[index]`` along dim 0."""
+    return x.index_select(0, torch.tensor(index, dtype=torch.int64))
+
+
 def _blocks(ranges: list[tuple[int, int]], size: int) -> list[int]:
     """The global blocks of ``size`` that ``ranges`` cover, in order."""
     return [b for a, stop in ranges for b in range(a // size, stop // size)]
@@ -243,10 +249,11 @@ def _pairs(
     for qa, qb in q_ranges:
         rows = grid[qa // grain_q : qb // grain_q].any(0)  # (S / gk,)
         for column, start, length in pieces:
-            kept = rows[start // grain_kv : (start + length) // grain_kv].nonzero().flatten()
-            if kept.numel() == 0:
+            flags = rows[start // grain_kv : (start + length) // grain_kv].tolist()
+            if not any(flags):
                 continue
-            first, last = int(kept[0]) * grain_kv, (int(kept[-1]) + 1) * grain_kv
+            first = flags.index(True) * grain_kv
+            last = (len(flags) - flags[::-1].index(True)) * grain_kv
             block = Block(qa, start + first, qb - qa, last - first)
             sub = None if bias is None else bias.sub_block(call, block)
             found.append(
