@@ -867,3 +867,55 @@ def test_the_balanced_assignment_evens_out_the_work() -> None:
     work = [sum(c + 1 for c in chunks) for chunks in layout.chunks]
     assert sorted(c for chunks in layout.chunks for c in chunks) == list(range(16))
     assert max(work) - min(work) <= 1, (layout, work)
+
+
+def test_a_pair_keeps_only_the_rows_and_keys_that_keep_a_pair() -> None:
+    """A window of 4096 over two contiguous parts of 65536: rank 1 receives rank 0's last 4096
+    keys, and its pair with them is its first 4096 rows only (the merge and the backward
+    touch no other row). Zigzag causal: rank 1's chunks 1 and 2 follow each other in its part
+    and in the sequence, so its own keys are one pair; rank 0 attends rank 1's two chunks as
+    one run."""
+    length = 131072
+    call = attnbias.terms.Call(1, 16, length, length, torch.device("cpu"))
+    layout = distributed.Layout.contiguous(2)
+    window = causal_upper_left() + SlidingWindowBias(4095)
+    grid = blocks.keep_grid(window, call, 256, 256)
+    needs = exchange.exchanged_runs(grid, call, layout)
+    assert needs == [[[], []], [[(61440, 65536)], []]], needs
+    own, remote = exchange.pair_shapes(grid, call, layout, 1, needs)
+    assert [(r, c) for r, c, _ in remote] == [(slice(0, 4096), slice(0, 4096))], remote
+    assert remote[0][2] == attnbias.terms.Block(65536, 61440, 4096, 4096)
+    assert [b for _, _, b in own] == [attnbias.terms.Block(65536, 65536, 65536, 65536)]
+    zigzag = distributed.Layout.zigzag(2)
+    grid = blocks.keep_grid(causal_upper_left(), call, 256, 256)
+    needs = exchange.exchanged_runs(grid, call, zigzag)
+    own, remote = exchange.pair_shapes(grid, call, zigzag, 1, needs)
+    assert [b for _, _, b in own] == [attnbias.terms.Block(32768, 32768, 65536, 65536)], own
+    own, remote = exchange.pair_shapes(grid, call, zigzag, 0, needs)
+    assert [b for _, _, b in remote] == [attnbias.terms.Block(98304, 32768, 32768, 65536)]
+
+
+def test_the_mode_follows_the_predicted_time() -> None:
+    """Training on two ranks (the rates fitted on two H100s): causal and prefix-LM at 32k take
+    the head mode (the whole work halves, the all-to-all costs less than the sequence mode's
+    pairs); a window of 4096 at 128k over contiguous parts the sequence mode (it sends 4096
+    keys, the all-to-all would send half of q, k, v and the output); six heads over four ranks
+    cannot split and take the sequence mode, and naming the head mode raises."""
+    from attnbias.distributed import attention
+
+    def choose(bias: Any, length: int, layout: Any, heads: int = 16, mode: str = "auto") -> Any:
+        call = attnbias.terms.Call(1, heads, length, length, torch.device("cpu"))
+        grid = blocks.keep_grid(bias, call, 256, 256)
+        return attention._choose(mode, bias, call, layout, grid, heads, 128, 128, 2, True)
+
+    zigzag, contiguous = distributed.Layout.zigzag(2), distributed.Layout.contiguous(2)
+    assert choose(causal_upper_left(), 32768, zigzag).mode == "heads"
+    assert choose(PrefixLM(4096), 32768, zigzag).mode == "heads"
+    window = choose(causal_upper_left() + SlidingWindowBias(4095), 131072, contiguous)
+    assert window.mode == "sequence", window
+    assert window.heads_s is not None and window.sequence_s < window.heads_s
+    six = choose(causal_upper_left(), 32768, distributed.Layout.zigzag(4), heads=6)
+    assert six.mode == "sequence" and six.heads_s is None
+    assert "Hq=6 is not a multiple of W=4" in six.describe()
+    with pytest.raises(ValueError, match="mode='heads' cannot run this call: Hq=6"):
+        choose(causal_upper_left(), 32768, distributed.Layout.zigzag(4), heads=6, mode="heads")

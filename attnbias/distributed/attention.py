@@ -16,11 +16,11 @@ from torch import Tensor
 
 from attnbias.biases import AttnBias
 from attnbias.functional import _validate
-from attnbias.spec import with_causal
+from attnbias.spec import lower, with_causal
 from attnbias.terms import Call
 
 from .blocks import grain, keep_grid, layout_costs
-from .exchange import Schedule, exchange_sdpa
+from .exchange import Schedule, exchange_sdpa, exchanged_runs, pair_shapes
 from .heads import heads_reasons, heads_sdpa
 from .layouts import Layout, as_group, world_of
 from .sharding import resolve_layout
@@ -31,11 +31,6 @@ __all__ = ["MODES", "explain", "sdpa"]
 #: exchanged where pairs are kept), ``"heads"`` (all-to-all: each rank the whole sequence for
 #: ``H / W`` heads) or ``"auto"`` (the one of least predicted time).
 MODES = ("auto", "sequence", "heads")
-
-# The rates the mode choice predicts with (an H100 with NVLink, bf16): attention's matrix
-# work in FLOP/s, and one rank's transfers in bytes/s. Only their ratio decides.
-_FLOPS = 4.0e14
-_BYTES_PER_S = 1.5e11
 
 
 def sdpa(
@@ -350,9 +345,10 @@ def _choose(
     element: int,
     needs_grad: bool,
 ) -> Choice:
-    """The mode of a call, by predicted time: the sequence mode's slowest rank (the longer of
-    its kept blocks' work and its transfers, which overlap) against the head mode's share of
-    the whole work plus its all-to-all (which does not overlap)."""
+    """The mode of a call, by predicted time. The sequence mode: the slowest rank's kept
+    blocks' work, plus a cost per pair it runs (its host time and the log-sum-exp merge of
+    its rows), against its transfers, which overlap the work. The head mode: a W-th of the
+    whole work plus its all-to-all, which does not overlap. Rates from :data:`RATES`."""
     world, asked = layout.world, mode
     refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
     if mode == "heads" and refused:
@@ -360,19 +356,36 @@ def _choose(
             "attnbias.distributed.sdpa: mode='heads' cannot run this call: " + "; ".join(refused)
             + "; use mode='sequence' (or 'auto')"
         )  # fmt: skip
+    rates = RATES
+    pass_factor = 1.0 if not needs_grad else rates.backward_factor
     grain_q = grain(call.length_q, layout.pieces)
     grain_kv = grain(call.length_kv, layout.pieces)
     batch = call.batch_size
-    # matrix work of one block of the grid (two products; the backward about 2.5 times more)
-    work = 4.0 * grain_q * grain_kv * call.heads * (dim + dim_v) / 2 * batch
-    work *= 3.5 if needs_grad else 1.0
-    block_s = work / _FLOPS
+    # two products of one block of the grid (the backward about 2.5 times more)
+    block_s = 2.0 * grain_q * grain_kv * call.heads * (dim + dim_v) * batch * pass_factor
+    block_s /= rates.flops
     # one key/value block's transfers: the keys and values, again in the backward with their
     # float32 gradients coming back
     moved = float(grain_kv * heads_kv * (dim + dim_v) * batch * element)
     moved *= (2.0 + 4.0 / element) if needs_grad else 1.0
-    transfer_s = moved / _BYTES_PER_S
-    sequence_s = layout_costs(grid, layout, block_s, transfer_s).time
+    transfer_s = moved / rates.link_bytes
+    costs = layout_costs(grid, layout, block_s, transfer_s)
+    # a shard pair with documents or mask functions gives up FlashAttention 4 (no
+    # log-sum-exp with documents there; a block's offsets are new numbers of the functions)
+    terms = lower(bias, call.length_q, call.length_kv, call.device, batch=call.batch)
+    pair_block_s = block_s * (
+        rates.functions_slowdown if terms.mods
+        else rates.documents_slowdown if terms.q_doc is not None
+        else 1.0
+    )  # fmt: skip
+    needs = exchanged_runs(grid, call, layout)
+    sequence_s = 0.0
+    for rank in range(world):
+        shapes = [p for step in pair_shapes(grid, call, layout, rank, needs) for p in step]
+        merged = sum(rows.stop - rows.start for rows, _, _ in shapes) * call.heads * dim_v * batch
+        work = costs.compute[rank] * pair_block_s
+        work += len(shapes) * rates.pair_s * pass_factor + merged * rates.merge_element_s
+        sequence_s = max(sequence_s, work, costs.received[rank] * transfer_s)
     heads_s = None
     if not refused:
         total = int(grid.sum()) * block_s
@@ -382,10 +395,35 @@ def _choose(
         part_kv = call.length_kv // world * heads_kv * batch
         elements = float(part_q * (dim + dim_v) + part_kv * (dim + dim_v))
         elements *= 2.0 if needs_grad else 1.0
-        heads_s = total / world + elements * element * (world - 1) / world / _BYTES_PER_S
+        exchange_s = rates.all_to_all_s * (2.0 if needs_grad else 1.0)
+        exchange_s += elements * element * (world - 1) / world / rates.all_to_all_bytes
+        heads_s = total / world + exchange_s
     if mode == "auto":
         mode = "heads" if heads_s is not None and heads_s < sequence_s else "sequence"
     return Choice(mode, sequence_s, heads_s, refused, asked)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the mode choice predicts with. Fitted to forward + backward steps on two H100s
+    with NVLink (bf16, B=1, H=16, E=128, S = 32k and 128k; benchmarks/NOTES.md, "Context
+    parallelism"): attention's work at FlashAttention 4's pace, and how much slower shard
+    pairs with mask functions or documents run (on the Triton kernel), a pair's fixed cost,
+    the log-sum-exp merge per output element, the all-to-all's fixed cost (per direction) and
+    rate, and the point-to-point rate."""
+
+    flops: float = 6.5e14
+    backward_factor: float = 3.5
+    functions_slowdown: float = 1.9
+    documents_slowdown: float = 1.6
+    pair_s: float = 0.35e-3
+    merge_element_s: float = 2.6e-11
+    all_to_all_s: float = 1.0e-3
+    all_to_all_bytes: float = 1.4e11
+    link_bytes: float = 1.4e11
+
+
+RATES = Rates()
 
 
 def explain(

@@ -30,7 +30,7 @@ from attnbias.terms import Block, Call
 from .blocks import grain, keep_grid
 from .layouts import Layout
 
-__all__ = ["Schedule", "exchange_sdpa"]
+__all__ = ["Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
 
 Run = tuple[int, int]  # [start, stop) in a rank's part
 
@@ -84,33 +84,20 @@ class Schedule:
     ) -> Schedule:
         """The schedule of ``bias`` over ``call`` split by ``layout``, seen from ``rank``;
         ``grid``: the bias's keep grid at the layout's grains, if already worked out."""
-        world = layout.world
-        length_q, length_kv = call.length_q, call.length_kv
-        grain_q, grain_kv = grain(length_q, layout.pieces), grain(length_kv, layout.pieces)
+        grain_q, grain_kv = (
+            grain(call.length_q, layout.pieces),
+            grain(call.length_kv, layout.pieces),
+        )
         if grid is None:
             grid = keep_grid(bias, call, grain_q, grain_kv)
-        # global blocks of each rank's part, in part order
-        q_blocks = [_blocks(layout.ranges(r, length_q), grain_q) for r in range(world)]
-        kv_blocks = [_blocks(layout.ranges(r, length_kv), grain_kv) for r in range(world)]
-        needs: list[list[list[Run]]] = []
-        for receiver in range(world):
-            # rows by index_select, not a list index: advanced indexing of a CPU tensor costs
-            # milliseconds where several processes share the cores
-            kept_columns = _rows(grid, q_blocks[receiver]).any(0)
-            row: list[list[Run]] = []
-            for owner in range(world):
-                if owner == receiver:
-                    row.append([])
-                    continue
-                kept = _rows(kept_columns, kv_blocks[owner]).tolist()
-                row.append(_runs(kept, grain_kv))
-            needs.append(row)
+        needs = exchanged_runs(grid, call, layout)
         pairs = []
-        for step in range(world):
-            owner = (rank - step) % world
-            runs = [(0, length_kv // world)] if step == 0 else needs[rank][owner]
-            pairs.append(_pairs(bias, call, grid, layout, rank, owner, runs, grain_q, grain_kv))
-        return cls(rank, world, group, bias, call, layout, scale, enable_gqa, needs_grad,
+        for shapes in pair_shapes(grid, call, layout, rank, needs):
+            pairs.append([
+                Pair(rows, cols, block, None if bias is None else bias.sub_block(call, block))
+                for rows, cols, block in shapes
+            ])  # fmt: skip
+        return cls(rank, layout.world, group, bias, call, layout, scale, enable_gqa, needs_grad,
                    needs, pairs)  # fmt: skip
 
     def received(self, rank: int) -> int:
@@ -191,6 +178,47 @@ class Schedule:
         return plan(dataclasses.replace(spec, needs_grad=self.needs_grad))
 
 
+def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> list[list[list[Run]]]:
+    """``needs[r][o]``: the runs of rank ``o``'s key/value part whose blocks some query of rank
+    ``r`` keeps (merged, in ``o``'s part order; none for ``r == o``), from the keep grid at
+    the layout's grains."""
+    world = layout.world
+    grain_q, grain_kv = grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
+    # global blocks of each rank's part, in part order
+    q_blocks = [_blocks(layout.ranges(r, call.length_q), grain_q) for r in range(world)]
+    kv_blocks = [_blocks(layout.ranges(r, call.length_kv), grain_kv) for r in range(world)]
+    needs: list[list[list[Run]]] = []
+    for receiver in range(world):
+        # rows by index_select, not a list index: advanced indexing of a CPU tensor costs
+        # milliseconds where several processes share the cores
+        kept_columns = _rows(grid, q_blocks[receiver]).any(0)
+        row: list[list[Run]] = []
+        for owner in range(world):
+            if owner == receiver:
+                row.append([])
+                continue
+            kept = _rows(kept_columns, kv_blocks[owner]).tolist()
+            row.append(_runs(kept, grain_kv))
+        needs.append(row)
+    return needs
+
+
+def pair_shapes(
+    grid: Tensor, call: Call, layout: Layout, rank: int, needs: list[list[list[Run]]]
+) -> list[list[tuple[slice, slice, Block]]]:
+    """Per step, ``rank``'s pairs as ``(rows in its query part, columns in the key/value
+    tensors in hand, block of the whole call)``: its own part at step 0, the runs of rank
+    ``(rank - t) % W`` after."""
+    world = layout.world
+    grain_q, grain_kv = grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
+    found = []
+    for step in range(world):
+        owner = (rank - step) % world
+        runs = [(0, call.length_kv // world)] if step == 0 else needs[rank][owner]
+        found.append(_pairs(call, grid, layout, rank, owner, runs, grain_q, grain_kv))
+    return found
+
+
 def _rows(x: Tensor, index: list[int]) -> Tensor:
     """``x[index]`` along dim 0."""
     return x.index_select(0, torch.tensor(index, dtype=torch.int64))
@@ -216,7 +244,6 @@ def _runs(kept: list[bool], size: int) -> list[Run]:
 
 
 def _pairs(
-    bias: AttnBias | None,
     call: Call,
     grid: Tensor,
     layout: Layout,
@@ -225,12 +252,15 @@ def _pairs(
     runs: list[Run],
     grain_q: int,
     grain_kv: int,
-) -> list[Pair]:
-    """This rank's pairs over ``runs`` of ``owner``'s part laid end to end: each query chunk
-    against each piece of a run inside one of the owner's chunks (a block of the whole call
-    must be contiguous), narrowed to the key blocks that chunk keeps; none where it keeps
-    nothing."""
-    q_ranges = layout.ranges(rank, call.length_q)
+) -> list[tuple[slice, slice, Block]]:
+    """This rank's pairs over ``runs`` of ``owner``'s part laid end to end: each stretch of
+    its queries against each stretch of the runs (a stretch is contiguous both in the part and
+    in the whole sequence, as a block of the call must be), narrowed to the query and key
+    blocks that keep a pair there; none where nothing is kept."""
+    q_pieces, offset = [], 0  # (row in the query part, global start, length)
+    for a, b in layout.ranges(rank, call.length_q):
+        q_pieces.append((offset, a, b - a))
+        offset += b - a
     kv_ranges = layout.ranges(owner, call.length_kv)
     chunk_kv = kv_ranges[0][1] - kv_ranges[0][0]
     pieces = []  # (column in the buffer, global start, length)
@@ -245,23 +275,41 @@ def _pairs(
             column += stop - position
             position = stop
     found = []
-    row = 0
-    for qa, qb in q_ranges:
-        rows = grid[qa // grain_q : qb // grain_q].any(0)  # (S / gk,)
-        for column, start, length in pieces:
-            flags = rows[start // grain_kv : (start + length) // grain_kv].tolist()
-            if not any(flags):
+    for row, qa, length_q in _stretches(q_pieces):
+        rows = grid[qa // grain_q : (qa + length_q) // grain_q]  # (query blocks, S / gk)
+        for column, start, length in _stretches(pieces):
+            kept = rows[:, start // grain_kv : (start + length) // grain_kv]
+            kept_rows, kept_cols = kept.any(1).tolist(), kept.any(0).tolist()
+            if not any(kept_rows):
                 continue
-            first = flags.index(True) * grain_kv
-            last = (len(flags) - flags[::-1].index(True)) * grain_kv
-            block = Block(qa, start + first, qb - qa, last - first)
-            sub = None if bias is None else bias.sub_block(call, block)
+            first_q, last_q = _span(kept_rows, grain_q)
+            first, last = _span(kept_cols, grain_kv)
+            block = Block(qa + first_q, start + first, last_q - first_q, last - first)
             found.append(
-                Pair(slice(row, row + qb - qa),
-                     slice(column + first, column + last), block, sub)
-            )  # fmt: skip
-        row += qb - qa
+                (slice(row + first_q, row + last_q), slice(column + first, column + last), block)
+            )
     return found
+
+
+def _stretches(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(offset in the tensor, global start, length)`` pieces, in order, merged where one
+    follows the other both in the tensor and in the sequence."""
+    merged: list[tuple[int, int, int]] = []
+    for offset, start, length in pieces:
+        if merged:
+            last_offset, last_start, last_length = merged[-1]
+            if last_offset + last_length == offset and last_start + last_length == start:
+                merged[-1] = (last_offset, last_start, last_length + length)
+                continue
+        merged.append((offset, start, length))
+    return merged
+
+
+def _span(flags: list[bool], size: int) -> tuple[int, int]:
+    """The positions from the first kept block of ``flags`` to the end of the last."""
+    first = flags.index(True)
+    last = len(flags) - flags[::-1].index(True)
+    return first * size, last * size
 
 
 class ExchangeAttention(torch.autograd.Function):
