@@ -34,6 +34,8 @@ OTHER_RESULTS = (
     "(`benchmarks/decode_bench.py`).",
     "- Hugging Face models: `benchmarks/TRANSFORMERS_RESULTS.md` "
     "(`benchmarks/transformers_bench.py`).",
+    "- Context parallelism on several GPUs, against one GPU and PyTorch's context_parallel: "
+    "`benchmarks/CP_RESULTS.md` (`benchmarks/cp_bench.py`).",
     "",
 )
 

@@ -441,9 +441,9 @@ def explain(
     mode: str = "auto",
 ) -> str:
     """What :func:`sdpa` would do with these arguments on this rank, and why: the mode and
-    both modes' predicted time, the layout, and in the sequence mode the key/value positions
-    each rank receives against the positions its queries keep, and this rank's pairs per
-    step. Runs no collective (every rank can call it alone)."""
+    both modes' predicted time, the layout, and what the sequence mode does or would do: the
+    key/value positions each rank receives (of those held elsewhere) and from whom, and this
+    rank's pairs per step. Runs no collective (every rank can call it alone)."""
     group = as_group(group)
     rank, world = world_of(group)
     local = _Local.make(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -454,27 +454,28 @@ def explain(
         f"  {local.choice.describe()}",
         f"  layout {local.layout}",
     ]
-    if local.choice.mode == "sequence":
-        schedule = Schedule.make(
-            local.bias, local.call, local.layout, rank, group, scale=local.scale,
-            enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
-        )  # fmt: skip
-        part = local.call.length_kv // world
-        for r in range(world):
-            peers = [o for o in range(world) if schedule.needs[r][o]]
-            lines.append(
-                f"  rank {r} receives {schedule.received(r)} key/value positions of "
-                f"{part * (world - 1)} held elsewhere, from rank(s) {peers}"
+    schedule = Schedule.make(
+        local.bias, local.call, local.layout, rank, group, scale=local.scale,
+        enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
+    )  # fmt: skip
+    part = local.call.length_kv // world
+    taken = "takes" if local.choice.mode == "sequence" else "would take"
+    lines.append(f"  the sequence mode {taken}:")
+    for r in range(world):
+        peers = [o for o in range(world) if schedule.needs[r][o]]
+        lines.append(
+            f"    rank {r} receives {schedule.received(r)} key/value positions of "
+            f"{part * (world - 1)} held elsewhere, from rank(s) {peers}"
+        )
+    for step, pairs in enumerate(schedule.pairs):
+        owner = (rank - step) % world
+        if pairs:
+            blocks = ", ".join(
+                f"q[{p.block.q_start}:{p.block.q_start + p.block.length_q}] x "
+                f"k[{p.block.kv_start}:{p.block.kv_start + p.block.length_kv}]"
+                for p in pairs
             )
-        for step, pairs in enumerate(schedule.pairs):
-            owner = (rank - step) % world
-            if pairs:
-                blocks = ", ".join(
-                    f"q[{p.block.q_start}:{p.block.q_start + p.block.length_q}] x "
-                    f"k[{p.block.kv_start}:{p.block.kv_start + p.block.length_kv}]"
-                    for p in pairs
-                )
-                lines.append(f"  step {step} (rank {owner}'s keys): {blocks}")
+            lines.append(f"    step {step} (rank {owner}'s keys): {blocks}")
     return "\n".join(lines)
 
 
