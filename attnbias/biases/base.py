@@ -34,6 +34,7 @@ masked, finite values for score biases such as ALiBi. It returns the fewest dime
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
@@ -312,6 +313,37 @@ class AttnBias(ABC):
         work a kind does for its parts together, ahead of the calls. Nothing by default."""
         return None
 
+    # -- copies ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The bias's fields, without what it worked out for its calls (traced functions,
+        generated code, kept blocks and keys): ``copy``, ``deepcopy`` and ``pickle`` take
+        these, and the copy works its own out again. A bias that is no dataclass keeps all."""
+        state = dict(self.__dict__)
+        if dataclasses.is_dataclass(self):
+            fields = {f.name for f in dataclasses.fields(self) if f.init}
+            for name in [n for n in state if n.startswith("_") and n not in fields]:
+                del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)  # frozen dataclasses too
+        if dataclasses.is_dataclass(self):
+            # fields kept for the calls (``init=False``) start empty, as in a new bias
+            for field in dataclasses.fields(self):
+                if not field.init and field.name not in state:
+                    if field.default_factory is not dataclasses.MISSING:
+                        object.__setattr__(self, field.name, field.default_factory())
+                    elif field.default is not dataclasses.MISSING:
+                        object.__setattr__(self, field.name, field.default)
+        self.restored()
+
+    def restored(self) -> None:
+        """Called on a copy (``copy``, ``deepcopy``, ``pickle``) once its fields are set: the
+        work a kind does as it is built and that the copy left out. Nothing by default."""
+        return None
+
 
 # The library's dispatcher, which runs a bias that lowers into the kernels' terms. Set by
 # ``attnbias.dispatch`` when it is imported: the biases sit below the dispatcher and do not
@@ -428,6 +460,10 @@ class CompositeBias(AttnBias):
 
     def parameters(self) -> tuple[Tensor, ...]:
         return tuple(t for part in self.parts for t in part.parameters())
+
+    def restored(self) -> None:
+        for part in self.parts:
+            part.in_sum(self.parts)
 
     def sub_block(self, call: Call, block: Block) -> AttnBias:
         """The sum of the parts' blocks."""

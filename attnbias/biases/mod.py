@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import threading
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
@@ -81,6 +83,11 @@ class ModBias(KernelBias):
     takes them (:func:`attnbias.kernels.modforms.builtin_form`; ``explain`` says so). Set the
     class attribute ``run_as_builtin = False`` on a subclass to run its functions as they are.
 
+    Copies (``copy.copy``, ``copy.deepcopy``, ``pickle``) hold the fields and functions and
+    trace the functions again; ``deepcopy`` copies tensor fields through the memo, while tensors
+    captured in a closure stay shared with the original (a warning says so where one requires
+    grad). Pickling needs functions that can be imported.
+
     Tensor parameters must be on the inputs' device. ``materialize`` evaluates the functions on
     the ``(B, H, L, S)`` grid (for the CPU and the exact routes): a mask becomes ``0`` / ``-inf``,
     a score function of the form ``score + g(...)`` becomes ``g``; any other score function has
@@ -146,6 +153,39 @@ class ModBias(KernelBias):
             found = trace_mods(*self.functions())
             object.__setattr__(self, "_traced_mods", found)
         return found
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in _WORKED_OUT:
+            state.pop(name, None)
+        return state
+
+    def restored(self) -> None:
+        """A copy traces its functions again, with its own tensors (a deep copy's tables)."""
+        _prepare((self,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModBias:
+        """A copy whose tensor fields are copied through ``memo`` (an EMA copy of a model gets
+        its own tables); tensors captured in a closure stay shared with the original (a
+        function is copied as itself), and a warning says so where one requires grad."""
+        shared = [
+            cell.cell_contents
+            for fn in (self.mask_mod, self.score_mod)
+            for cell in (getattr(fn, "__closure__", None) or ())
+            if isinstance(_cell_value(cell), Tensor) and cell.cell_contents.requires_grad
+        ]
+        if shared:
+            warnings.warn(
+                f"copy.deepcopy of {self.describe()}: its functions capture "
+                f"{len(shared)} tensor(s) that require grad in a closure; the copy shares them "
+                f"with the original (a function is copied as itself). Make them fields of a "
+                f"ModBias subclass to copy them",
+                stacklevel=2,
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def in_sum(self, parts: tuple[Any, ...]) -> None:
         """As a sum is built: the first ModBias of ``parts`` prepares the code of all of them
@@ -447,6 +487,21 @@ def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) ->
 
         score_mod.__name__ = score_mod.__qualname__ = f"{_name(score)}{moved}"
     return ModBias(mask_mod=mask_mod, score_mod=score_mod)
+
+
+# What a ModBias works out for its calls and keeps in its __dict__ (left out of copies)
+_WORKED_OUT = (
+    "_traced_mods", "_builtin_form", "_chunk_docs", "_id_docs", "_blocks", "_head_ranges",
+    "_compiled_mods", "_combined_mods",
+)  # fmt: skip
+
+
+def _cell_value(cell: Any) -> Any:
+    """A closure cell's value (``None`` for a cell not filled yet)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def _plus(index: Any, offset: int) -> Any:
