@@ -56,7 +56,7 @@ class DocumentLayout:
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[
-    DocumentBias, dict[tuple[torch.device, int], DocumentLayout]
+    DocumentBias, dict[tuple[torch.device, int], tuple[Any, DocumentLayout]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -72,10 +72,12 @@ def _row_runs(ids: Tensor, batch: int) -> list[tuple[list[int], list[int]]]:
 
 def documents_layout(bias: DocumentBias, device: torch.device, batch: int = 1) -> DocumentLayout:
     """The one-sequence-per-document form of ``bias`` for ``batch`` rows, built once per bias,
-    device and batch size."""
+    device, batch size and version of its ids (read again after an in-place write)."""
     per_call = _LAYOUTS.setdefault(bias, {})
-    if (device, batch) in per_call:
-        return per_call[device, batch]
+    versions = bias.versions()
+    kept = per_call.get((device, batch))
+    if kept is not None and versions is not None and kept[0] == versions:
+        return kept[1]
     problem = None
     documents: list[tuple[int, int, int]] = []
     offsets: set[int] = set()
@@ -101,7 +103,7 @@ def documents_layout(bias: DocumentBias, device: torch.device, batch: int = 1) -
         problem=problem,
         documents=tuple(documents),
     )
-    per_call[device, batch] = layout
+    per_call[device, batch] = (versions, layout)
     return layout
 
 

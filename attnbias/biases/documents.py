@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelMask, Shape, cached_on, check_head_range, device_key
+from attnbias.biases.base import Device, KernelMask, Shape, check_head_range, device_key
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -51,6 +51,11 @@ class DocumentBias(KernelMask):
     (default: the query ids, for self-attention); ids are non-decreasing along the sequence.
     Combine with :class:`CausalBias` for causal packed training.
 
+    The ids are read at each call: an in-place write (``ids[...] = ...``, ``ids.copy_(...)``)
+    is seen by the next call on every route, and checked again (ids made to decrease raise the
+    same ``ValueError`` as at construction). A write that bumps no version counter (through
+    ``.data`` or a NumPy view) may not be seen: write through the tensor itself.
+
     >>> DocumentBias.from_seqlens([1, 2]).materialize()
     tensor([[0., -inf, -inf],
             [-inf, 0., 0.],
@@ -59,18 +64,42 @@ class DocumentBias(KernelMask):
 
     q_doc_ids: Tensor = field(repr=False)
     kv_doc_ids: Tensor | None = field(default=None, repr=False)
-    _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
+    # per (side, device): the ids there and the versions they were made from
+    _on_device: dict[Any, tuple[Any, Tensor]] = field(default_factory=dict, init=False, repr=False)
     _blocks: dict[Block, DocumentBias] = field(default_factory=dict, init=False, repr=False)
+    # the ids' versions when they were last checked (non-decreasing)
+    _checked: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check()
+        if self.kv_doc_ids is not None and self.kv_doc_ids.device != self.q_doc_ids.device:
+            raise ValueError(
+                f"DocumentBias q_doc_ids is on {self.q_doc_ids.device} but kv_doc_ids is on "
+                f"{self.kv_doc_ids.device}; put both on the device of the inputs"
+            )
+
+    def versions(self) -> tuple[int, int] | None:
+        """The version counters of the id tensors (an in-place write bumps them), or ``None``
+        where one has none (an inference tensor: its ids are read at every call) or while
+        ``torch.compile`` traces (the traced graph reads the ids themselves)."""
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            return (self.q_doc_ids._version, self.kv_ids._version)
+        except RuntimeError:
+            return None
+
+    def _check(self) -> None:
+        """The ids' checks, once per version of the tensors (a host synchronisation)."""
+        versions = self.versions()
+        if (versions is not None and self._checked == [versions]) or (
+            torch.compiler.is_compiling() and self._checked
+        ):
+            return
         _check_doc_ids(self.q_doc_ids, "q_doc_ids")
         if self.kv_doc_ids is not None:
             _check_doc_ids(self.kv_doc_ids, "kv_doc_ids")
-            if self.kv_doc_ids.device != self.q_doc_ids.device:
-                raise ValueError(
-                    f"DocumentBias q_doc_ids is on {self.q_doc_ids.device} but kv_doc_ids is on "
-                    f"{self.kv_doc_ids.device}; put both on the device of the inputs"
-                )
+        self._checked[:] = [versions]
 
     @classmethod
     def from_seqlens(
@@ -141,19 +170,27 @@ class DocumentBias(KernelMask):
     def ids_on(self, device: Device) -> tuple[Tensor, Tensor]:
         """``(q_ids, kv_ids)`` as int64 ``(1 or B, L)`` and ``(1 or B, S)`` on ``device``.
 
-        The ids are copied to a device once and kept with the bias (a bias is immutable: do not
-        modify its id tensors in place). Build the bias on the inputs' device (``device=`` in
-        :meth:`from_seqlens`) to skip even that copy.
+        Ids already int64 on ``device`` are used as they are (views: the kernels read them
+        live); others are copied there once per version of the tensors, so an in-place write
+        (``ids[...] = ...``, ``ids.copy_(...)``) is seen by the next call. A write that bumps no
+        version counter (through ``.data`` or a NumPy view) is not seen where the ids are
+        copied: write in place through the tensor itself. Build the bias on the inputs' device
+        (``device=`` in :meth:`from_seqlens`) to skip the copy.
         """
 
         def prepare(ids: Tensor) -> Tensor:
             ids = ids.to(device=device, dtype=torch.long)
             return ids if ids.dim() == 2 else ids[None]
 
-        key = device_key(device)
-        q_ids = cached_on(self._on_device, ("q", key), lambda: prepare(self.q_doc_ids))
-        kv_ids = cached_on(self._on_device, ("kv", key), lambda: prepare(self.kv_ids))
-        return q_ids, kv_ids
+        key, versions = device_key(device), self.versions()
+        found = []
+        for side, ids in (("q", self.q_doc_ids), ("kv", self.kv_ids)):
+            kept = self._on_device.get((side, key))
+            if kept is None or versions is None or kept[0] != versions:
+                kept = (versions, prepare(ids))
+                self._on_device[side, key] = kept
+            found.append(kept[1])
+        return found[0], found[1]
 
     def keep(self, device: Device = None, shape: Shape = None) -> Tensor:
         q_ids, kv_ids = self.q_doc_ids, self.kv_ids
@@ -169,6 +206,7 @@ class DocumentBias(KernelMask):
         return keep
 
     def validate_call(self, call: Call) -> None:
+        self._check()  # ids written in place since the last check: checked again
         batch, length_q, length_kv = call.batch_size, call.length_q, call.length_kv
         for name, ids, length, letter in (
             ("q_doc_ids", self.q_doc_ids, length_q, "L"),
@@ -197,8 +235,8 @@ class DocumentBias(KernelMask):
         return Terms(q_doc=q_ids, kv_doc=kv_ids, doc_parts=(self,))
 
     def sub_block(self, call: Call, block: Block) -> DocumentBias:
-        """The ids of the block's queries and keys (kept with the bias: a bias is immutable,
-        and the slices of non-decreasing ids need no new check)."""
+        """The ids of the block's queries and keys: views of this bias's, so they follow its
+        in-place writes (kept with the bias, per block)."""
         found = self._blocks.get(block)
         if found is None:
             found = DocumentBias(
@@ -213,10 +251,16 @@ class DocumentBias(KernelMask):
         check_head_range(call, start, count, "DocumentBias")
         return self
 
-    def cache_key(self) -> Hashable:
-        # by identity: the plan-cache entry keeps the bias alive, so that its identity cannot
-        # be reused (the terms it stores hold its tensors on the device)
-        return (DocumentBias, id(self))
+    def cache_key(self) -> Hashable | None:
+        # by identity and the ids' versions: the plan-cache entry keeps the bias alive, so
+        # that its identity cannot be reused (the terms it stores hold its tensors on the
+        # device), and a call after an in-place write is planned again
+        versions = self.versions()
+        return None if versions is None else (DocumentBias, id(self), versions)
+
+    @property
+    def cache_key_varies(self) -> bool:
+        return True
 
     def __repr__(self) -> str:
         return (
