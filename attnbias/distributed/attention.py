@@ -4,9 +4,6 @@ mode (all-to-all) and say why."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +16,7 @@ from attnbias.functional import _validate
 from attnbias.spec import lower, with_causal
 from attnbias.terms import Call
 
-from .blocks import grain, keep_grid, layout_costs
+from .blocks import Kept, grain, keep_grid, layout_costs
 from .exchange import Schedule, exchange_sdpa, exchanged_runs, pair_shapes
 from .heads import heads_reasons, heads_sdpa
 from .layouts import Layout, as_group, world_of
@@ -166,34 +163,24 @@ def _sdpa(
     return exchange_sdpa(query, key, value, _schedule(local, rank, group), local.params)
 
 
-_SCHEDULES: OrderedDict[Hashable, Schedule] = OrderedDict()
-_SCHEDULES_KEPT = 32
-_LOCK = threading.Lock()
+_SCHEDULES: Kept[Schedule] = Kept(32)
 
 
 def _schedule(local: _Local, rank: int, group: Any) -> Schedule:
     """The exchange's schedule of this rank's call, kept for the identical calls after it
     where the bias has a plan-cache key (its blocks then stay what they are)."""
     identity = None if local.bias is None else local.bias.cache_key()
-    key = None
-    if local.bias is None or identity is not None:
-        key = (identity, local.call, local.layout, rank, id(group), local.scale,
-               local.enable_gqa, local.needs_grad)  # fmt: skip
-        with _LOCK:
-            found = _SCHEDULES.get(key)
-            if found is not None and found.group is group:
-                _SCHEDULES.move_to_end(key)
-                return found
+    key = (identity, local.call, local.layout, rank, id(group), local.scale, local.enable_gqa,
+           local.needs_grad)  # fmt: skip
+    cacheable = local.bias is None or identity is not None
+    found = _SCHEDULES.get(key) if cacheable else None
+    if found is not None and found.group is group:
+        return found
     schedule = Schedule.make(
         local.bias, local.call, local.layout, rank, group, scale=local.scale,
         enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
     )  # fmt: skip
-    if key is not None:
-        with _LOCK:
-            _SCHEDULES[key] = schedule
-            while len(_SCHEDULES) > _SCHEDULES_KEPT:
-                _SCHEDULES.popitem(last=False)
-    return schedule
+    return _SCHEDULES.put(key, schedule) if cacheable else schedule
 
 
 @dataclass(frozen=True)
@@ -294,7 +281,7 @@ class _Local:
                    header)  # fmt: skip
 
 
-_DECISIONS: OrderedDict[Hashable, tuple[Tensor, Choice]] = OrderedDict()
+_DECISIONS: Kept[tuple[Tensor, Choice]] = Kept(32)
 
 
 def _decision(
@@ -312,25 +299,17 @@ def _decision(
     it where the bias has a plan-cache key: a call then does no tensor arithmetic on the host
     (small CPU reductions cost milliseconds where several processes share the cores)."""
     identity = None if bias is None else bias.cache_key()
-    key = None
-    if bias is None or identity is not None:
-        key = (identity, call, layout, mode, heads_kv, dim, dim_v, element, needs_grad)
-        with _LOCK:
-            found = _DECISIONS.get(key)
-            if found is not None:
-                _DECISIONS.move_to_end(key)
-                return found
+    key = (identity, call, layout, mode, heads_kv, dim, dim_v, element, needs_grad)
+    cacheable = bias is None or identity is not None
+    found = _DECISIONS.get(key) if cacheable else None
+    if found is not None:
+        return found
     grid = keep_grid(
         bias, call, grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
     )
     decided = grid, _choose(mode, bias, call, layout, grid, heads_kv, dim, dim_v, element,
                             needs_grad)  # fmt: skip
-    if key is not None:
-        with _LOCK:
-            _DECISIONS[key] = decided
-            while len(_DECISIONS) > _SCHEDULES_KEPT:
-                _DECISIONS.popitem(last=False)
-    return decided
+    return _DECISIONS.put(key, decided) if cacheable else decided
 
 
 def _choose(

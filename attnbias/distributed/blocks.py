@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,7 +29,17 @@ from attnbias.terms import Block, Call
 
 from .layouts import Layout
 
-__all__ = ["Costs", "balanced_layout", "choose_layout", "grain", "keep_grid", "layout_costs"]
+V = TypeVar("V")
+
+__all__ = [
+    "Costs",
+    "Kept",
+    "balanced_layout",
+    "choose_layout",
+    "grain",
+    "keep_grid",
+    "layout_costs",
+]
 
 #: The largest block of positions the grid is kept at: small enough that the key/value
 #: positions a rank receives are within a few percent of the kept ones for windows of
@@ -56,9 +67,30 @@ def grain(length: int, pieces: int) -> int:
 # -- the grid ------------------------------------------------------------------------------
 
 
-_CACHE: OrderedDict[Hashable, Tensor] = OrderedDict()
-_CACHE_SIZE = 16
-_LOCK = threading.Lock()
+class Kept(Generic[V]):
+    """What was worked out for a class of calls, by key, the oldest dropped past ``size``."""
+
+    def __init__(self, size: int) -> None:
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def put(self, key: Hashable, value: V) -> V:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+_GRIDS: Kept[Tensor] = Kept(16)
 
 
 def keep_grid(bias: AttnBias | None, call: Call, grain_q: int, grain_kv: int) -> Tensor:
@@ -68,22 +100,14 @@ def keep_grid(bias: AttnBias | None, call: Call, grain_q: int, grain_kv: int) ->
     if bias is None:
         return torch.ones(blocks_q, blocks_kv, dtype=torch.bool)
     identity = bias.cache_key()
-    key = None
-    if identity is not None:
-        key = (identity, call.batch, call.heads, call.length_q, call.length_kv, str(call.device),
-               grain_q, grain_kv)  # fmt: skip
-        with _LOCK:
-            found = _CACHE.get(key)
-            if found is not None:
-                _CACHE.move_to_end(key)
-                return found
-    grid = _grid(bias, call, grain_q, grain_kv).cpu()
-    if key is not None:
-        with _LOCK:
-            _CACHE[key] = grid
-            while len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return grid
+    if identity is None:
+        return _grid(bias, call, grain_q, grain_kv).cpu()
+    key = (identity, call.batch, call.heads, call.length_q, call.length_kv, str(call.device),
+           grain_q, grain_kv)  # fmt: skip
+    found = _GRIDS.get(key)
+    if found is None:
+        found = _GRIDS.put(key, _grid(bias, call, grain_q, grain_kv).cpu())
+    return found
 
 
 def _grid(bias: AttnBias, call: Call, grain_q: int, grain_kv: int) -> Tensor:
