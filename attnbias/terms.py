@@ -281,29 +281,6 @@ class Terms:
     def has_key_range(self) -> bool:
         return self.kv_start is not None
 
-    def may_keep(self, length_q: int, length_kv: int) -> bool | Tensor:
-        """Whether a call of ``(L, S)`` with these terms may keep a pair: ``False`` when the
-        band, the key ranges or the documents alone keep none (nothing runs then), a 0-d bool
-        tensor where that depends on tensors (key ranges, document ids; read on the device,
-        without a host synchronisation), and ``True`` where only running the call can tell
-        (generated masks, materialized parts)."""
-        if length_q == 0 or length_kv == 0:
-            return False
-        lo = -(length_q - 1) if self.band_lo is None else max(self.band_lo, -(length_q - 1))
-        hi = length_kv - 1 if self.band_hi is None else min(self.band_hi, length_kv - 1)
-        if lo > hi:
-            return False
-        found: Tensor | None = None
-        if self.kv_start is not None and self.kv_end is not None:
-            found = (self.kv_end.clamp(max=length_kv) > self.kv_start).any()
-        if self.q_doc is not None and self.kv_doc is not None:
-            # non-decreasing ids: the rows' id ranges overlap
-            overlap = (self.q_doc[..., 0] <= self.kv_doc[..., -1]) & (
-                self.kv_doc[..., 0] <= self.q_doc[..., -1]
-            )
-            found = overlap.any() if found is None else found & overlap.any()
-        return True if found is None else found
-
     @property
     def is_mask_only(self) -> bool:
         """Only a band, documents and a key range: no score terms (ALiBi, soft-cap), generated

@@ -8,14 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from attnbias.biases.base import (
-    Device,
-    KernelMask,
-    Shape,
-    band_keep,
-    check_head_range,
-    resolve_lengths,
-)
+from attnbias.biases.base import Device, KernelMask, Shape, band_keep, resolve_lengths
 from attnbias.terms import Block, Call, Terms
 
 __all__ = ["BandBias"]
@@ -57,11 +50,6 @@ class BandBias(KernelMask):
 
     def sub_block(self, call: Call, block: Block) -> BandBias:
         return shifted_band(self.lo, self.hi, block)
-
-    def sub_heads(self, call: Call, start: int, count: int) -> BandBias:
-        """The bias itself: the same band for every head."""
-        check_head_range(call, start, count, "BandBias")
-        return self
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors

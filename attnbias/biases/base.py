@@ -619,6 +619,12 @@ class KernelMask(KernelBias):
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         return MaskedBias(self.keep(device, shape), None)
 
+    def sub_heads(self, call: Call, start: int, count: int) -> AttnBias:
+        """The bias itself: a mask in the kernels' terms (a band, documents, key ranges) is
+        the same for every head."""
+        check_head_range(call, start, count, type(self).__name__)
+        return self
+
 
 def materialize_masked(
     bias: AttnBias | None, device: Device, shape: Shape, dtype: torch.dtype

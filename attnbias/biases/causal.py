@@ -9,14 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from attnbias.biases.band import BandBias, shifted_band
-from attnbias.biases.base import (
-    Device,
-    KernelMask,
-    Shape,
-    band_keep,
-    check_head_range,
-    resolve_lengths,
-)
+from attnbias.biases.base import Device, KernelMask, Shape, band_keep, resolve_lengths
 from attnbias.terms import Block, Call, Terms
 
 __all__ = ["CausalBias", "CausalVariant", "causal_lower_right", "causal_upper_left"]
@@ -87,11 +80,6 @@ class CausalBias(KernelMask):
         """The band of the block: the call's ``j - i <= hi`` (``hi`` from the call's lengths,
         ``S - L`` for lower-right), shifted along the diagonal."""
         return shifted_band(None, self.offset_hi(call.length_q, call.length_kv), block)
-
-    def sub_heads(self, call: Call, start: int, count: int) -> CausalBias:
-        """The bias itself: the same mask for every head."""
-        check_head_range(call, start, count, "CausalBias")
-        return self
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors

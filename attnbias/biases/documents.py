@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelMask, Shape, check_head_range, device_key
+from attnbias.biases.base import Device, KernelMask, Shape, device_key
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -245,11 +245,6 @@ class DocumentBias(KernelMask):
             )
             self._blocks[block] = found
         return found
-
-    def sub_heads(self, call: Call, start: int, count: int) -> DocumentBias:
-        """The bias itself: the same documents for every head."""
-        check_head_range(call, start, count, "DocumentBias")
-        return self
 
     def cache_key(self) -> Hashable | None:
         # by identity and the ids' versions: the plan-cache entry keeps the bias alive, so

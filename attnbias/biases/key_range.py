@@ -10,15 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import (
-    Device,
-    KernelMask,
-    Shape,
-    cached_on,
-    check_head_range,
-    device_key,
-    resolve_lengths,
-)
+from attnbias.biases.base import Device, KernelMask, Shape, cached_on, device_key, resolve_lengths
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -226,11 +218,6 @@ class KeyRangeBias(KernelMask):
             return (bound.long() - block.kv_start).clamp(0, block.length_kv)
 
         return KeyRangeBias(moved(self.start), moved(self.end))
-
-    def sub_heads(self, call: Call, start: int, count: int) -> KeyRangeBias:
-        """The bias itself: each batch row's keys, the same for every head."""
-        check_head_range(call, start, count, "KeyRangeBias")
-        return self
 
     def cache_key(self) -> Hashable:
         # by identity, as DocumentBias: the positions are read on the device at each call

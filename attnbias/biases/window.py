@@ -9,14 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from attnbias.biases.band import BandBias, shifted_band
-from attnbias.biases.base import (
-    Device,
-    KernelMask,
-    Shape,
-    band_keep,
-    check_head_range,
-    resolve_lengths,
-)
+from attnbias.biases.base import Device, KernelMask, Shape, band_keep, resolve_lengths
 from attnbias.terms import Block, Call, Terms
 
 __all__ = ["SlidingWindowBias"]
@@ -73,11 +66,6 @@ class SlidingWindowBias(KernelMask):
         """The band of the block: the call's window (aligned with the call's ``S - L``),
         shifted along the diagonal."""
         return shifted_band(*self.offsets(call.length_q, call.length_kv), block)
-
-    def sub_heads(self, call: Call, start: int, count: int) -> SlidingWindowBias:
-        """The bias itself: the same window for every head."""
-        check_head_range(call, start, count, "SlidingWindowBias")
-        return self
 
     def cache_key(self) -> Hashable:
         return self  # frozen, equal by value, no tensors
