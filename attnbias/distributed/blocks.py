@@ -180,7 +180,8 @@ def _evaluated(part: AttnBias, call: Call, grain_q: int, grain_kv: int) -> Tenso
 @dataclass(frozen=True)
 class Costs:
     """The predicted work of a call split by a layout: per rank, the blocks of kept pairs its
-    queries run and the key/value blocks it receives, in seconds where ``rates`` are given."""
+    queries run, the key/value blocks it receives, and the time both take at the given
+    seconds per block."""
 
     layout: Layout
     compute: tuple[int, ...]  # kept blocks of the grid per rank
@@ -254,10 +255,9 @@ def layout_candidates(length_q: int, length_kv: int, world: int) -> tuple[int, l
 
 def choose_layout(
     bias: AttnBias | None, call: Call, world: int, block_seconds: float, transfer_seconds: float
-) -> tuple[Costs, list[Costs]]:
-    """The layout of least predicted time for ``bias`` over ``call``: contiguous, zigzag or a
-    balanced one (ties go to the one that receives less, then to fewer chunks). Returns the
-    chosen costs and every candidate's."""
+) -> Costs:
+    """The costs of the layout of least predicted time for ``bias`` over ``call``: contiguous,
+    zigzag or a balanced one (ties go to the one that receives less, then to fewer chunks)."""
     finest, balanced = layout_candidates(call.length_q, call.length_kv, world)
     grid = keep_grid(bias, call, grain(call.length_q, finest), grain(call.length_kv, finest))
     candidates = []
@@ -270,5 +270,4 @@ def choose_layout(
     # within 5% of the fastest the prediction cannot tell them apart: receive less, cut less
     fastest = min(c.time for c in costs)
     near = [c for c in costs if c.time <= fastest * 1.05]
-    best = min(near, key=lambda c: (max(c.received), c.layout.pieces))
-    return best, costs
+    return min(near, key=lambda c: (max(c.received), c.layout.pieces))

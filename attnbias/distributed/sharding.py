@@ -12,7 +12,7 @@ from torch import Tensor
 from attnbias.biases import AttnBias
 from attnbias.terms import Call
 
-from .blocks import Costs, choose_layout, grain, layout_candidates
+from .blocks import Kept, choose_layout, grain, layout_candidates
 from .layouts import LAYOUTS, Layout, as_group, check_dim, world_of
 
 __all__ = ["layout_for", "positions", "resolve_layout", "shard", "unshard"]
@@ -46,21 +46,30 @@ def layout_for(
     bias lowered without a batch size, for one head, on ``device`` (where its tensors are;
     the CPU by default)."""
     kv = length if length_kv is None else length_kv
-    return _auto(bias, length, kv, _size(group, world), device)[0]
+    return _auto(bias, length, kv, _size(group, world), device)
 
 
-def _auto(
-    bias: AttnBias | None, length_q: int, length_kv: int, world: int, device: Any
-) -> tuple[Layout, list[Costs]]:
+_AUTO: Kept[Layout] = Kept(16)
+
+
+def _auto(bias: AttnBias | None, length_q: int, length_kv: int, world: int, device: Any) -> Layout:
+    """:func:`layout_for`, kept per bias (by its plan-cache key, when it has one), lengths and
+    group size: ``layout="auto"`` asks for it at every call."""
+    identity = None if bias is None else bias.cache_key()
+    key = (identity, length_q, length_kv, world)
+    cacheable = bias is None or identity is not None
+    found = _AUTO.get(key) if cacheable else None
+    if found is not None:
+        return found
     finest, _ = layout_candidates(length_q, length_kv, world)
     if length_q % world or length_kv % world:
         Layout.contiguous(world).chunk_size(length_q)  # the error for lengths W does not divide
         Layout.contiguous(world).chunk_size(length_kv)
     call = Call(None, 1, length_q, length_kv, torch.device(device or "cpu"))
     ratio = TRANSFER_PER_BLOCK_AT_256 * 256 / grain(length_q, finest)
-    best, costs = choose_layout(bias, call, world, 1.0, ratio)
-    layout = best.layout
-    return Layout(layout.chunks, f"auto: {layout.name}"), costs
+    best = choose_layout(bias, call, world, 1.0, ratio).layout
+    layout = Layout(best.chunks, f"auto: {best.name}")
+    return _AUTO.put(key, layout) if cacheable else layout
 
 
 def _size(group: Any, world: int | None) -> int:
@@ -89,7 +98,7 @@ def resolve_layout(
             )
         return layout
     if layout == "auto":
-        return _auto(bias, length_q, length_kv, world, device)[0]
+        return _auto(bias, length_q, length_kv, world, device)
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(
             f"layout={layout!r}: expected one of {', '.join(map(repr, LAYOUTS))} or a "
