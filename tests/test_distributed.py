@@ -906,7 +906,8 @@ def test_the_mode_follows_the_predicted_time() -> None:
     def choose(bias: Any, length: int, layout: Any, heads: int = 16, mode: str = "auto") -> Any:
         call = attnbias.terms.Call(1, heads, length, length, torch.device("cpu"))
         grid = blocks.keep_grid(bias, call, 256, 256)
-        return attention._choose(mode, bias, call, layout, grid, heads, 128, 128, 2, True)
+        needs = exchange.exchanged_runs(grid, call, layout)
+        return attention._choose(mode, bias, call, layout, grid, needs, heads, 128, 128, 2, True)
 
     zigzag, contiguous = distributed.Layout.zigzag(2), distributed.Layout.contiguous(2)
     assert choose(causal_upper_left(), 32768, zigzag).mode == "heads"

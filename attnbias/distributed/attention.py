@@ -17,7 +17,7 @@ from attnbias.spec import lower, with_causal
 from attnbias.terms import Call
 
 from .blocks import Kept, grain, keep_grid, layout_costs
-from .exchange import Schedule, exchange_sdpa, exchanged_runs, pair_shapes
+from .exchange import Needs, Schedule, exchange_sdpa, exchanged_runs, pair_shapes
 from .heads import heads_reasons, heads_sdpa
 from .layouts import Layout, as_group, world_of
 from .sharding import resolve_layout
@@ -179,6 +179,7 @@ def _schedule(local: _Local, rank: int, group: Any) -> Schedule:
     schedule = Schedule.make(
         local.bias, local.call, local.layout, rank, group, scale=local.scale,
         enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
+        needs=local.needs,
     )  # fmt: skip
     return _SCHEDULES.put(key, schedule) if cacheable else schedule
 
@@ -214,6 +215,7 @@ class _Local:
     call: Call
     layout: Layout
     grid: Tensor  # the bias's keep grid at the layout's grains
+    needs: Needs  # the runs each rank receives of each other's part (exchange.exchanged_runs)
     choice: Choice
     scale: float | None
     enable_gqa: bool
@@ -270,18 +272,18 @@ class _Local:
         params = () if bias is None else bias.parameters()
         tensors = [query, key, value, *params]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        grid, choice = _decision(mode, bias, call, chosen, key.shape[1], query.shape[-1],
+        grid, needs, choice = _decision(mode, bias, call, chosen, key.shape[1], query.shape[-1],
                                  value.shape[-1], query.element_size(), needs_grad)  # fmt: skip
         header = [
             *query.shape, *key.shape, value.shape[-1], _DTYPES.index(query.dtype),
             int(enable_gqa), int(scale is None), MODES.index(choice.mode),
             *(c for rank in chosen.chunks for c in rank),
         ]  # fmt: skip
-        return cls(bias, call, chosen, grid, choice, scale, enable_gqa, needs_grad, params,
+        return cls(bias, call, chosen, grid, needs, choice, scale, enable_gqa, needs_grad, params,
                    header)  # fmt: skip
 
 
-_DECISIONS: Kept[tuple[Tensor, Choice]] = Kept(32)
+_DECISIONS: Kept[tuple[Tensor, Needs, Choice]] = Kept(32)
 
 
 def _decision(
@@ -294,10 +296,11 @@ def _decision(
     dim_v: int,
     element: int,
     needs_grad: bool,
-) -> tuple[Tensor, Choice]:
-    """The keep grid at the layout's grains and the mode, kept for the identical calls after
-    it where the bias has a plan-cache key: a call then does no tensor arithmetic on the host
-    (small CPU reductions cost milliseconds where several processes share the cores)."""
+) -> tuple[Tensor, Needs, Choice]:
+    """The keep grid at the layout's grains, the runs each rank receives and the mode, kept
+    for the identical calls after it where the bias has a plan-cache key: a call then does no
+    tensor arithmetic on the host (small CPU reductions cost milliseconds where several
+    processes share the cores)."""
     identity = None if bias is None else bias.cache_key()
     key = (identity, call, layout, mode, heads_kv, dim, dim_v, element, needs_grad)
     cacheable = bias is None or identity is not None
@@ -307,8 +310,9 @@ def _decision(
     grid = keep_grid(
         bias, call, grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
     )
-    decided = grid, _choose(mode, bias, call, layout, grid, heads_kv, dim, dim_v, element,
-                            needs_grad)  # fmt: skip
+    needs = exchanged_runs(grid, call, layout)
+    decided = grid, needs, _choose(mode, bias, call, layout, grid, needs, heads_kv, dim, dim_v,
+                                   element, needs_grad)  # fmt: skip
     return _DECISIONS.put(key, decided) if cacheable else decided
 
 
@@ -318,6 +322,7 @@ def _choose(
     call: Call,
     layout: Layout,
     grid: Tensor,
+    needs: Needs,
     heads_kv: int,
     dim: int,
     dim_v: int,
@@ -357,7 +362,6 @@ def _choose(
         else rates.documents_slowdown if terms.q_doc is not None
         else 1.0
     )  # fmt: skip
-    needs = exchanged_runs(grid, call, layout)
     sequence_s = 0.0
     for rank in range(world):
         shapes = [p for step in pair_shapes(grid, call, layout, rank, needs) for p in step]
@@ -436,6 +440,7 @@ def explain(
     schedule = Schedule.make(
         local.bias, local.call, local.layout, rank, group, scale=local.scale,
         enable_gqa=local.enable_gqa, needs_grad=local.needs_grad, grid=local.grid,
+        needs=local.needs,
     )  # fmt: skip
     part = local.call.length_kv // world
     taken = "takes" if local.choice.mode == "sequence" else "would take"

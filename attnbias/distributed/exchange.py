@@ -30,9 +30,10 @@ from attnbias.terms import Block, Call
 from .blocks import grain, keep_grid
 from .layouts import Layout
 
-__all__ = ["Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
+__all__ = ["Needs", "Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
 
 Run = tuple[int, int]  # [start, stop) in a rank's part
+Needs = list[list[list[Run]]]  # needs[r][o]: the runs of rank o's part rank r receives
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +66,7 @@ class Schedule:
     scale: float | None
     enable_gqa: bool
     needs_grad: bool
-    needs: list[list[list[Run]]]
+    needs: Needs
     pairs: list[list[Pair]]
 
     @classmethod
@@ -81,16 +82,18 @@ class Schedule:
         enable_gqa: bool,
         needs_grad: bool,
         grid: Tensor | None = None,
+        needs: Needs | None = None,
     ) -> Schedule:
         """The schedule of ``bias`` over ``call`` split by ``layout``, seen from ``rank``;
-        ``grid``: the bias's keep grid at the layout's grains, if already worked out."""
-        grain_q, grain_kv = (
-            grain(call.length_q, layout.pieces),
-            grain(call.length_kv, layout.pieces),
-        )
+        ``grid``: the bias's keep grid at the layout's grains, and ``needs``: the runs each
+        rank receives (:func:`exchanged_runs`), where already worked out."""
         if grid is None:
-            grid = keep_grid(bias, call, grain_q, grain_kv)
-        needs = exchanged_runs(grid, call, layout)
+            pieces = layout.pieces
+            grid = keep_grid(
+                bias, call, grain(call.length_q, pieces), grain(call.length_kv, pieces)
+            )
+        if needs is None:
+            needs = exchanged_runs(grid, call, layout)
         pairs = []
         for shapes in pair_shapes(grid, call, layout, rank, needs):
             pairs.append([
@@ -178,7 +181,7 @@ class Schedule:
         return plan(dataclasses.replace(spec, needs_grad=self.needs_grad))
 
 
-def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> list[list[list[Run]]]:
+def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> Needs:
     """``needs[r][o]``: the runs of rank ``o``'s key/value part whose blocks some query of rank
     ``r`` keeps (merged, in ``o``'s part order; none for ``r == o``), from the keep grid at
     the layout's grains."""
@@ -187,7 +190,7 @@ def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> list[list[list[R
     # global blocks of each rank's part, in part order
     q_blocks = [_blocks(layout.ranges(r, call.length_q), grain_q) for r in range(world)]
     kv_blocks = [_blocks(layout.ranges(r, call.length_kv), grain_kv) for r in range(world)]
-    needs: list[list[list[Run]]] = []
+    needs: Needs = []
     for receiver in range(world):
         # rows by index_select, not a list index: advanced indexing of a CPU tensor costs
         # milliseconds where several processes share the cores
@@ -204,7 +207,7 @@ def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> list[list[list[R
 
 
 def pair_shapes(
-    grid: Tensor, call: Call, layout: Layout, rank: int, needs: list[list[list[Run]]]
+    grid: Tensor, call: Call, layout: Layout, rank: int, needs: Needs
 ) -> list[list[tuple[slice, slice, Block]]]:
     """Per step, ``rank``'s pairs as ``(rows in its query part, columns in the key/value
     tensors in hand, block of the whole call)``: its own part at step 0, the runs of rank
