@@ -11,7 +11,9 @@ the same whole ``q, k, v`` (bf16, B=1, H=16, E=128) and:
   call, the peak memory the step adds, and for the sequence mode the key/value positions each
   rank receives against the positions its queries keep (both at blocks of 16 positions);
 * the overlap of the chosen sequence layout: the step with its transfers alone (no pairs
-  computed) and with its computation alone (no transfers; buffers left unfilled);
+  computed) and with its computation alone (no transfers; buffers left unfilled); of the head
+  mode: the step with every rank's heads in one group (``heads.MAX_CHUNKS = 1``: each
+  exchange waits for the one before and for the attention before it);
 * PyTorch's ``context_parallel`` (causal only: its ring takes ``is_causal``, not these masks).
 
 Two rounds, the second in reverse order; the table gives the mean of the two medians.
@@ -40,7 +42,7 @@ from torch import Tensor
 
 import attnbias
 from attnbias import DocumentBias, ModBias, SlidingWindowBias, causal_upper_left, distributed
-from attnbias.distributed import blocks, exchange
+from attnbias.distributed import blocks, exchange, heads
 from attnbias.terms import Call
 
 HEADS, HEAD_DIM, BATCH = 16, 128, 1
@@ -144,11 +146,10 @@ def run_rank(rank: int, world: int, port: int, args: Any) -> None:
                 rows += bench_case(rank, world, length, name, bias, args)
                 if rank == 0:
                     print(rows[-1]["case"], length, "done", flush=True)
+                    with open(args.out + ".rows", "w") as f:  # what is done so far
+                        json.dump(rows, f)
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        with open(args.out + ".rows", "w") as f:
-            json.dump(rows, f)
 
 
 def bench_case(
@@ -171,7 +172,7 @@ def bench_case(
 
     rows: list[dict[str, Any]] = []
     base = {"case": name, "length": length, "world": world}
-    configs = [*CONFIGS]
+    configs = [c for c in CONFIGS if not args.configs or f"{c[0]}/{c[1]}" in args.configs]
     rounds: dict[str, list[float]] = {}
     extra: dict[str, dict[str, Any]] = {}
     for round_index in range(2):
@@ -226,6 +227,10 @@ def bench_case(
                 info["peak_mib"] = float(peaks)
                 extra[label] = info
             rounds.setdefault(label, []).append(timed(step, reps))
+            if mode == "heads" and round_index == 0:
+                extra[label]["one_group_ms"] = with_patch(
+                    heads, "MAX_CHUNKS", 1, lambda: timed(step, reps)
+                )
             if mode == "sequence" and layout_name == "auto" and round_index == 0:
                 extra[label]["transfers_only_ms"] = with_patch(
                     exchange, "_pairs", lambda *a, **k: [], lambda: timed(step, reps)
@@ -324,6 +329,8 @@ def report(path: str) -> str:
             errs = ", ".join(f"{e:.1e}" for e in r.get("errors", []))
             rounds = " / ".join(f"{t:.2f}" for t in r["ms_rounds"])
             overlap = ""
+            if "one_group_ms" in r:
+                overlap = f" (one group: {r['one_group_ms']:.2f})"
             if "transfers_only_ms" in r:
                 overlap = (f" (transfers alone {r['transfers_only_ms']:.2f}, compute alone "
                            f"{r['compute_only_ms']:.2f})")  # fmt: skip
@@ -339,6 +346,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="32768,131072")
     parser.add_argument("--cases", default="")
+    parser.add_argument("--configs", default="", help="e.g. sequence/auto,heads/zigzag")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--out", default="cp.json")
     parser.add_argument("--report", default=None)
@@ -349,6 +357,7 @@ def main() -> None:
         return
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.cases = [c for c in args.cases.split(",") if c]
+    args.configs = [c for c in args.configs.split(",") if c]
     world = torch.cuda.device_count()
     if world < 2:
         sys.exit("cp_bench needs at least two GPUs")
