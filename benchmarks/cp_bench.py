@@ -11,9 +11,7 @@ the same whole ``q, k, v`` (bf16, B=1, H=16, E=128) and:
   call, the peak memory the step adds, and for the sequence mode the key/value positions each
   rank receives against the positions its queries keep (both at blocks of 16 positions);
 * the overlap of the chosen sequence layout: the step with its transfers alone (no pairs
-  computed) and with its computation alone (no transfers; buffers left unfilled); of the head
-  mode: the step with every rank's heads in one group (``heads.MAX_CHUNKS = 1``: each
-  exchange waits for the one before and for the attention before it);
+  computed) and with its computation alone (no transfers; buffers left unfilled);
 * PyTorch's ``context_parallel`` (causal only: its ring takes ``is_causal``, not these masks).
 
 Two rounds, the second in reverse order; the table gives the mean of the two medians.
@@ -42,7 +40,7 @@ from torch import Tensor
 
 import attnbias
 from attnbias import DocumentBias, ModBias, SlidingWindowBias, causal_upper_left, distributed
-from attnbias.distributed import blocks, exchange, heads
+from attnbias.distributed import blocks, exchange
 from attnbias.terms import Call
 
 HEADS, HEAD_DIM, BATCH = 16, 128, 1
@@ -227,10 +225,6 @@ def bench_case(
                 info["peak_mib"] = float(peaks)
                 extra[label] = info
             rounds.setdefault(label, []).append(timed(step, reps))
-            if mode == "heads" and round_index == 0:
-                extra[label]["one_group_ms"] = with_patch(
-                    heads, "MAX_CHUNKS", 1, lambda: timed(step, reps)
-                )
             if mode == "sequence" and layout_name == "auto" and round_index == 0:
                 extra[label]["transfers_only_ms"] = with_patch(
                     exchange, "_pairs", lambda *a, **k: [], lambda: timed(step, reps)
@@ -329,8 +323,6 @@ def report(path: str) -> str:
             errs = ", ".join(f"{e:.1e}" for e in r.get("errors", []))
             rounds = " / ".join(f"{t:.2f}" for t in r["ms_rounds"])
             overlap = ""
-            if "one_group_ms" in r:
-                overlap = f" (one group: {r['one_group_ms']:.2f})"
             if "transfers_only_ms" in r:
                 overlap = (f" (transfers alone {r['transfers_only_ms']:.2f}, compute alone "
                            f"{r['compute_only_ms']:.2f})")  # fmt: skip

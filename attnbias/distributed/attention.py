@@ -18,7 +18,7 @@ from attnbias.terms import Call
 
 from .blocks import Kept, grain, keep_grid, layout_costs
 from .exchange import Needs, Schedule, exchange_sdpa, exchanged_runs, pair_shapes
-from .heads import chunk_count, heads_reasons, heads_sdpa
+from .heads import heads_reasons, heads_sdpa
 from .layouts import Layout, as_group, world_of
 from .sharding import resolve_layout
 
@@ -332,8 +332,7 @@ def _choose(
     """The mode of a call, by predicted time. The sequence mode: the slowest rank's kept
     blocks' work, plus a cost per pair it runs (its host time and the log-sum-exp merge of
     its rows), against its transfers, which overlap the work. The head mode: a W-th of the
-    whole work plus the part of its all-to-all that does not overlap it (the heads run in
-    groups; see :func:`attnbias.distributed.heads.chunk_count`). Rates from :data:`RATES`."""
+    whole work plus its all-to-all, which does not overlap. Rates from :data:`RATES`."""
     world, asked = layout.world, mode
     refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
     if mode == "heads" and refused:
@@ -379,14 +378,9 @@ def _choose(
         part_kv = call.length_kv // world * heads_kv * batch
         elements = float(part_q * (dim + dim_v) + part_kv * (dim + dim_v))
         elements *= 2.0 if needs_grad else 1.0
-        bytes_s = elements * element * (world - 1) / world / rates.all_to_all_bytes
-        # the heads run in groups: a group's exchanges overlap another group's work, all but
-        # the first group's inputs and the last group's outputs (each way)
-        per_rank_kv = heads_kv // world if heads_kv >= world else 1
-        count = chunk_count(call.heads // world, per_rank_kv, batch * call.length_q,
-                            call.device.type == "cuda")  # fmt: skip
-        exchange_s = rates.all_to_all_s * (2.0 if needs_grad else 1.0) + bytes_s / count
-        heads_s = max(total / world, bytes_s) + exchange_s
+        exchange_s = rates.all_to_all_s * (2.0 if needs_grad else 1.0)
+        exchange_s += elements * element * (world - 1) / world / rates.all_to_all_bytes
+        heads_s = total / world + exchange_s
     if mode == "auto":
         mode = "heads" if heads_s is not None and heads_s < sequence_s else "sequence"
     return Choice(mode, sequence_s, heads_s, refused, asked)

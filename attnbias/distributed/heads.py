@@ -22,8 +22,6 @@ key/value head goes to every rank whose query heads use it, so the exchange keep
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +33,7 @@ from attnbias.distributed.layouts import Layout, as_group, world_of
 from attnbias.functional import sdpa
 from attnbias.terms import Call
 
-__all__ = ["MAX_CHUNKS", "chunk_count", "heads_reasons", "heads_sdpa"]
+__all__ = ["heads_reasons", "heads_sdpa"]
 
 
 def heads_reasons(call_heads_q: int, heads_kv: int, world: int, bias: AttnBias | None) -> list[str]:
@@ -94,11 +92,6 @@ def heads_sdpa(
     The call must be one :func:`heads_reasons` accepts and validated as a whole: ``bias``
     over the whole ``(L, S)`` sequence, the same on every rank, ``is_causal`` folded in.
 
-    Each rank's heads run in up to :data:`MAX_CHUNKS` groups (:func:`chunk_count`), so that
-    the exchanges of one group overlap the attention of another: every group's queries, keys
-    and values are sent at once, each group's attention starts when its own have arrived, and
-    its output leaves while the next group computes; the backward likewise.
-
     Args:
         query: this rank's part ``(B, Hq, L / W, E)``, laid out by ``layout``.
         key: ``(B, Hkv, S / W, E)``, likewise.
@@ -112,170 +105,34 @@ def heads_sdpa(
 
     Returns:
         This rank's part of the output, ``(B, Hq, L / W, Ev)`` in ``layout``'s order.
-        Differentiable (once) in the inputs and in the bias's tensors; a bias tensor's
-        gradient on a rank holds that rank's heads' entries (summed over the group: the whole
-        gradient).
+        Differentiable in the inputs and in the bias's tensors; a bias tensor's gradient on
+        a rank holds that rank's heads' entries (summed over the group: the whole gradient).
     """
-    del enable_gqa  # each rank's call sets its own from the heads it holds
     group = as_group(group)
     rank, world = world_of(group)
-    params = () if bias is None else tuple(bias.parameters())
-    plan = _Plan(bias, scale, group, rank, world, layout)
-    result: Tensor = _HeadsAttention.apply(query, key, value, plan, *params)
-    return result
-
-
-#: The most groups a rank's heads are run in (the exchanges of one overlap another's work).
-MAX_CHUNKS = 4
-#: On a GPU, a group holds at least this many query rows (heads x batch x L), so that its
-#: attention fills the device.
-MIN_CHUNK_ROWS = 65536
-
-
-def chunk_count(heads_q: int, heads_kv: int, rows: int, on_gpu: bool) -> int:
-    """How many groups a rank's ``heads_q`` query heads (and ``heads_kv`` key/value heads,
-    after GQA's replication) run in: the largest divisor of both that is at most
-    :data:`MAX_CHUNKS` and, on a GPU, leaves each group ``MIN_CHUNK_ROWS`` query rows
-    (``rows``: batch x whole query length)."""
-    common = math.gcd(heads_q, heads_kv)
-    for count in range(min(MAX_CHUNKS, common), 1, -1):
-        if common % count == 0 and (not on_gpu or heads_q // count * rows >= MIN_CHUNK_ROWS):
-            return count
-    return 1
-
-
-@dataclass
-class _Plan:
-    """What :class:`_HeadsAttention` needs besides its tensors; the forward keeps each
-    group's graph here for the backward."""
-
-    bias: AttnBias | None
-    scale: float | None
-    group: Any
-    rank: int
-    world: int
-    layout: Layout
-    graphs: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)
-
-
-class _HeadsAttention(torch.autograd.Function):
-    """The head mode's forward and backward, pipelined over groups of heads, with the bias's
-    tensors as inputs of their own (their gradients)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, plan: _Plan, *params: Tensor
-    ) -> Tensor:
-        world, layout, group = plan.world, plan.layout, plan.group
-        batch, heads_q, part_q, _ = query.shape
-        per_rank = heads_q // world
-        q_by = _by_head(query, world)  # (W, B, Hq / W, L / W, E)
-        k_by, v_by = (_by_head(_kv_for_ranks(t, world), world) for t in (key, value))
-        heads_kv = k_by.shape[2]
-        count = chunk_count(per_rank, heads_kv, batch * part_q * world, query.is_cuda)
-        step_q, step_kv = per_rank // count, heads_kv // count
-        call = Call(batch, heads_q, part_q * world, key.shape[2] * world, query.device)
-        needs_grad = any(ctx.needs_input_grad)
-        # every group's exchange at once; each group's attention waits for its own only
-        sent = [
-            [
-                _Exchange(x[:, :, g * step : (g + 1) * step], group)
-                for x, step in ((q_by, step_q), (k_by, step_kv), (v_by, step_kv))
-            ]
-            for g in range(count)
-        ]
-        back = []
-        for g in range(count):
-            whole = [layout.assemble(list(e.result().unbind(0)), 2) for e in sent[g]]
-            if needs_grad:
-                whole = [t.requires_grad_() for t in whole]
-            start = plan.rank * per_rank + g * step_q
-            with torch.enable_grad():
-                own = None if plan.bias is None else plan.bias.sub_heads(call, start, step_q)
-                out = sdpa(
-                    whole[0],
-                    whole[1],
-                    whole[2],
-                    attn_mask=own,
-                    scale=plan.scale,
-                    enable_gqa=step_kv != step_q,
-                )
-            if needs_grad:
-                plan.graphs.append((out, whole))
-            # (W, B, Hq / W / count, L / W, Ev): rank j's part of the sequence, these heads
-            parts = torch.stack([layout.take(out.detach(), j, 2) for j in range(world)])
-            back.append(_Exchange(parts, group))
-        # received[j]: this rank's part of the sequence for rank j's heads
-        received = torch.cat([e.result() for e in back], 2)
-        ctx.plan, ctx.count = plan, count
-        ctx.shapes = (query.shape, key.shape, value.shape)
-        ctx.save_for_backward(*params)
-        return received.transpose(0, 1).reshape(batch, heads_q, part_q, received.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():  # asked to build a graph of the gradients
-            raise RuntimeError(
-                "attnbias.distributed.sdpa: double backward (create_graph=True) is not "
-                "supported: the head mode's gradients are not themselves differentiable"
-            )
-        plan: _Plan = ctx.plan
-        params = ctx.saved_tensors
-        world, layout, group, count = plan.world, plan.layout, plan.group, ctx.count
-        wanted = [p for p in params if p.requires_grad]
-        by_head = _by_head(grad_out, world)
-        step_q = by_head.shape[2] // count
-        sent = [
-            _Exchange(by_head[:, :, g * step_q : (g + 1) * step_q], group) for g in range(count)
-        ]
-        back: list[list[_Exchange]] = []
-        grad_params: list[Tensor | None] = [None] * len(wanted)
-        for g, (out, whole) in enumerate(plan.graphs):
-            grad = layout.assemble(list(sent[g].result().unbind(0)), 2)
-            grads = torch.autograd.grad(out, [*whole, *wanted], grad, allow_unused=True)
-            inputs = [torch.zeros_like(t) if d is None else d
-                      for t, d in zip(whole, grads[:3], strict=True)]  # fmt: skip
-            back.append(
-                [
-                    _Exchange(torch.stack([layout.take(t, j, 2) for j in range(world)]), group)
-                    for t in inputs
-                ]
-            )
-            for i, found in enumerate(grads[3:]):
-                if found is not None:
-                    total = grad_params[i]
-                    grad_params[i] = found if total is None else total + found
-        plan.graphs.clear()
-        shape_q, shape_k, shape_v = ctx.shapes
-        results = [torch.cat([b[i].result() for b in back], 2) for i in range(3)]
-        grad_q = _from_by_head(results[0], shape_q[1])
-        grad_k = _from_by_head(results[1], shape_k[1])
-        grad_v = _from_by_head(results[2], shape_v[1])
-        found_params = iter(grad_params)
-        return (
-            grad_q,
-            grad_k,
-            grad_v,
-            None,
-            *(next(found_params) if p.requires_grad else None for p in params),
-        )
-
-
-class _Exchange:
-    """An all-to-all started now: ``result()[j]`` is rank ``j``'s ``x[rank]``, for ``x`` of
-    shape ``(W, ...)``. On a GPU the exchange runs on the communication stream, beside the
-    work queued after it; ``result()`` makes the current stream wait for it."""
-
-    def __init__(self, x: Tensor, group: Any) -> None:
-        self.input = x.contiguous()
-        self.output = torch.empty_like(self.input)
-        self.work = dist.all_to_all_single(self.output, self.input, group=group, async_op=True)
-
-    def result(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.output
+    batch, heads_q, part_q, _ = query.shape
+    part_kv = key.shape[2]
+    per_rank = heads_q // world
+    whole_q = _heads_to_sequence(_by_head(query, world), layout, group)
+    whole_k, whole_v = (
+        _heads_to_sequence(_by_head(_kv_for_ranks(t, world), world), layout, group)
+        for t in (key, value)
+    )
+    call = Call(batch, heads_q, part_q * world, part_kv * world, query.device)
+    own = None if bias is None else bias.sub_heads(call, rank * per_rank, per_rank)
+    out = sdpa(
+        whole_q,
+        whole_k,
+        whole_v,
+        attn_mask=own,
+        scale=scale,
+        enable_gqa=whole_k.shape[1] != per_rank,
+    )
+    # (W, B, Hq / W, L / W, Ev): rank j's part of the sequence, for this rank's heads
+    parts = torch.stack([layout.take(out, j, 2) for j in range(world)])
+    back = _AllToAll.apply(parts, group)
+    # back[j]: this rank's part of the sequence for rank j's heads, in head order
+    return back.transpose(0, 1).reshape(batch, heads_q, part_q, out.shape[-1])
 
 
 def _by_head(x: Tensor, world: int) -> Tensor:
@@ -299,11 +156,30 @@ def _kv_for_ranks(x: Tensor, world: int) -> Tensor:
     )
 
 
-def _from_by_head(x: Tensor, heads: int) -> Tensor:
-    """The inverse of :func:`_by_head` and :func:`_kv_for_ranks`: ``(W, B, h, n, E)`` as
-    ``(B, heads, n, E)``, the copies of a key/value head replicated for several ranks summed."""
-    world, batch, per_rank, length, dim = x.shape
-    whole = x.transpose(0, 1).reshape(batch, world * per_rank, length, dim)
-    if heads >= world:
-        return whole
-    return whole.view(batch, heads, world // heads, length, dim).sum(2)
+def _heads_to_sequence(x: Tensor, layout: Layout, group: Any) -> Tensor:
+    """``(W, B, h, n, E)``, the heads for each rank of this rank's part of the sequence, to
+    ``(B, h, W n, E)``: this rank's heads over the whole sequence, in global order."""
+    received = _AllToAll.apply(x, group)
+    return layout.assemble(list(received.unbind(0)), 2)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``out[j]`` = rank ``j``'s ``x[rank]``, for ``x`` of shape ``(W, ...)``. The exchange is
+    its own adjoint: the gradient goes back by the same exchange (differentiable too, so
+    double backward reaches the single-process call)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _exchange(x: Tensor, group: Any) -> Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
