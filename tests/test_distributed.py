@@ -899,8 +899,9 @@ def test_the_mode_follows_the_predicted_time() -> None:
     """Training on two ranks (the rates fitted on two H100s): causal and prefix-LM at 32k take
     the head mode (the whole work halves, the all-to-all costs less than the sequence mode's
     pairs); a window of 4096 at 128k over contiguous parts the sequence mode (it sends 4096
-    keys, the all-to-all would send half of q, k, v and the output); six heads over four ranks
-    cannot split and take the sequence mode, and naming the head mode raises."""
+    keys, the all-to-all would send half of q, k, v and the output), at 32k the head mode;
+    six heads over four ranks cannot split and take the sequence mode, and naming the head
+    mode raises."""
     from attnbias.distributed import attention
 
     def choose(bias: Any, length: int, layout: Any, heads: int = 16, mode: str = "auto") -> Any:
@@ -915,6 +916,8 @@ def test_the_mode_follows_the_predicted_time() -> None:
     window = choose(causal_upper_left() + SlidingWindowBias(4095), 131072, contiguous)
     assert window.mode == "sequence", window
     assert window.heads_s is not None and window.sequence_s < window.heads_s
+    # at 32k the sequence mode's fixed cost outweighs the 4096 keys it saves sending
+    assert choose(causal_upper_left() + SlidingWindowBias(4095), 32768, contiguous).mode == "heads"
     six = choose(causal_upper_left(), 32768, distributed.Layout.zigzag(4), heads=6)
     assert six.mode == "sequence" and six.heads_s is None
     assert "Hq=6 is not a multiple of W=4" in six.describe()

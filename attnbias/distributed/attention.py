@@ -368,7 +368,8 @@ def _choose(
         merged = sum(rows.stop - rows.start for rows, _, _ in shapes) * call.heads * dim_v * batch
         work = costs.compute[rank] * pair_block_s
         work += len(shapes) * rates.pair_s * pass_factor + merged * rates.merge_element_s
-        sequence_s = max(sequence_s, work, costs.received[rank] * transfer_s)
+        sequence_s = max(sequence_s, work + rates.sequence_call_s * pass_factor,
+                         costs.received[rank] * transfer_s)  # fmt: skip
     heads_s = None
     if not refused:
         total = int(grid.sum()) * block_s
@@ -390,16 +391,19 @@ def _choose(
 class Rates:
     """What the mode choice predicts with. Fitted to forward + backward steps on two H100s
     with NVLink (bf16, B=1, H=16, E=128, S = 32k and 128k; benchmarks/NOTES.md, "Context
-    parallelism"): attention's work at FlashAttention 4's pace, and how much slower shard
-    pairs with mask functions or documents run (on the Triton kernel), a pair's fixed cost,
-    the log-sum-exp merge per output element, the all-to-all's fixed cost (per direction) and
-    rate, and the point-to-point rate."""
+    parallelism"), checked on two and four at 32k-512k: attention's work at FlashAttention
+    4's pace, and how much slower shard pairs with mask functions or documents run (on the
+    Triton kernel), a pair's fixed cost, the sequence mode's fixed cost per call (about 3 ms
+    a forward + backward step that no pair explains), the log-sum-exp merge per output
+    element, the all-to-all's fixed cost (per direction) and rate, and the point-to-point
+    rate."""
 
     flops: float = 6.5e14
     backward_factor: float = 3.5
     functions_slowdown: float = 1.9
     documents_slowdown: float = 1.6
     pair_s: float = 0.35e-3
+    sequence_call_s: float = 0.85e-3
     merge_element_s: float = 2.6e-11
     all_to_all_s: float = 1.0e-3
     all_to_all_bytes: float = 1.4e11
