@@ -9,7 +9,8 @@ the same whole ``q, k, v`` (bf16, B=1, H=16, E=128) and:
 * each (mode, layout) of ``distributed.sdpa``: forward + backward per step (the slowest rank's
   median over the repetitions), the errors of the output and gradients against the whole
   call, the peak memory the step adds, and for the sequence mode the key/value positions each
-  rank receives against the positions its queries keep (both at blocks of 16 positions);
+  rank receives against the positions its queries keep (both at blocks of 16 positions, of
+  64 beyond 128k);
 * the overlap of the chosen sequence layout: the step with its transfers alone (no pairs
   computed) and with its computation alone (no transfers; buffers left unfilled);
 * PyTorch's ``context_parallel`` (causal only: its ring takes ``is_causal``, not these masks).
