@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import threading
+import types
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -145,13 +147,38 @@ class ModBias(KernelBias):
         return masks, scores
 
     def _traced(self) -> Any:
-        found = self.__dict__.get("_traced_mods")
-        if found is None:
-            from attnbias.kernels.modfn import trace_mods
+        """The functions traced with the values they read now.
 
-            _refuse_inside_compile(self)
-            found = trace_mods(*self.functions())
-            object.__setattr__(self, "_traced_mods", found)
+        A trace holds the numbers the functions computed from what they can see (closure
+        cells, fields and attributes, defaults, module globals, class attributes): each call
+        first compares those values with the ones of the trace (:func:`_seen`, a few µs) and
+        traces the functions again where one changed. A new trace of the same structure
+        generates the same source (no compilation); everything worked out from the old values
+        (built-in forms, documents, generated forms, shifted copies) is dropped, and
+        :meth:`cache_key` names the new values, so that no plan of the old ones is reused.
+        Inside ``torch.compile`` the trace is the one of the last call outside it."""
+        found = self.__dict__.get("_traced_mods")
+        if torch.compiler.is_compiling():
+            if found is None:
+                _refuse_inside_compile(self)
+            return found
+        probes = self.__dict__.get("_seen_values")
+        if found is not None and probes is not None and _unchanged(probes):
+            return found
+        seen = _seen(self)
+        from attnbias.kernels.modfn import trace_mods
+
+        _refuse_inside_compile(self)
+        traced = trace_mods(*self.functions())
+        key = _key_of(traced)
+        with _LOCK:
+            if found is None or key != self.__dict__.get("_values_key"):
+                for name in _WORKED_OUT:
+                    self.__dict__.pop(name, None)
+                object.__setattr__(self, "_traced_mods", traced)
+                object.__setattr__(self, "_values_key", key)
+                found = traced
+            object.__setattr__(self, "_seen_values", seen)
         return found
 
     def __getstate__(self) -> dict[str, Any]:
@@ -329,8 +356,8 @@ class ModBias(KernelBias):
 
     @property
     def cache_key_varies(self) -> bool:
-        form = self.builtin_form()
-        return form is not None and form.ids is not None and len(form.id_params) > 0
+        """Always: the key holds the values the functions read (:meth:`cache_key`)."""
+        return True
 
     def sub_block(self, call: Call, block: Block) -> ModBias:
         """The same functions reading the call's indices: ``q_idx + block.q_start`` and
@@ -417,13 +444,17 @@ class ModBias(KernelBias):
         return additive.to(dtype).expand(full).contiguous()
 
     def cache_key(self) -> Hashable | None:
-        """The bias by identity, with the versions of the tensors its document ids read
-        (a call after an in-place write is planned again); ``None`` where a tensor has no
-        version counter."""
-        if not self.cache_key_varies:
-            return _Identity(self)
+        """The bias by identity with the values its functions read now (numbers, and tensors
+        by identity: a plan made with other values is not reused), and the versions of the
+        tensors its document ids read (a call after an in-place write is planned again);
+        ``None`` where a tensor has no version counter."""
+        self._traced()
+        key = (_Identity(self), self.__dict__["_values_key"])
+        form = self.builtin_form()
+        if form is None or form.ids is None or not form.id_params:
+            return key
         versions = self._id_versions()
-        return None if versions is None else (_Identity(self), versions)
+        return None if versions is None else (key, versions)
 
     def parameters(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self._traced().params if t.is_floating_point())
@@ -489,19 +520,196 @@ def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) ->
     return ModBias(mask_mod=mask_mod, score_mod=score_mod)
 
 
-# What a ModBias works out for its calls and keeps in its __dict__ (left out of copies)
+# What a ModBias works out for its calls and keeps in its __dict__ (left out of copies and of
+# the values its functions read; dropped where those change)
 _WORKED_OUT = (
     "_traced_mods", "_builtin_form", "_chunk_docs", "_id_docs", "_blocks", "_head_ranges",
-    "_compiled_mods", "_combined_mods",
+    "_compiled_mods", "_combined_mods", "_seen_values", "_values_key",
 )  # fmt: skip
 
 
-def _cell_value(cell: Any) -> Any:
-    """A closure cell's value (``None`` for a cell not filled yet)."""
+def _key_of(traced: Any) -> tuple[Any, ...]:
+    """A trace as the plan cache tells traces apart: its structure (the graph, by a number
+    per distinct graph in the process), its numbers (typed, NaN equal to NaN) and its
+    tensors by identity."""
+    structure = (
+        tuple(traced.nodes),
+        tuple(f.result for f in traced.masks),
+        tuple(f.result for f in traced.scores),
+        tuple((t.dtype, t.dim()) for t in traced.params),
+    )
+    number = _STRUCTURES.get(structure)
+    if number is None:
+        with _LOCK:
+            number = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
+    values = tuple(
+        (type(c), "nan") if isinstance(c, float) and math.isnan(c) else (type(c), c)
+        for c in traced.consts
+    )
+    return number, values, tuple(_Identity(t) for t in traced.params)
+
+
+_STRUCTURES: dict[tuple[Any, ...], int] = {}
+
+
+class _Unseen(Exception):
+    """The values a function reads go past what :func:`_seen` compares."""
+
+
+#: The most values :func:`_seen` compares, and how deep it follows containers and objects;
+#: past either, the functions are traced again at every call.
+_MAX_SEEN = 2048
+_MAX_DEPTH = 8
+_ATOMS = (int, float, bool, str, bytes, complex, type(None))
+_OPAQUE = (
+    types.ModuleType, type, types.BuiltinFunctionType, types.MethodDescriptorType,
+    types.WrapperDescriptorType, torch.dtype, torch.device,
+)  # fmt: skip
+_EMPTY_CELL = object()
+
+
+def _seen(bias: ModBias) -> list[tuple[int, Any, Any, Any]] | None:
+    """Where everything ``bias``'s functions can read lives, with its value now: a list of
+    probes ``(how, container, key, value)`` that :func:`_unchanged` reads again at each call.
+
+    Followed: the functions (their code, defaults, closure cells and the module globals their
+    code names, nested functions included), bound methods (the function and the object),
+    ``functools.partial``, lists, tuples, sets and dicts, objects' attributes (``__dict__``
+    and ``__slots__``), and the bias's classes (their plain values and functions). Numbers and
+    strings are compared by value and type, anything else by identity (a tensor's contents
+    are read by the kernels at every call anyway). ``None`` where that goes past
+    :data:`_MAX_SEEN` probes or :data:`_MAX_DEPTH` levels (every call then traces anew)."""
+    probes: list[tuple[int, Any, Any, Any]] = []
+    done: set[int] = set()
+
+    def probe(how: int, container: Any, key: Any, depth: int) -> None:
+        value = _read(how, container, key)
+        probes.append((how, container, key, value))
+        visit(value, depth + 1)
+
+    def visit(value: Any, depth: int) -> None:
+        if len(probes) > _MAX_SEEN or depth > _MAX_DEPTH:
+            raise _Unseen
+        if type(value) in _ATOMS or isinstance(value, (Tensor, *_OPAQUE)):
+            return
+        if id(value) in done:
+            return
+        done.add(id(value))
+        kind = type(value)
+        if isinstance(value, types.FunctionType):
+            for name in ("__code__", "__defaults__", "__kwdefaults__"):
+                probe(_ATTR, value, name, depth)
+            for cell in value.__closure__ or ():
+                probe(_CELL, cell, None, depth)
+            space = value.__globals__
+            for name in _global_names(value.__code__):
+                if name in space:
+                    probe(_ITEM, space, name, depth)
+        elif isinstance(value, types.MethodType):
+            visit(value.__func__, depth + 1)
+            visit(value.__self__, depth + 1)
+        elif isinstance(value, functools.partial):
+            visit(value.func, depth + 1)
+            visit(value.args, depth + 1)
+            visit(value.keywords, depth + 1)
+        elif kind is tuple or kind is frozenset:
+            for item in value:
+                visit(item, depth + 1)
+        elif kind is list:
+            probes.append((_LENGTH, value, None, len(value)))
+            for index in range(len(value)):
+                probe(_ITEM, value, index, depth)
+        elif kind is set:
+            probes.append((_LENGTH, value, None, len(value)))
+            probes.append((_SAME, value, None, frozenset(value)))
+        elif kind is dict:
+            probes.append((_LENGTH, value, None, len(value)))
+            for key in list(value):
+                probe(_ITEM, value, key, depth)
+        else:
+            attributes = getattr(value, "__dict__", None)
+            if attributes is not None:
+                for key in list(attributes):
+                    if not (isinstance(value, ModBias) and key in _WORKED_OUT):
+                        probe(_ITEM, attributes, key, depth)
+            for cls in kind.__mro__:
+                if cls is ModBias or cls is object:
+                    break
+                for slot in cls.__dict__.get("__slots__", ()):
+                    if isinstance(slot, str) and slot not in ("__dict__", "__weakref__"):
+                        probe(_ATTR, value, slot, depth)
+                if isinstance(value, ModBias):  # the subclass's values and methods
+                    for key, item in cls.__dict__.items():
+                        if not key.startswith("__") and (
+                            type(item) in _ATOMS or isinstance(item, types.FunctionType)
+                        ):
+                            probe(_ITEM, cls.__dict__, key, depth)
+
+    try:
+        visit(bias, 0)
+        visit(bias.functions(), 1)
+    except (_Unseen, RecursionError):
+        return None
+    return probes
+
+
+# how a probe of :func:`_seen` reads its value
+_ITEM, _ATTR, _CELL, _LENGTH, _SAME = range(5)
+_MISSING = object()
+
+
+def _read(how: int, container: Any, key: Any) -> Any:
+    if how == _ITEM:
+        try:
+            return container[key]
+        except (KeyError, IndexError):
+            return _MISSING
+    if how == _ATTR:
+        return getattr(container, key, _MISSING)
+    if how == _CELL:
+        return _cell_value(container, _MISSING)
+    if how == _LENGTH:
+        return len(container)
+    return frozenset(container)
+
+
+def _unchanged(probes: list[tuple[int, Any, Any, Any]]) -> bool:
+    """Whether every probe of :func:`_seen` reads what it read then."""
+    for how, container, key, value in probes:
+        now = _read(how, container, key)
+        if now is value:
+            continue
+        kind = type(now)
+        if kind is not type(value) or (kind not in _ATOMS and how != _SAME):
+            return False
+        if now != value and not (kind is float and math.isnan(now) and math.isnan(value)):
+            return False
+    return True
+
+
+_GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` may read as module globals (nested functions' code included)."""
+    found = _GLOBAL_NAMES.get(code)
+    if found is None:
+        names = set(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names.update(_global_names(const))
+        found = tuple(sorted(names))
+        if len(_GLOBAL_NAMES) < 4096:
+            _GLOBAL_NAMES[code] = found
+    return found
+
+
+def _cell_value(cell: Any, empty: Any = None) -> Any:
+    """A closure cell's value (``empty`` for a cell not filled yet)."""
     try:
         return cell.cell_contents
     except ValueError:
-        return None
+        return empty
 
 
 def _plus(index: Any, offset: int) -> Any:
@@ -549,10 +757,14 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
     of a sum: masks intersect, score functions apply in the order of the sum.
 
     Made once per bias (or per combination, kept by its first part), when the bias or the
-    sum is built; inside ``torch.compile`` only the kept form is read."""
+    sum is built, and again where the values a part's functions read changed (the same
+    structure generates the same source: nothing compiles again); inside ``torch.compile``
+    only the kept form is read."""
     from attnbias.kernels.modfn import CompiledMods, trace_mods
 
     first = parts[0]
+    # each part's values as they are now (a part whose values changed drops its forms)
+    keys = tuple((part._traced(), part.__dict__["_values_key"])[1] for part in parts)
     if len(parts) == 1:
         found = first.__dict__.get("_compiled_mods")
         if found is None:
@@ -560,10 +772,14 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
             found = CompiledMods.of(first._traced())
             object.__setattr__(first, "_compiled_mods", found)
         return found
-    kept: list[tuple[tuple[ModBias, ...], Any]] = first.__dict__.get("_combined_mods", [])
-    for kept_parts, compiled in kept:
-        if len(kept_parts) == len(parts) and all(
-            a is b for a, b in zip(kept_parts, parts, strict=True)
+    kept: list[tuple[tuple[ModBias, ...], tuple[Any, ...], Any]] = first.__dict__.get(
+        "_combined_mods", []
+    )
+    for kept_parts, kept_keys, compiled in kept:
+        if (
+            len(kept_parts) == len(parts)
+            and all(a is b for a, b in zip(kept_parts, parts, strict=True))
+            and kept_keys == keys
         ):
             return compiled
     _refuse_inside_compile(*parts)
@@ -576,7 +792,7 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
     compiled = CompiledMods.of(trace_mods(masks, scores))
     with _LOCK:
         kept = [*first.__dict__.get("_combined_mods", [])[-(_MAX_COMBINED - 1) :]]
-        kept.append((parts, compiled))
+        kept.append((parts, keys, compiled))
         object.__setattr__(first, "_combined_mods", kept)
     return compiled
 
