@@ -120,11 +120,8 @@ class _Tracer:
             kind = "float"
         else:
             raise self.error(f"a value of type {type(value).__name__} ({value!r})")
-        for slot, known in enumerate(self.consts):
-            if type(known) is type(value) and (
-                known == value or (math.isnan(value) and math.isnan(known))
-            ):
-                return self.add("const", (slot,), kind)
+        # a slot per number met, equal values or not: the graph (and the generated source)
+        # then depends on where the function uses numbers, never on which values they have
         self.consts.append(value)
         return self.add("const", (len(self.consts) - 1,), kind)
 

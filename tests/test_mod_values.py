@@ -1,0 +1,189 @@
+"""A ModBias computes with the values its functions read at the time of each call.
+
+A number in a closure, a field of a (non-frozen) dataclass, an attribute set in ``__init__``, a
+module global and a tensor a closure is rebound to, each changed five times between calls:
+every call agrees with the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly
+with the values of the moment), on the exact path and on the Triton kernel (interpreted on the
+CPU, compiled on a GPU). Counted: each change traces the functions once more and generates no
+new source (the generated code takes the numbers as runtime arguments); an unchanged call
+traces nothing. A Python branch on a closure value gives the other function's graph.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from oracle import assert_call_close
+from torch import Tensor
+
+import attnbias
+from attnbias import ModBias, use_backends
+from attnbias.kernels import modfn
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+ROUTES = ["reference", "triton"]
+SHAPE = (1, 2, 16, 16)  # B, H, L = S, E: one tile of the interpreted kernel
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The number of times functions were traced so far (one element, updated)."""
+    count = [0]
+    original = modfn.trace_mods
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modfn, "trace_mods", counting)
+    yield count
+
+
+def _inputs(device: str, seed: int) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(SHAPE, generator=generator).to(device) for _ in range(4))
+    return (q, k, v), grad
+
+
+def _check(bias: ModBias, device: str, route: str, seed: int) -> None:
+    inputs, grad = _inputs(device, seed)
+    with use_backends(route):
+        assert_call_close(lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), bias,
+                          inputs, grad)  # fmt: skip
+
+
+def _changes(
+    bias: ModBias,
+    change: Callable[[Any], None],
+    values: list[Any],
+    device: str,
+    route: str,
+    traces: list[int],
+) -> None:
+    """Call, then for each value: ``change(value)``, call (right each time), counted."""
+    _check(bias, device, route, 0)
+    _check(bias, device, route, 1)  # nothing changed: nothing traced
+    before, sources = traces[0], len(modfn._SOURCES)
+    _check(bias, device, route, 2)
+    assert traces[0] == before, "a call with nothing changed traced the functions again"
+    for n, value in enumerate(values):
+        change(value)
+        _check(bias, device, route, 3 + n)
+        assert traces[0] == before + n + 1, f"change {n}: traced {traces[0] - before} times"
+    assert len(modfn._SOURCES) == sources, "a new value generated new source"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_closure_number(device: str, route: str, traces: list[int]) -> None:
+    slope = 0.5
+    reach = 3
+
+    def score(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return s - slope * (q_idx - kv_idx).abs()
+
+    def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx - kv_idx) % 4 < reach) | (kv_idx == 0)
+
+    bias = ModBias(mask_mod=mask, score_mod=score)
+
+    def change(value: tuple[float, int]) -> None:
+        nonlocal slope, reach
+        slope, reach = value
+
+    values = [(1.5, 1), (0.0, 4), (-0.25, 2), (3.0, 2), (0.125, 3)]
+    _changes(bias, change, values, device, route, traces)
+
+
+@dataclass
+class Stripes(ModBias):
+    """A plain (not frozen) dataclass: its field can be assigned."""
+
+    period: int
+    weight: float
+
+    def mask_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx % self.period != 1) | (q_idx == kv_idx)
+
+    def score_mod(self, s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return s + self.weight * h
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dataclass_field(device: str, route: str, traces: list[int]) -> None:
+    bias = Stripes(period=3, weight=0.5)
+
+    def change(value: tuple[int, float]) -> None:
+        bias.period, bias.weight = value
+
+    values = [(2, -1.0), (5, 0.0), (7, 2.5), (3, 0.75), (4, -0.5)]
+    _changes(bias, change, values, device, route, traces)
+
+
+class Reach(ModBias):
+    """An attribute set in ``__init__`` and read by the method."""
+
+    def __init__(self, reach: int) -> None:
+        super().__init__()
+        self.reach = reach
+
+    def mask_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx).abs() * 2 <= self.reach
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_attribute(device: str, route: str, traces: list[int]) -> None:
+    bias = Reach(4)
+
+    def change(value: int) -> None:
+        bias.reach = value
+
+    _changes(bias, change, [9, 3, 30, 2, 5], device, route, traces)
+
+
+OFFSET = 2
+
+
+def _global_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx <= q_idx + OFFSET
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_module_global(device: str, route: str, traces: list[int]) -> None:
+    module = sys.modules[__name__]
+    bias = ModBias(mask_mod=_global_mask)
+    try:
+        _changes(bias, lambda value: setattr(module, "OFFSET", value), [0, 7, -3, 15, 1],
+                 device, route, traces)  # fmt: skip
+    finally:
+        module.OFFSET = 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rebound_tensor_and_a_branch_on_a_closure_value(device: str) -> None:
+    """A closure rebound to another tensor reads the new one; a Python ``if`` on a closure
+    flag (not on the indices) gives the other branch's graph at the next call."""
+    table = torch.randn(SHAPE[1], 2 * SHAPE[2], device=device)
+    symmetric = True
+
+    def score(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if symmetric:
+            return s + table[h, (q_idx - kv_idx).abs()]
+        return s + table[h, q_idx + kv_idx]
+
+    bias = ModBias(score_mod=score)
+    for n in range(5):
+        _check(bias, device, "triton", n)
+        table = torch.randn(SHAPE[1], 2 * SHAPE[2], device=device)
+        symmetric = not symmetric
