@@ -67,10 +67,15 @@ class ModBias(KernelBias):
 
         bias = ModBias(mask_mod=causal, score_mod=relative_position)
 
-    The functions are traced once per bias into a small graph and compiled into the kernels
-    (forward and backward; tile skipping from the mask itself, no ``L x S`` tensor). Numbers and
-    tensors are runtime arguments: new values, new lengths and tensors written in place compile
-    nothing new and are seen by the next call. What the compiler takes: see
+    The functions are traced into a small graph and compiled into the kernels (forward and
+    backward; tile skipping from the mask itself, no ``L x S`` tensor). Numbers and tensors are
+    runtime arguments, read at the time of each call: a closure's number rebound, a field or
+    attribute assigned, a module global changed, a tensor written in place or a closure
+    rebound to another tensor are seen by the next call, as eager PyTorch would see them.
+    Each call compares what the functions can read with the values of its trace (~2 µs) and
+    traces them again where something changed (tens of µs; the same structure generates the
+    same source, so nothing compiles). Under ``torch.compile`` and CUDA-graph replay the
+    values are those of the last call outside them. What the compiler takes: see
     :data:`attnbias.kernels.modfn.SUPPORTED`; anything else (a Python ``if`` on an index, an
     unknown operator) is refused at the first call, naming the function and the operator.
 
