@@ -1,5 +1,7 @@
 """Bias objects for scaled dot product attention, run on the fastest exact kernel."""
 
+from importlib import metadata as _metadata
+
 from attnbias.biases import (
     AlibiBias,
     AttnBias,
@@ -17,6 +19,11 @@ from attnbias.biases import (
 from attnbias.functional import explain, patch_sdpa, sdpa
 from attnbias.planner import use_backends
 
+try:
+    __version__: str = _metadata.version("attnbias")
+except _metadata.PackageNotFoundError:  # run from a source tree that was not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "AlibiBias",
     "AttnBias",
@@ -28,6 +35,7 @@ __all__ = [
     "SlidingWindowBias",
     "SoftcapBias",
     "TensorBias",
+    "__version__",
     "causal_lower_right",
     "causal_upper_left",
     "explain",
