@@ -102,10 +102,11 @@ def use_backends(*only: str, exclude: Iterable[str] = ()) -> Iterator[None]:
     """Pin or exclude backends for the calls of :func:`attnbias.sdpa` in this region.
 
     ``use_backends("triton")`` runs every call on the Triton kernel, or raises ``ValueError``
-    with its reasons when it cannot take a call (no silent fallback); several names are tried
-    in the order given. ``use_backends(exclude=["fa4"])`` keeps the normal choice without
-    FlashAttention 4. Nested regions: the inner pin replaces the outer one, exclusions add up.
-    Backends: ``fa4``, ``triton-decode``, ``triton``, ``sdpa``, ``sdpa+mask``, ``reference``.
+    with its reasons when it cannot take a call (no silent fallback); several names (as
+    arguments, or a list or tuple of them) are tried in the order given.
+    ``use_backends(exclude=["fa4"])`` keeps the normal choice without FlashAttention 4.
+    Nested regions: the inner pin replaces the outer one, exclusions add up. Backends:
+    ``fa4``, ``triton-decode``, ``triton``, ``sdpa``, ``sdpa+mask``, ``reference``.
 
     Under ``torch.compile`` the region is read when the call is traced.
 
@@ -120,6 +121,16 @@ def use_backends(*only: str, exclude: Iterable[str] = ()) -> Iterator[None]:
             f"write exclude=[{exclude!r}]"
         )
     exclude = tuple(exclude)
+    # names, lists and tuples of names, as exclude= takes them
+    only = tuple(
+        name for item in only for name in (item if isinstance(item, (list, tuple)) else (item,))
+    )
+    for name in (*only, *exclude):
+        if not isinstance(name, str):
+            raise TypeError(
+                f"use_backends: a backend is named by a string, got {name!r} of type "
+                f"{type(name).__name__}; the backends are {', '.join(BACKENDS)}"
+            )
     _check_names(only, "the pinned names")
     _check_names(exclude, "exclude")
     outer = current_policy()
@@ -397,6 +408,12 @@ def plan(spec: Spec) -> Plan:
             )
         skipped[name] = reasons
     detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())
+    if not skipped:
+        detail = (
+            f"Every backend that could run it is excluded (use_backends: pinned "
+            f"{list(policy.only) if policy.only is not None else 'none'}, excluded "
+            f"{sorted(policy.exclude)})"
+        )
     raise ValueError(
         f"attnbias: no allowed backend can run {spec.terms.describe()} with (B, Hq, L, S)="
         f"{spec.shape} in {spec.dtype} ({heading}). {detail}. Allow more backends in "

@@ -159,3 +159,30 @@ def test_subclass_with_neither_path() -> None:
     q, k, v = qkv()
     with pytest.raises(TypeError, match="does not implement dispatch"):
         sdpa(q, k, v, attn_mask=MaterializeOnly())
+
+
+def test_use_backends_takes_a_name_a_list_or_a_tuple_as_exclude_does() -> None:
+    from attnbias import explain, use_backends
+
+    q, k, v = qkv()
+    for pin in ("reference", ["reference"], ("reference", "sdpa+mask")):
+        with use_backends(pin):
+            assert explain(q, k, v, attn_mask=SlidingWindowBias(3)).startswith("reference:")
+    with (
+        pytest.raises(TypeError, match="named by a string, got 3 of type int; the backends"),
+        use_backends(3),  # type: ignore[arg-type]
+    ):
+        pass
+
+
+def test_excluding_every_backend_says_which_are_excluded() -> None:
+    from attnbias import use_backends
+    from attnbias.planner import BACKENDS
+
+    q, k, v = qkv()
+    with (
+        use_backends(exclude=list(BACKENDS)),
+        pytest.raises(ValueError, match=r"Every backend that could run it is excluded .*"
+                                        r"excluded \['fa4', 'reference'.*\]\)\. Allow more"),
+    ):  # fmt: skip
+        sdpa(q, k, v, attn_mask=SlidingWindowBias(3))
