@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import plan_cache
-from attnbias.biases import AttnBias
+from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import set_router
 from attnbias.planner import current_policy, plan
 from attnbias.spec import call_form, make_spec
@@ -184,6 +184,13 @@ def _decide(
     routes where the route depends on being captured in a CUDA graph).
     """
     form = call_form(query, attn_mask)
+    if form in ("no mask", "tensor") and _planned(query, is_causal, scale):
+        # planned as a bias: a mask tensor as TensorBias, no mask as the empty sum
+        if isinstance(attn_mask, Tensor):
+            attn_mask = TensorBias(attn_mask)
+            form = call_form(query, attn_mask)
+        else:
+            form = "bias"
     chosen = plan(
         make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form)
     )
@@ -192,6 +199,16 @@ def _decide(
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
     return chosen.explain, chosen.run
+
+
+def _planned(query: Tensor, is_causal: bool, scale: float | None) -> bool:
+    """Whether a call without a bias object is planned as a bias rather than handed to stock
+    SDPA: where :func:`use_backends` pins backends or excludes stock SDPA, and where stock
+    SDPA's CPU kernel gives NaN (``is_causal`` with a scale that is not positive)."""
+    policy = current_policy()
+    if policy.only is not None or "sdpa" in policy.exclude:
+        return True
+    return is_causal and scale is not None and scale <= 0 and query.device.type == "cpu"
 
 
 def _route(

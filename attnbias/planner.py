@@ -365,9 +365,10 @@ def plan(spec: Spec) -> Plan:
     """Walk the priority list for ``spec`` and take the first backend with no reason against it
     (a call of a form with one route takes that route, :data:`FORM_ROUTES`)."""
     fixed = FORM_ROUTES.get(spec.form)
-    if fixed is not None:
-        return Plan(spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False, fixed=True)
     policy = current_policy()
+    # a bias that materializes goes where its mask can go, unless backends are pinned
+    if fixed is not None and not (spec.form == "materialize" and policy.only is not None):
+        return Plan(spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False, fixed=True)
     kind = spec.kind
     if spec.compiling:
         # Only traceable backends can run while torch.compile traces (not FlashAttention 4),

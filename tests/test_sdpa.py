@@ -395,3 +395,59 @@ def test_equal_documents_on_stock_sdpa_never_read_other_documents() -> None:
     expected = attention(*(x.double() for x in second), causal_upper_left())
     torch.testing.assert_close(out[:, :, 4:].double(), expected, atol=1e-5, rtol=1e-5)
     assert all(torch.isfinite(g[:, :, 4:]).all() for g in grads)
+
+
+# -- calls without a bias object: scales that are not positive, pins ----------------------------
+
+
+def _causal_oracle(q: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 stock PyTorch on the materialized causal mask (and ``mask``, added)."""
+    length = q.shape[2]
+    bias = causal_upper_left().materialize(shape=(1, 1, length, length), dtype=torch.float64)
+    if mask is not None:
+        bias = bias + mask.double()
+    wide = q.double()
+    return torch.nn.functional.scaled_dot_product_attention(
+        wide, wide, wide, attn_mask=bias, scale=scale
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_is_causal_with_a_scale_that_is_not_positive_is_exact_on_cpu(scale: float) -> None:
+    """Stock SDPA's CPU kernel gives NaN for ``is_causal`` with such a scale: the call is
+    planned as a causal bias instead, and explain says so."""
+    q = torch.randn(1, 2, 8, 16)
+    out = attnbias.sdpa(q, q, q, is_causal=True, scale=scale)
+    assert torch.isfinite(out).all()
+    assert (out.double() - _causal_oracle(q, scale)).abs().max() < 1e-5
+    assert "band -inf <= j - i <= 0" in attnbias.explain(q, q, q, is_causal=True, scale=scale)
+
+
+@pytest.mark.filterwarnings("ignore:attnbias.sdpa got a plain Tensor")
+@pytest.mark.parametrize("pin", ["reference", "triton"])
+def test_a_pin_applies_to_calls_without_a_bias_object(pin: str) -> None:
+    """``use_backends`` pins calls with no mask and with a plain tensor mask too (they run
+    there, right, or raise with its reasons); outside the pin they go to stock SDPA."""
+    q = torch.randn(1, 2, 16, 16)
+    mask = torch.randn(16, 16)
+    with attnbias.use_backends(pin):
+        for attn_mask, causal in ((None, False), (None, True), (mask, False)):
+            if pin == "triton" and attn_mask is not None:  # the kernel takes no tensor
+                with pytest.raises(ValueError, match="triton: TensorBias has no kernel form"):
+                    attnbias.sdpa(q, q, q, attn_mask=attn_mask)
+                continue
+            said = attnbias.explain(q, q, q, attn_mask=attn_mask, is_causal=causal)
+            assert said.startswith(f"{pin}:"), said
+            out = attnbias.sdpa(q, q, q, attn_mask=attn_mask, is_causal=causal)
+            wide = q.double()
+            if causal:
+                expected = _causal_oracle(q, q.shape[-1] ** -0.5)
+            else:
+                extra = None if attn_mask is None else attn_mask.double()
+                expected = torch.nn.functional.scaled_dot_product_attention(
+                    wide, wide, wide, attn_mask=extra
+                )
+            assert (out.double() - expected).abs().max() < 1e-5, (pin, attn_mask, causal)
+    with attnbias.use_backends(exclude=["sdpa"]):
+        assert not attnbias.explain(q, q, q).startswith("sdpa:")
+    assert attnbias.explain(q, q, q).startswith("sdpa: no mask")
