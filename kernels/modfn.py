@@ -10,6 +10,13 @@ the function reads (a per-head table, document ids, through closures or fields) 
 argument. So the generated code depends only on the graph's structure: new numbers, new
 tensor values, new lengths and in-place changes need no new compilation and are always seen.
 
+Reads and integers mean what eager PyTorch computes from the same functions on int64 indices:
+an index in ``[-size, 0)`` counts from the end of its dimension, any other outside the tensor
+is an ``IndexError`` (each call's reads are proven in range on the host before anything runs,
+:meth:`TracedMods.check_reads`; the generated code wraps negative indices, and its clamp only
+guards the memory), and an integer operation whose values may leave 32 bits runs in 64
+(:func:`_wide_nodes`).
+
 What cannot be compiled is refused when traced, with the function's name and the operator: a
 Python ``if``, ``and``, ``or`` or ``bool()`` on a traced value (a data-dependent branch), and
 any operator outside :data:`SUPPORTED`.
@@ -27,14 +34,17 @@ import inspect
 import linecache
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "EXACT_LIMIT",
     "SUPPORTED",
     "CompiledMods",
     "ModTraceError",
@@ -701,9 +711,122 @@ class TracedMods:
 
     def narrow_casts(self) -> frozenset[int]:
         """The casts to int64 that run in 32 bits (see :func:`_narrow_casts`)."""
-        found = self.__dict__.get("_narrow")
+        return self._per_numbers("_narrow", _narrow_casts)
+
+    def wide_nodes(self) -> frozenset[int]:
+        """The integer operations the generated code computes in int64 (see
+        :func:`_wide_nodes`)."""
+        return self._per_numbers("_wide", _wide_nodes)
+
+    def wrapped_reads(self) -> frozenset[tuple[int, int]]:
+        """``(load node, dimension)`` of the reads whose index may be negative on some call
+        (see :func:`_wrapped_reads`)."""
+        return self._per_numbers("_wrapped", _wrapped_reads)
+
+    def _per_numbers(self, name: str, work: Callable[[TracedMods], Any]) -> Any:
+        """``work(self)``, kept with the numbers it was worked out for."""
+        numbers = tuple((type(c), c) for c in self.consts)
+        found = self.__dict__.get(name)
+        if found is None or found[0] != numbers:
+            found = self.__dict__[name] = (numbers, work(self))
+        return found[1]
+
+    def id_of(self, node: Node) -> int:
+        """The id of ``node`` in :attr:`nodes` (each node is there once)."""
+        ids = self.__dict__.get("_ids")
+        if ids is None or len(ids) != len(self.nodes):
+            ids = self.__dict__["_ids"] = {n: i for i, n in enumerate(self.nodes)}
+        return int(ids[node])
+
+    def function_of(self, node_id: int) -> str:
+        """The function that reads ``node_id`` as errors name it (``"mask_mod doc_mask"``):
+        the first of the masks, then the score functions, computed from it."""
+        for function in (*self.masks, *self.scores):
+            if node_id in self.ancestors(function.result):
+                return function.name
+        return "a ModBias function"
+
+    # -- tensor reads: within their tensors, as eager PyTorch indexes --------------------------
+
+    def check_reads(self, batch: int | None, heads: int, length_q: int, length_kv: int) -> None:
+        """Prove that every tensor read of the functions stays within its tensor on a call of
+        ``(B, Hq, L, S)`` = ``(batch, heads, length_q, length_kv)`` (``batch`` ``None``: one
+        row): each index in ``[-size, size)``, a negative one counting from the end as in
+        eager PyTorch. The kernels rely on it (they wrap negative indices and clamp only as a
+        memory guard).
+
+        Interval bounds of every node over the call's positions first (no device work); then
+        the integer tensors read on the way to an index still unbounded, bounded by their
+        least and greatest values (one host synchronisation per new version of them); then an
+        index still unbounded is evaluated on the grid of the positions it reads (at most
+        :data:`EXACT_LIMIT` of them). A proof is kept per call shape, numbers and tensors
+        (with the versions of those whose values it read), so a repeated call costs a lookup
+        and a comparison of them.
+
+        Raises:
+            IndexError: a read reaches outside its tensor; the message names the function,
+                the tensor, the dimension, its size and the range the indices reach.
+            ValueError: a read cannot be proven in range: an index of too many positions or of
+                the score, or a proof that needs tensor values while ``torch.compile`` traces
+                or a CUDA graph is being captured.
+        """
+        shape = (1 if batch is None else batch, heads, length_q, length_kv)
+        proven: dict[Any, Any] | None = self.__dict__.get("_proven")
+        if proven is None:
+            proven = self.__dict__["_proven"] = {}
+        found = proven.get(shape)
+        if found is not None and _still_proven(found, self):
+            return
+        reads = self._reads()
+        if not reads or min(shape) <= 0:
+            return
+        if torch.compiler.is_compiling():
+            _prove_reads(self, shape, reads)  # bounds alone: no synchronisation, nothing kept
+            return
+        used = _prove_reads(self, shape, reads)
+        versions = tuple((slot, _version(self.params[slot])) for slot in used)
+        if all(version is not None for _, version in versions):
+            if len(proven) >= _PROVEN_LIMIT:
+                proven.pop(next(iter(proven)), None)
+            proven[shape] = (
+                list(self.consts),
+                tuple(weakref.ref(p) for p in self.params),
+                tuple(p.shape for p in self.params),
+                versions,
+            )
+
+    def read_versions(self) -> tuple[int, ...] | None:
+        """The versions of the tensors that the indices of reads are computed from (``ids`` of
+        ``table[ids[q_idx]]``), whose values :meth:`check_reads` may read: a cache of calls
+        that skips it must hold them, so that a call after an in-place write proves its reads
+        again. ``None`` where one has no version counter (an inference tensor: such calls are
+        not for a cache)."""
+        found = self.__dict__.get("_index_tables")
         if found is None:
-            found = self.__dict__["_narrow"] = _narrow_casts(self)
+            found = self.__dict__["_index_tables"] = sorted(
+                {
+                    self.nodes[i].args[0]
+                    for read in self._reads()
+                    for i in self.ancestors(_index_of(self, read))
+                    if self.nodes[i].op == "load"
+                }
+            )
+        versions = [_version(self.params[slot]) for slot in found]
+        return None if None in versions else tuple(v for v in versions if v is not None)
+
+    def _reads(self) -> list[tuple[int, int]]:
+        """``(load node, dimension)`` of every read the functions make, in node order."""
+        found = self.__dict__.get("_read_list")
+        if found is None:
+            results = [f.result for f in (*self.masks, *self.scores)]
+            needed = set().union(*(self.ancestors(r) for r in results)) if results else set()
+            found = [
+                (node_id, dim)
+                for node_id in sorted(needed)
+                if self.nodes[node_id].op == "load"
+                for dim in range(len(self.nodes[node_id].args) - 1)
+            ]
+            self.__dict__["_read_list"] = found
         return found
 
     def ancestors(self, node_id: int) -> set[int]:
@@ -720,6 +843,270 @@ class TracedMods:
         return seen
 
 
+#: An index the interval bounds leave open is evaluated on the grid of the positions it reads
+#: where that grid has at most this many elements (:meth:`TracedMods.check_reads`).
+EXACT_LIMIT = 2**24
+#: Proofs of calls kept per graph (:meth:`TracedMods.check_reads`).
+_PROVEN_LIMIT = 32
+#: Least and greatest values of integer tensors read as indices, at their version then.
+_VALUE_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _version(tensor: Tensor) -> int | None:
+    """``tensor``'s version counter (an in-place write bumps it), ``None`` where it has none
+    (an inference tensor)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
+
+
+def _still_proven(found: Any, traced: TracedMods) -> bool:
+    """Whether a proof kept for a call shape holds for ``traced`` now: the same numbers, the
+    same tensors of the same shapes, and those whose values it read at the same versions."""
+    numbers, refs, shapes, versions = found
+    params = traced.params
+    return (
+        numbers == traced.consts
+        and all(ref() is p for ref, p in zip(refs, params, strict=True))
+        and all(p.shape == shape for p, shape in zip(params, shapes, strict=True))
+        and all(_version(params[slot]) == version for slot, version in versions)
+    )
+
+
+def _sync_refused(device: torch.device) -> str | None:
+    """Why reading a value of ``device`` on the host cannot happen now (``None``: it can)."""
+    if torch.compiler.is_compiling():
+        return "while torch.compile traces the call"
+    if (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        return "while a CUDA graph is being captured"
+    return None
+
+
+def _index_of(traced: TracedMods, read: tuple[int, int]) -> int:
+    node_id, dim = read
+    return int(traced.nodes[node_id].args[1 + dim])
+
+
+def _size_of(traced: TracedMods, read: tuple[int, int]) -> int:
+    node_id, dim = read
+    return int(traced.params[traced.nodes[node_id].args[0]].shape[dim])
+
+
+def _out_of_range(
+    traced: TracedMods,
+    read: tuple[int, int],
+    low: float,
+    high: float,
+    shape: tuple[int, ...] | None = None,
+) -> IndexError:
+    """The error of a read whose indices reach ``[low, high]``, beyond its tensor."""
+    node_id, dim = read
+    param = traced.params[traced.nodes[node_id].args[0]]
+    size = _size_of(traced, read)
+    call = "" if shape is None else f" on a call of (B, Hq, L, S)={shape}"
+    bound = f" (.clamp(0, {size - 1}) or % {size})" if size > 0 else ""
+    return IndexError(
+        f"{traced.function_of(node_id)} reads a tensor of shape {tuple(param.shape)} "
+        f"({param.dtype}) at dim {dim} with indices reaching [{int(low)}, {int(high)}]{call}, "
+        f"outside its size {size} (indices in [-{size}, {size - 1}] read as eager PyTorch "
+        f"does, negative ones from the end); make the tensor cover every position, or bound "
+        f"the index in the function{bound}"
+    )
+
+
+def _unproven(traced: TracedMods, read: tuple[int, int], why: str) -> ValueError:
+    """The error of a read that cannot be proven within its tensor, ``why``."""
+    node_id, dim = read
+    param = traced.params[traced.nodes[node_id].args[0]]
+    size = _size_of(traced, read)
+    return ValueError(
+        f"{traced.function_of(node_id)} reads a tensor of shape {tuple(param.shape)} "
+        f"({param.dtype}) at dim {dim} with an index that cannot be proven within "
+        f"[-{size}, {size - 1}]: {why}; bound the index in the function (.clamp(0, "
+        f"{max(size - 1, 0)}) or % {size}) so that its range is known without the call"
+    )
+
+
+def _within(traced: TracedMods, ranges: list[_Range], read: tuple[int, int]) -> bool:
+    low, high, _ = ranges[_index_of(traced, read)]
+    size = _size_of(traced, read)
+    return -size <= low and high < size
+
+
+def _tight(traced: TracedMods, node_id: int) -> bool:
+    """Whether interval arithmetic bounds ``node_id`` exactly: sums, differences, negations,
+    minima and maxima of positions and numbers (and products with a number), each position
+    used once, every corner of the call's grid then being reached."""
+    seen: set[int] = set()
+
+    def walk(current: int) -> bool:
+        node = traced.nodes[current]
+        if node.op == "const":
+            return True
+        if node.op == "input":
+            if node.args[0] == "score" or current in seen:
+                return False
+            seen.add(current)
+            return True
+        if node.op == "cast":
+            source = traced.nodes[node.args[0]].kind
+            return node.args[1:] == ("int", 64) and source == "int" and walk(node.args[0])
+        if node.op in ("add", "sub", "minimum", "maximum"):
+            return all(walk(arg) for arg in node.args)
+        if node.op == "neg":
+            return walk(node.args[0])
+        if node.op == "mul":
+            consts = [arg for arg in node.args if traced.nodes[arg].op == "const"]
+            others = [arg for arg in node.args if traced.nodes[arg].op != "const"]
+            return len(consts) >= 1 and all(walk(arg) for arg in others)
+        return False
+
+    return walk(node_id)
+
+
+def _integer_tables(traced: TracedMods, index: int) -> list[int]:
+    """The slots of the integer tensors whose values ``index`` is computed from."""
+    return sorted(
+        {
+            traced.nodes[i].args[0]
+            for i in traced.ancestors(index)
+            if traced.nodes[i].op == "load" and traced.nodes[i].kind == "int"
+        }
+    )
+
+
+def _tensor_bounds(
+    traced: TracedMods, slots: list[int], read: tuple[int, int]
+) -> dict[int, _Range]:
+    """The least and greatest values of the integer tensors in ``slots``, by slot: kept per
+    tensor and version, the others read in one host synchronisation (refused where none can
+    happen, naming ``read``, the read that needs them). Empty tensors are left out."""
+    why = "its range depends on the values of an integer tensor, which cannot be read"
+    if torch.compiler.is_compiling():  # (a traced graph cannot read them, nor keep them)
+        raise _unproven(traced, read, f"{why} while torch.compile traces the call")
+    found: dict[int, _Range] = {}
+    fresh = []
+    for slot in slots:
+        param = traced.params[slot]
+        if param.numel() == 0:
+            continue
+        version = _version(param)
+        kept = _VALUE_BOUNDS.get(param) if version is not None else None
+        if kept is not None and kept[0] == (version, tuple(param.shape)):
+            found[slot] = kept[1]
+        else:
+            fresh.append(slot)
+    if not fresh:
+        return found
+    refusal = _sync_refused(traced.params[fresh[0]].device)
+    if refusal is not None:
+        raise _unproven(
+            traced,
+            read,
+            f"{why} {refusal} (run the call once before capturing: the values read then are "
+            f"kept until the tensor changes)",
+        )
+    extremes = torch.stack(
+        [
+            torch.stack(torch.aminmax(traced.params[slot].detach().reshape(-1))).to(torch.int64)
+            for slot in fresh
+        ]
+    ).tolist()  # one host synchronisation
+    for slot, (low, high) in zip(fresh, extremes, strict=True):
+        param = traced.params[slot]
+        found[slot] = (float(low), float(high), False)
+        version = _version(param)
+        if version is not None:
+            _VALUE_BOUNDS[param] = ((version, tuple(param.shape)), found[slot])
+    return found
+
+
+def _evaluated_bounds(
+    traced: TracedMods, read: tuple[int, int], shape: tuple[int, int, int, int]
+) -> tuple[int, int]:
+    """The least and greatest index of ``read`` on the call, evaluated with torch operations
+    on the grid of the positions the index reads (on its tensors' device; one host
+    synchronisation). Raises the ValueError of :func:`_unproven` where that cannot be done."""
+    index = _index_of(traced, read)
+    ancestors = traced.ancestors(index)
+    if traced.inputs["score"] in ancestors:
+        raise _unproven(traced, read, "the index depends on the score")
+    names = [name for name in INDEX_NAMES if traced.inputs[name] in ancestors]
+    sizes = dict(zip(INDEX_NAMES, shape, strict=True))
+    count = math.prod(sizes[name] for name in names)
+    if count > EXACT_LIMIT:
+        raise _unproven(
+            traced,
+            read,
+            f"its bounds are not known from the operations, and the {count} positions it "
+            f"reads on this call are more than the {EXACT_LIMIT} evaluated to find them",
+        )
+    tables = [traced.params[traced.nodes[i].args[0]] for i in ancestors
+              if traced.nodes[i].op == "load"]  # fmt: skip
+    device = tables[0].device if tables else torch.device("cpu")
+    refusal = _sync_refused(device)
+    if refusal is not None:
+        raise _unproven(
+            traced,
+            read,
+            f"its bounds are not known from the operations, and evaluating it cannot happen "
+            f"{refusal}",
+        )
+    grids = {}
+    for axis, name in enumerate(INDEX_NAMES):
+        if name in names:
+            view = [1] * len(INDEX_NAMES)
+            view[axis] = sizes[name]
+            grids[name] = torch.arange(sizes[name], device=device).reshape(view)
+    value = traced.evaluate(index, **grids).to(device=device, dtype=torch.int64)
+    low, high = torch.stack(torch.aminmax(value.reshape(-1))).tolist()  # a synchronisation
+    return int(low), int(high)
+
+
+def _prove_reads(
+    traced: TracedMods, shape: tuple[int, int, int, int], reads: list[tuple[int, int]]
+) -> list[int]:
+    """:meth:`TracedMods.check_reads` for a call of ``shape`` ``(B, Hq, L, S)``, none empty:
+    raises where a read is out of range or unproven; returns the slots of the tensors whose
+    values the proof read (a proof by bounds alone reads none)."""
+    inputs = {
+        name: (0.0, float(size - 1), False) for name, size in zip(INDEX_NAMES, shape, strict=True)
+    }
+    ranges = _value_ranges(traced, inputs)
+    open_reads = [read for read in reads if not _within(traced, ranges, read)]
+    if not open_reads:
+        return []
+    for read in open_reads:
+        low, high, _ = ranges[_index_of(traced, read)]
+        size = _size_of(traced, read)
+        if _tight(traced, _index_of(traced, read)) or high < -size or low >= size:
+            raise _out_of_range(traced, read, low, high, shape)
+    used: set[int] = set()
+    slots = sorted(
+        {s for read in open_reads for s in _integer_tables(traced, _index_of(traced, read))}
+    )
+    if slots:
+        loads = _tensor_bounds(traced, slots, open_reads[0])
+        used.update(loads)
+        ranges = _value_ranges(traced, inputs, loads)
+        open_reads = [read for read in open_reads if not _within(traced, ranges, read)]
+    for read in open_reads:
+        index = _index_of(traced, read)
+        low, high = _evaluated_bounds(traced, read, shape)
+        used.update(
+            traced.nodes[i].args[0] for i in traced.ancestors(index) if traced.nodes[i].op == "load"
+        )
+        size = _size_of(traced, read)
+        if low < -size or high >= size:
+            raise _out_of_range(traced, read, low, high, shape)
+    return sorted(used)
+
+
 def _node_inputs(node: Node) -> list[int]:
     if node.op in ("input", "const", "bool"):
         return []
@@ -731,11 +1118,22 @@ def _node_inputs(node: Node) -> list[int]:
 
 
 def _eval_load(traced: TracedMods, node: Node, cache: dict[int, Any]) -> Tensor:
+    """A read as eager PyTorch makes it: an index in ``[-size, 0)`` counts from the end, one
+    outside ``[-size, size)`` raises the IndexError of :func:`_out_of_range` (checked on the
+    host, except where no synchronisation can happen: :meth:`TracedMods.check_reads` proved
+    the call's reads before)."""
     tensor = traced.params[node.args[0]]
     index = []
     for dim, arg in enumerate(node.args[1:]):
         value = torch.as_tensor(cache[arg], device=tensor.device)
-        index.append(value.clamp(0, tensor.shape[dim] - 1))
+        if value.dtype == torch.bool:
+            value = value.to(torch.int64)
+        size = int(tensor.shape[dim])
+        if value.numel() and _sync_refused(tensor.device) is None:
+            low, high = torch.stack(torch.aminmax(value.reshape(-1))).tolist()
+            if low < -size or high >= size:
+                raise _out_of_range(traced, (traced.id_of(node), dim), low, high)
+        index.append(torch.where(value < 0, value + size, value))
     return tensor[tuple(index)] if index else tensor
 
 
@@ -910,19 +1308,34 @@ def _combine(values: list[float], nan: bool) -> _Range:
     return (min(values), max(values), nan)
 
 
-def _value_ranges(traced: TracedMods) -> list[_Range]:
-    """Bounds of every node's value over all calls (indices in ``[0, 2**31)``, the scores and
-    float tables anything), with the trace's numbers: interval arithmetic, each bound
-    conservative."""
+#: The index inputs' bounds over all calls.
+_POSITIONS: _Range = (0.0, 2.0**31 - 1, False)
+
+
+def _value_ranges(
+    traced: TracedMods,
+    inputs: Mapping[str, _Range] | None = None,
+    loads: Mapping[int, _Range] | None = None,
+    numbers: bool = True,
+) -> list[_Range]:
+    """Bounds of every node's value: interval arithmetic, each bound conservative.
+
+    By default over all calls (indices in ``[0, 2**31)``, the scores and float tables
+    anything, integer tables their dtype's range) with the trace's numbers. ``inputs`` bounds
+    the index inputs by name (a call's ``[0, B)``, ``[0, Hq)``, ``[0, L)``, ``[0, S)``),
+    ``loads`` the values of tensor parameters by slot (their actual least and greatest);
+    ``numbers=False``: any number in place of the trace's (bounds that hold whatever numbers
+    later calls bring)."""
     ranges: list[_Range] = []
-    positions = (0.0, 2.0**31 - 1, False)
     for node in traced.nodes:
         op, args = node.op, node.args
         a = ranges[args[0]] if op not in ("input", "const", "bool", "load") else None
         b = ranges[args[1]] if op in _BINARY_OPS else None
         result: _Range
         if op == "input":
-            result = _ANY if args[0] == "score" else positions
+            result = _ANY if args[0] == "score" else (inputs or {}).get(args[0], _POSITIONS)
+        elif op == "const" and not numbers:
+            result = _ANY if node.kind == "float" else (-math.inf, math.inf, False)
         elif op == "const":
             value = float(traced.consts[args[0]])
             result = (value, value, math.isnan(value))
@@ -930,17 +1343,78 @@ def _value_ranges(traced: TracedMods) -> list[_Range]:
             result = (0.0, 1.0, False)
         elif op == "load":
             dtype = traced.params[args[0]].dtype
-            if dtype.is_floating_point:
+            if loads is not None and args[0] in loads:
+                result = loads[args[0]]
+            elif dtype.is_floating_point:
                 result = _ANY
             else:
                 info = torch.iinfo(dtype)
                 result = (float(info.min), float(info.max), False)
+        elif op == "where":
+            branches = [
+                _refined(traced, ranges, args[0], args[1], True, ranges[args[1]]),
+                _refined(traced, ranges, args[0], args[2], False, ranges[args[2]]),
+            ]
+            taken = [r for r in branches if r is not None] or [ranges[args[1]], ranges[args[2]]]
+            result = (
+                min(r[0] for r in taken),
+                max(r[1] for r in taken),
+                any(r[2] for r in taken),
+            )
         else:
             assert a is not None
             source_float = traced.nodes[args[0]].kind == "float"
             result = _node_range(op, node, a, b, ranges, source_float)
         ranges.append(result)
     return ranges
+
+
+_MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+_NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}
+
+
+def _refined(
+    traced: TracedMods,
+    ranges: list[_Range],
+    condition: int,
+    branch: int,
+    truth: bool,
+    bounds: _Range,
+) -> _Range | None:
+    """``bounds`` of the integer ``branch`` narrowed to where ``condition`` is ``truth``
+    (``None``: nowhere): the branch a choice ``where(x < n, x, ...)`` takes is below ``n``.
+    Reads comparisons of the branch itself with a bounded value, under ``~``, ``&`` (true)
+    and ``|`` (false); anything else leaves the bounds as they are."""
+    node = traced.nodes[condition]
+    if node.kind != "bool" or traced.nodes[branch].kind != "int":
+        return bounds
+    if node.op == "not":
+        return _refined(traced, ranges, node.args[0], branch, not truth, bounds)
+    if node.op in ("and", "or") and truth == (node.op == "and"):
+        found: _Range | None = bounds
+        for arg in node.args:
+            if found is not None:
+                found = _refined(traced, ranges, arg, branch, truth, found)
+        return found
+    if node.op not in _MIRRORED:
+        return bounds
+    op, (left, right) = node.op, node.args
+    if right == branch and left != branch:
+        op, left, right = _MIRRORED[op], right, left
+    if left != branch or traced.nodes[right].kind == "float":
+        return bounds
+    op = op if truth else _NEGATED[op]
+    low, high, nan = bounds
+    other = ranges[right]
+    if op == "lt":
+        high = min(high, other[1] - 1)
+    elif op == "le":
+        high = min(high, other[1])
+    elif op == "gt":
+        low = max(low, other[0] + 1)
+    else:
+        low = max(low, other[0])
+    return None if low > high else (low, high, nan)
 
 
 _BINARY_OPS = frozenset(
@@ -966,7 +1440,10 @@ def _node_range(
                 (math.floor(low), math.floor(high), nan) if op == "floordiv" else (low, high, nan)
             )
         if op == "mod" and math.isfinite(max(abs(b[0]), abs(b[1]))):
-            reach = max(abs(b[0]), abs(b[1]))
+            if b[0] > 0 and a[0] >= 0 and a[1] < b[0]:
+                return a  # below every divisor: the value itself
+            # an integer's remainder is at most |divisor| - 1 from 0
+            reach = max(abs(b[0]), abs(b[1])) - (1 if node.kind == "int" else 0)
             return (0.0 if b[0] > 0 else -reach, 0.0 if b[1] < 0 else reach, nan)
         if op == "minimum":
             return (min(a[0], b[0]), min(a[1], b[1]), nan)
@@ -977,9 +1454,6 @@ def _node_range(
             return (0.0, top, nan)
         return _ANY
     args = node.args
-    if op == "where":
-        first, second = ranges[args[1]], ranges[args[2]]
-        return (min(first[0], second[0]), max(first[1], second[1]), first[2] or second[2])
     if op == "neg":
         return (-a[1], -a[0], nan)
     if op == "invert":
@@ -1059,6 +1533,43 @@ def _narrow_casts(traced: TracedMods) -> frozenset[int]:
     return frozenset(narrow)
 
 
+#: Integer operations, computed in int64 where their values may leave int32 (:func:`_wide_nodes`).
+_INT_OPERATIONS = frozenset(
+    ("add", "sub", "mul", "floordiv", "mod", "and", "or", "xor", "neg", "abs", "invert",
+     "minimum", "maximum", "where")
+)  # fmt: skip
+
+
+def _wide_nodes(traced: TracedMods) -> frozenset[int]:
+    """The integer operations whose value may leave int32 on some call (value ranges over
+    all calls, with the trace's numbers): the generated code computes them in int64, as
+    eager PyTorch computes the int64 indices (``q_idx * 1000003 * 1000003`` wraps in 32
+    bits). The others stay in 32 bits, where the kernels' indices are (most index arithmetic,
+    ``kv_idx - q_idx`` included)."""
+    ranges = _value_ranges(traced)
+    return frozenset(
+        node_id
+        for node_id, node in enumerate(traced.nodes)
+        if node.kind == "int"
+        and node.op in _INT_OPERATIONS
+        and not (ranges[node_id][0] >= _INT32[0] and ranges[node_id][1] <= _INT32[1])
+    )
+
+
+def _wrapped_reads(traced: TracedMods) -> frozenset[tuple[int, int]]:
+    """``(load node, dimension)`` of the reads whose index may be negative on some call,
+    whatever the numbers (``rel[h, kv_idx - q_idx]``): the generated code adds the size to a
+    negative index, as eager PyTorch reads it. The others are read as they are."""
+    ranges = _value_ranges(traced, numbers=False)
+    return frozenset(
+        (node_id, dim)
+        for node_id, node in enumerate(traced.nodes)
+        if node.op == "load"
+        for dim, arg in enumerate(node.args[1:])
+        if ranges[arg][0] < 0
+    )
+
+
 class _Emitter:
     """Writes the Triton statements of a graph's nodes, each once, as local variables."""
 
@@ -1074,6 +1585,8 @@ class _Emitter:
         self.tangents: dict[int, str | None] = {}
         self.seed = traced.inputs["score"] if seed is None else seed
         self.narrow = traced.narrow_casts()
+        self.wide = traced.wide_nodes()
+        self.wraps = traced.wrapped_reads()
         # where each parameter's runtime arguments start in the flat argument tuple
         self.param_slot: list[int] = []
         slot = len(traced.consts)
@@ -1115,6 +1628,12 @@ class _Emitter:
     def _expr(self, node: Node, node_id: int = -1) -> str:
         op, args = node.op, node.args
         n = self.names
+        if node_id in self.wide:  # int64 operands: the value may leave int32
+            operands = args[1:] if op == "where" else tuple(_node_inputs(node))
+            n = dict(n)
+            for arg in operands:
+                if self.traced.nodes[arg].kind != "float":
+                    n[arg] = f"tl.cast({self.names[arg]}, tl.int64)"  # a number too
         if op == "const":
             return f"MOD[{args[0]}]"
         if op == "bool":
@@ -1180,9 +1699,16 @@ class _Emitter:
         return f"MOD[{self.param_slot[node.args[0]] + 1 + dims + dim}]"
 
     def clamped(self, node: Node, dim: int) -> str:
-        """The read's index along ``dim``, clamped into the tensor."""
+        """The read's element index along ``dim``: a negative index counts from the end (where
+        one may be negative, :func:`_wrapped_reads`), as eager PyTorch reads it; then clamped
+        into the tensor, only a guard for the memory: :meth:`TracedMods.check_reads` proved
+        every read at a valid position in range, and the kernels clamp the positions of a
+        tile's padding into the sequences."""
         index = self.names[node.args[1 + dim]]
-        return f"tl.minimum(tl.maximum({index}, 0), {self.size(node, dim)} - 1)"
+        size = self.size(node, dim)
+        if (self.traced.id_of(node), dim) in self.wraps:
+            index = f"tl.where({index} < 0, {index} + {size}, {index})"
+        return f"tl.minimum(tl.maximum({index}, 0), {size} - 1)"
 
     def offset(self, node: Node, skip: int | None = None) -> str:
         """The read's element offset, in int64, over every dimension but ``skip``."""

@@ -344,6 +344,9 @@ def test_past_the_count_of_number_sets_new_numbers_go_to_the_triton_kernel(
 # -- the callbacks themselves on the index grids ------------------------------------------------
 
 
+RELATIVE = torch.randn(2, 48, generator=torch.Generator().manual_seed(0))
+
+
 def _grids(shape: tuple[int, int, int, int]) -> list[SSA]:
     return [
         SSA(torch.arange(n, dtype=torch.int32).reshape([n if d == i else 1 for d in range(4)]))
@@ -361,8 +364,19 @@ def _grids(shape: tuple[int, int, int, int]) -> list[SSA]:
         ModBias(score_mod=lambda s, b, h, q, kv: torch.sigmoid(s) * 3.0 - (q - kv).float() / 7),
         ModBias(score_mod=lambda s, b, h, q, kv: torch.where(kv > q, torch.exp(s / 2), s * s)),
         ModBias(mask_mod=lambda b, h, q, kv: (q % 3 != -kv % 4) ^ (h == 1) | ~(kv // 5 == b)),
+        # kv - q < 0 reads from the end of the row, as eager PyTorch indexes
+        ModBias(score_mod=lambda s, b, h, q, kv: s + RELATIVE[h, kv - q]),
     ],
-    ids=["prefix_lm", "chunked", "neighbourhood", "flex_port", "sigmoid", "where_exp", "logic"],
+    ids=[
+        "prefix_lm",
+        "chunked",
+        "neighbourhood",
+        "flex_port",
+        "sigmoid",
+        "where_exp",
+        "logic",
+        "negative_index",
+    ],
 )
 def test_callbacks_on_the_grid_match_the_functions(standin: Recorder, bias: ModBias) -> None:
     """The generated callbacks against the bias's own functions on torch grids (fp64 autograd
@@ -459,6 +473,18 @@ def test_refusals_name_the_reason(standin: Recorder) -> None:
     assert "ALiBi together with ModBias functions" in _reasons(PrefixLM(4) + AlibiBias(num_heads=2))
     documents = PrefixLM(4) + DocumentBias.from_seqlens([6, 10])
     assert any("documents together with ModBias" in r for r in _reasons(documents))
+
+
+def _hashed_columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return (q_idx * 1000003 * 1000003 + kv_idx) % 10 < 6
+
+
+def test_integers_past_32_bits_stay_on_the_triton_kernel(standin: Recorder) -> None:
+    """The callbacks compute integers in 32 bits, where ``q_idx * 1000003 * 1000003`` wraps;
+    the Triton kernel computes it in 64."""
+    reasons = _reasons(ModBias(mask_mod=_hashed_columns), needs_grad=False)
+    assert any("_hashed_columns computes 64-bit integers" in r for r in reasons), reasons
+    assert _reasons(ModBias(mask_mod=lambda b, h, q, kv: (kv - q) % 10 < 6), needs_grad=False) == []
 
 
 def test_a_score_function_without_a_written_derivative_runs_without_gradients(

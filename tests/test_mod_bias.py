@@ -961,3 +961,199 @@ def test_block_states_from_bounds_match_the_pairs(
         assert torch.equal(mine[..., 0], exact[..., 0]), name
         listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
         assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
+
+
+# --------------------------------------------------------------------------------------------
+# Reads as eager PyTorch indexes them: a negative index within the size counts from the end,
+# any other index outside the tensor raises IndexError (on every route, before a kernel runs);
+# integer arithmetic in 64 bits where 32 could wrap
+
+
+def _documents_40(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return DOCS_40[q_idx] == DOCS_40[kv_idx]
+
+
+def _one_row(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return score + ROW_OF_ONE[b, kv_idx]
+
+
+def _two_heads(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return score + TWO_HEADS[h]
+
+
+DOCS_40 = (torch.arange(40) // 10).to(DEVICE)  # ids of 40 positions, for calls of 64
+ROW_OF_ONE = torch.randn(1, 64).to(DEVICE)  # one batch row, for calls of two
+TWO_HEADS = torch.randn(2).to(DEVICE)  # two heads' entries, for calls of four
+
+# (function, as mask_mod or score_mod, (B, Hq, L, S), what the error says)
+OUT_OF_RANGE = {
+    "documents": (_documents_40, "mask_mod", (1, 2, 64, 64), "size 40", "[0, 63]"),
+    "batch_row": (_one_row, "score_mod", (2, 2, 32, 64), "size 1", "[0, 1]"),
+    "head": (_two_heads, "score_mod", (1, 4, 32, 32), "size 2", "[0, 3]"),
+}
+
+
+@pytest.mark.parametrize("path", ["materialize", "reference", "triton"])
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE))
+def test_a_read_outside_its_tensor_raises_index_error(name: str, path: str) -> None:
+    """Eager PyTorch raises for ``docs[63]`` of 40 ids; so do materialize, the exact path and
+    the kernel's route (before anything runs), naming the function, the size and the range
+    the indices reach, never reading a clamped element instead."""
+    function, kind, shape, size, reach = OUT_OF_RANGE[name]
+    bias = ModBias(**{kind: function})
+    batch, heads, length_q, length_kv = shape
+    with pytest.raises(IndexError) as caught:
+        if path == "materialize":
+            bias.materialize(DEVICE, shape=shape, dtype=FP32)
+        else:
+            q = torch.randn(batch, heads, length_q, 16, device=DEVICE)
+            k = torch.randn(batch, heads, length_kv, 16, device=DEVICE)
+            with use_backends(path):
+                sdpa(q, k, k, attn_mask=bias)
+    message = str(caught.value)
+    assert function.__name__ in message and size in message and reach in message, message
+
+
+def test_a_sum_checks_the_reads_of_every_part() -> None:
+    bias = PrefixLM(8) + ModBias(mask_mod=_documents_40)
+    q = torch.randn(1, 2, 64, 16, device=DEVICE)
+    with use_backends("triton"), pytest.raises(IndexError, match="_documents_40"):
+        sdpa(q, q, q, attn_mask=bias)
+
+
+def test_a_block_of_a_call_checks_its_own_positions() -> None:
+    """A context-parallel shard pair's bias reads ``q_idx + q_start``: the block of the first
+    32 queries of a call of 64 reads ids 0-31 of 40 (in range), the block after it 32-63."""
+    from attnbias.terms import Block, Call
+
+    bias = ModBias(mask_mod=_documents_40)
+    device = DOCS_40.device
+    first = bias.sub_block(Call(1, 2, 64, 64, device), Block(0, 0, 32, 32))
+    first.validate_call(Call(1, 2, 32, 32, device))
+    second = bias.sub_block(Call(1, 2, 64, 64, device), Block(32, 0, 32, 32))
+    with pytest.raises(IndexError, match=re.escape("[32, 63]")):
+        second.validate_call(Call(1, 2, 32, 32, device))
+
+
+@dataclass(frozen=True, eq=False)
+class RelativeTable(_Base):
+    """A learnable ``(H, N)`` table read at ``kv_idx - q_idx``: a query after its key reads
+    from the end, as eager PyTorch indexes (``table[h, -3]`` is the third entry from the
+    end); ``modulo`` (when set) reads ``(kv_idx - q_idx) % modulo - modulo // 2`` instead, a
+    small table the kernels gather per tile."""
+
+    table: Tensor
+    modulo: int = 0
+
+    def score_mod(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
+        distance = kv_idx - q_idx
+        if self.modulo:
+            distance = distance % self.modulo - self.modulo // 2
+        return score + self.table[h, distance]
+
+
+@pytest.mark.parametrize(("entries", "modulo"), [(96, 0), (5, 5)], ids=["from_memory", "gathered"])
+def test_a_negative_index_reads_from_the_end_on_the_kernel(entries: int, modulo: int) -> None:
+    """Forward and every gradient, the table's included, against the oracle (the function
+    evaluated by eager PyTorch): a clamped read would take entry 0 for every negative index."""
+    table = torch.randn(2, entries, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    case = Case(
+        lambda t: RelativeTable(t, modulo) + causal_upper_left(), (1, 2, 1, 40, 48), FP32, (table,)
+    )
+    with use_backends("triton"):
+        check(case, FP32, fused=True, param_grads=True)
+
+
+def _wide_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return (q_idx * 1000003 * 1000003 + kv_idx) % 10 < 6
+
+
+def test_integer_arithmetic_past_32_bits_matches_the_oracle_on_the_kernel() -> None:
+    """``q_idx * 1000003 * 1000003`` leaves 32 bits: the kernel computes it in 64, as eager
+    PyTorch does with int64 indices (in 32 bits it wraps, and the mask differs)."""
+    case = Case(lambda: ModBias(mask_mod=_wide_mask), (1, 2, 1, 40, 40), FP32)
+    with use_backends("triton"):
+        check(case, FP32, fused=True, param_grads=False)
+
+
+def test_index_arithmetic_that_fits_stays_in_32_bits() -> None:
+    wide = ModBias(mask_mod=_wide_mask)._traced()
+    products = [i for i, n in enumerate(wide.nodes) if n.op in ("mul", "add")]
+    assert wide.wide_nodes() == frozenset(products)
+    relative = RelativeTable(torch.zeros(2, 8))._traced()
+    assert relative.wide_nodes() == frozenset()
+    assert T5Bias(random_table(2, 0))._traced().wide_nodes() == frozenset()
+
+
+@pytest.mark.parametrize("route", ["triton", "reference"])
+def test_an_index_read_from_a_tensor_is_checked_against_its_values(route: str) -> None:
+    """``table[ids[q_idx]]``: the ids' least and greatest values bound the index (one host
+    synchronisation per version of ``ids``); an id written in place out of range raises at
+    the next call."""
+    ids = (torch.arange(40) % 5).to(DEVICE)
+    table = torch.randn(2, 8, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def by_id(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[h, ids[q_idx]]
+
+    bias = ModBias(score_mod=by_id) + causal_upper_left()
+    case = Case(lambda: bias, (1, 2, 1, 40, 40), FP32)
+    q, k, v, _ = tensors(case.shape, FP32)
+    with use_backends(route):
+        check(case, FP32, fused=route == "triton", param_grads=False)
+        sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+        ids[3] = 99  # the same call again, after the write
+        with pytest.raises(IndexError, match=re.escape("reaching [0, 99]")):
+            sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+def test_a_read_that_cannot_be_proven_is_refused_naming_the_fix() -> None:
+    """An index of the score, or of float values over more than ``EXACT_LIMIT`` positions,
+    has no bound the host can find: a ValueError that says to bound it."""
+    table = torch.randn(8)
+
+    def of_score(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[(score * 2).long()]
+
+    with pytest.raises(ValueError, match=r"depends on the score.*\.clamp\(0, 7\)"):
+        ModBias(score_mod=of_score)._traced().check_reads(1, 1, 16, 16)
+    weights = torch.rand(5000)
+
+    def of_floats(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[(weights[q_idx] + weights[kv_idx]).long()]
+
+    traced = ModBias(score_mod=of_floats)._traced()
+    traced.check_reads(1, 1, 64, 64)  # evaluated: sums of two values in [0, 1)
+    with pytest.raises(ValueError, match="25000000 positions"):
+        traced.check_reads(1, 1, 5000, 5000)
+
+
+def test_under_torch_compile_a_read_is_proven_by_bounds_alone() -> None:
+    """A traced call reads no tensor values to prove its reads: ``table[ids[q_idx]]`` is
+    refused naming the fix, the same read bounded by ``.clamp`` runs."""
+    torch._dynamo.reset()
+    ids = (torch.arange(40) % 5).to(DEVICE)
+    table = torch.randn(8).to(DEVICE)
+
+    def unbounded(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[ids[q_idx]]
+
+    def bounded(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[ids[q_idx].clamp(0, 7)]
+
+    q = torch.randn(1, 2, 40, 16, device=DEVICE)
+    for function in (unbounded, bounded):
+        bias = ModBias(score_mod=function)
+
+        def attend(q: Tensor, bias: AttnBias = bias) -> Tensor:
+            with use_backends("reference"):
+                return sdpa(q, q, q, attn_mask=bias)
+
+        compiled = torch.compile(attend, fullgraph=True, backend="eager")
+        if function is unbounded:
+            with pytest.raises(Exception, match="cannot be read while torch.compile traces"):
+                compiled(q)
+        else:
+            torch.testing.assert_close(compiled(q), attend(q), rtol=0, atol=0)

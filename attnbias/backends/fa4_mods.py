@@ -14,15 +14,19 @@ where ``band_lo <= kv_idx - q_idx <= band_hi`` (FlashAttention 4 applies no wind
 with a ``mask_mod``). ``score_mod`` applies the soft-cap, when the call has one, then every
 score function in order; ``score_mod_bwd`` returns ``grad * d score_mod / d score`` by the
 chain rule, written only for the operations whose derivative it writes exactly (see
-:func:`reasons`). Integers are computed in 32 bits and floats in float32, as in the Triton
-kernels.
+:func:`reasons`). Integers are computed in 32 bits (a graph with an integer that may leave them,
+which the Triton kernels compute in 64, is refused: :func:`reasons`) and floats in float32, as
+in the Triton kernels.
 
 The graph's numbers (and the band, the soft-cap, the parameters' sizes) are FlashAttention 4's
 ``aux_scalars``, runtime arguments: new numbers and new lengths compile nothing new
 (:data:`NUMBERS_AS_AUX_SCALARS`). Its tensors are ``aux_tensors``, flattened to one dimension
-(float32, or int32 for integers and booleans) and indexed by the index expressions, each index
-clamped into its dimension as the Triton kernels do. The source is generated once per graph
-structure and options, and compiled once per source (:func:`callbacks`).
+(float32, or int32 for integers and booleans) and indexed by the index expressions as the
+Triton kernels index them: a negative index counts from the end (as in eager PyTorch), then it
+is clamped into its dimension, only a guard for the memory (every read at a valid position was
+proven in range on the host, :meth:`~attnbias.kernels.modfn.TracedMods.check_reads`). The
+source is generated once per graph structure and options, and compiled once per source
+(:func:`callbacks`).
 
 Shape legend: ``B`` batch, ``Hq`` query heads, ``L`` queries, ``S`` keys, ``Mb`` / ``Nb`` the
 query / key blocks of the block sparsity.
@@ -163,25 +167,7 @@ def reasons(traced: TracedMods, *, needs_grad: bool, grouped: bool) -> list[str]
             found.append(f"the operator {node.op} has no FlashAttention 4 form")
         elif node.op in ("floordiv", "mod") and node.kind == "float":
             found.append(f"{'//' if node.op == 'floordiv' else '%'} of float values")
-    # integers run in 32 bits: a 64-bit cast must provably fit, and so must what is computed
-    # from a 64-bit tensor read as int32
-    narrow_view = _as_int32(traced)
-    narrow = narrow_view.narrow_casts()
-    for node_id in sorted(needed):
-        node = nodes[node_id]
-        wide = node.op == "cast" and node.args[1] == "int" and node.args[2] == 64
-        if wide and node_id not in narrow:
-            found.append(
-                "a cast to 64-bit integers whose values may not fit 32 bits (the "
-                "FlashAttention 4 callbacks compute integers in 32 bits)"
-            )
-    if any(p.dtype == torch.int64 for p in traced.params) and not _int64_reads_fit(
-        traced, narrow_view, needed
-    ):
-        found.append(
-            "arithmetic on a 64-bit integer tensor whose results may not fit 32 bits (the "
-            "FlashAttention 4 callbacks read integer tensors as int32)"
-        )
+    found += _int64_problems(traced, needed)
     for param in traced.params:
         if param.numel() >= 2**31:
             found.append(f"a tensor of {param.numel()} elements (int32 indices)")
@@ -218,30 +204,29 @@ def backward_problems(traced: TracedMods) -> list[str]:
     ]
 
 
-def _int64_reads_fit(traced: TracedMods, narrow_view: TracedMods, needed: set[int]) -> bool:
-    """Whether every integer computed from a 64-bit tensor's read fits 32 bits, with the read
-    itself within int32 (value ranges of the trace's numbers)."""
+def _int64_problems(traced: TracedMods, needed: set[int]) -> list[str]:
+    """Per function, its 64-bit integer arithmetic: an integer of the graph (a number, a cast,
+    an operation) whose values may not fit 32 bits over all calls (value ranges of the trace's
+    numbers, positions up to ``2**31``, 64-bit tensors read as int32). The callbacks compute
+    integers in 32 bits, where such a value wraps; eager PyTorch, and the Triton kernels, in
+    64."""
     from attnbias.kernels.modfn import _INT32, _value_ranges
 
-    ranges = _value_ranges(narrow_view)
-    sources = {
-        i
-        for i in needed
-        if traced.nodes[i].op == "load"
-        and traced.params[traced.nodes[i].args[0]].dtype == torch.int64
-    }
+    ranges = _value_ranges(_as_int32(traced))
+    functions = []
     for node_id in sorted(needed):
         node = traced.nodes[node_id]
-        if (
-            node_id not in sources
-            and node.kind == "int"
-            and any(arg in sources for arg in _node_inputs(node))
-        ):
-            sources.add(node_id)
-            low, high, nan = ranges[node_id]
-            if nan or low < _INT32[0] or high > _INT32[1]:
-                return False
-    return True
+        if node.kind != "int" or node.op in ("input", "load"):
+            continue
+        low, high, _ = ranges[node_id]
+        if not (low >= _INT32[0] and high <= _INT32[1]):
+            functions.append(traced.function_of(node_id))
+    return [
+        f"{name} computes 64-bit integers: values that may not fit 32 bits (e.g. a product "
+        f"of positions; FlashAttention 4's callbacks compute integers in 32 bits, the Triton "
+        f"kernel in 64 where they need it)"
+        for name in dict.fromkeys(functions)
+    ]
 
 
 # -- the source ----------------------------------------------------------------------------------
@@ -473,14 +458,24 @@ class _Emitter:
 
     def _load(self, node: Node) -> str:
         """One element of a flattened tensor parameter per pair (the callbacks see one pair at a
-        time where they read tensors: FlashAttention 4's vector size is 1 with aux tensors)."""
+        time where they read tensors: FlashAttention 4's vector size is 1 with aux tensors).
+        A negative index counts from the end where one may be negative
+        (:meth:`~attnbias.kernels.modfn.TracedMods.wrapped_reads`); the clamp after it only
+        guards the memory (the host proved every read at a valid position in range)."""
         slot, *indices = node.args
         base = self.slots.params[slot]
         zero = self.ref("_zi")
+        wraps = self.traced.wrapped_reads()
+        node_id = self.traced.id_of(node)
         offset = None
         for dim, index in enumerate(indices):
             position = self.operand(index, "int")
             last = self.scalar(base + 2 * dim, "int")
+            if (node_id, dim) in wraps:
+                size = self.emit("v", f"{last} + {self.ref('_oi')}")
+                position = self.emit(
+                    "v", f"cute.where({position} < {zero}, {position} + {size}, {position})"
+                )
             clamped = self.emit(
                 "v",
                 f"cute.where({position} < {zero}, {zero}, "

@@ -239,6 +239,7 @@ class ModBias(KernelBias):
                     f"{self!r} reads a tensor of shape {tuple(tensor.shape)} on {tensor.device}, "
                     f"but the inputs are on {call.device}; move it with .to({str(call.device)!r})"
                 )
+        traced.check_reads(call.batch, call.heads, call.length_q, call.length_kv)
 
     def lower(self, call: Call) -> Terms:
         form = self.builtin_form()
@@ -450,11 +451,18 @@ class ModBias(KernelBias):
 
     def cache_key(self) -> Hashable | None:
         """The bias by identity with the values its functions read now (numbers, and tensors
-        by identity: a plan made with other values is not reused), and the versions of the
-        tensors its document ids read (a call after an in-place write is planned again);
-        ``None`` where a tensor has no version counter."""
-        self._traced()
-        key = (_Identity(self), self.__dict__["_values_key"])
+        by identity and shape: a plan made with other values is not reused), and the versions
+        of the tensors its document ids and its reads' indices read (a call after an in-place
+        write is planned and checked again); ``None`` where such a tensor has no version
+        counter."""
+        traced = self._traced()
+        # the tensors' shapes and the versions of those indices are read from: a call after
+        # a resize or a write there proves its reads again (:meth:`TracedMods.check_reads`)
+        reads = traced.read_versions()
+        if reads is None:
+            return None
+        shapes = tuple(tuple(t.shape) for t in traced.params)
+        key = (_Identity(self), self.__dict__["_values_key"], shapes, reads)
         form = self.builtin_form()
         if form is None or form.ids is None or not form.id_params:
             return key
