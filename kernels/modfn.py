@@ -37,6 +37,7 @@ import numbers
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -1240,16 +1241,42 @@ def trace_mods(
 
 
 def _call(tracer: _Tracer, fn: Callable[..., Any], args: list[Sym]) -> Any:
+    """``fn(*args)``. An exception the function raised itself (its last frame is neither
+    this module nor torch's) surfaces as itself, with a note naming the function; one raised
+    by an operation on a traced value becomes a :class:`ModTraceError` naming the function
+    and what the kernels compile."""
     try:
         return fn(*args)
     except ModTraceError:
         raise
-    except (TypeError, RuntimeError, IndexError, ValueError, AttributeError) as exc:
+    except Exception as exc:
+        if _raised_by_user(exc):
+            if hasattr(exc, "add_note"):  # Python 3.11 and later
+                exc.add_note(f"(raised by {tracer.name} while attnbias traced it)")
+            raise
+        if not isinstance(exc, (TypeError, RuntimeError, IndexError, ValueError, AttributeError)):
+            raise
         raise ModTraceError(
             f"{tracer.name} failed while being traced ({type(exc).__name__}: {exc}); it may use "
             f"an operator outside what the kernels compile ({SUPPORTED}); "
             f"{_way_out(tracer.name)}"
         ) from exc
+
+
+_OURS = (__file__, str(Path(torch.__file__).parent))
+
+
+def _raised_by_user(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is outside this module and torch (a ``raise``
+    in the user's own function), and the error is not about a traced value (a method a
+    traced value lacks fails in the function's own frame)."""
+    tb = exc.__traceback__
+    if tb is None or isinstance(getattr(exc, "obj", None), Sym) or "'Sym'" in str(exc):
+        return False  # an operation on a traced value: not the function's own error
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    return not (filename == _OURS[0] or filename.startswith(_OURS[1]))
 
 
 def _traced(tracer: _Tracer, result: int, inputs: dict[str, int]) -> TracedFunction:

@@ -186,3 +186,29 @@ def test_excluding_every_backend_says_which_are_excluded() -> None:
                                         r"excluded \['fa4', 'reference'.*\]\)\. Allow more"),
     ):  # fmt: skip
         sdpa(q, k, v, attn_mask=SlidingWindowBias(3))
+
+
+def test_a_functions_own_exception_surfaces_as_itself() -> None:
+    """An exception a mask function raises itself is that exception (with a note naming the
+    function where Python keeps notes); an operation a traced value lacks is a trace error
+    that names it."""
+    import sys
+
+    from attnbias import ModBias
+
+    q, k, v = qkv()
+
+    def own(b: object, h: object, q_idx: object, kv_idx: object) -> object:
+        raise KeyError("window must be set first")
+
+    with pytest.raises(KeyError, match="window must be set first") as raised:
+        sdpa(q, k, v, attn_mask=ModBias(mask_mod=own))
+    if sys.version_info >= (3, 11):
+        assert raised.value.__notes__ == ["(raised by mask_mod " + own.__qualname__
+                                          + " while attnbias traced it)"]  # fmt: skip
+
+    def lacking(b: object, h: object, q_idx: object, kv_idx: object) -> object:
+        return q_idx.new_ones(()) > 0  # type: ignore[attr-defined]
+
+    with pytest.raises(TypeError, match="failed while being traced .*'new_ones'"):
+        sdpa(q, k, v, attn_mask=ModBias(mask_mod=lacking))
