@@ -24,7 +24,7 @@ from torch import Tensor
 
 from attnbias import plan_cache
 from attnbias.biases import AttnBias, TensorBias
-from attnbias.biases.base import set_router
+from attnbias.biases.base import from_torch, set_router
 from attnbias.planner import current_policy, plan
 from attnbias.spec import call_form, make_spec
 from attnbias.terms import Call
@@ -280,6 +280,7 @@ def sdpa(
         >>> sdpa(q, k, v, attn_mask=bias).shape
         torch.Size([1, 2, 8, 16])
     """
+    attn_mask = from_torch(attn_mask) or attn_mask  # PyTorch's own causal bias, as ours
     call = plan_cache.call_key(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, current_policy()
     )
@@ -331,6 +332,7 @@ def explain(
           sdpa: soft-cap 30 is neither no mask nor plain upper-left causal, ...
           sdpa+mask: soft-cap has no materialized form
     """
+    attn_mask = from_torch(attn_mask) or attn_mask
     dropout_p, scale = _validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )

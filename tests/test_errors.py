@@ -212,3 +212,42 @@ def test_a_functions_own_exception_surfaces_as_itself() -> None:
 
     with pytest.raises(TypeError, match="failed while being traced .*'new_ones'"):
         sdpa(q, k, v, attn_mask=ModBias(mask_mod=lacking))
+
+
+def test_pytorchs_causal_bias_is_taken_as_ours() -> None:
+    """``torch.nn.attention.bias.causal_lower_right(L, S)`` as attn_mask and in ``+``: the
+    causal bias of the same alignment and lengths (no plain-Tensor warning), checked against
+    the call's lengths; stock PyTorch with the same object is the reference."""
+    import warnings
+
+    from torch.nn.attention.bias import causal_lower_right as torch_lower_right
+    from torch.nn.attention.bias import causal_upper_left as torch_upper_left
+
+    q, k, v = qkv(length_q=4, length_kv=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plain Tensor" warning
+        out = sdpa(q, k, v, attn_mask=torch_lower_right(4, 6))
+    wide = [t.double() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *wide, attn_mask=causal_lower_right(4, 6).materialize(dtype=torch.float64)
+    )
+    assert (out.double() - expected).abs().max() < 1e-6
+    assert repr(torch_upper_left(4, 6) + SlidingWindowBias(2)) == (
+        "CausalBias(UPPER_LEFT, seq_len_q=4, seq_len_kv=6) + "
+        "SlidingWindowBias(window_left=2, window_right=0)"
+    )
+    assert repr(SlidingWindowBias(2) + torch_lower_right(4, 6)).endswith(
+        "CausalBias(LOWER_RIGHT, seq_len_q=4, seq_len_kv=6)"
+    )
+    with pytest.raises(ValueError, match="built for L=5, S=6 but .* asks for L=4, S=6"):
+        sdpa(q, k, v, attn_mask=torch_lower_right(5, 6))
+
+
+def test_adding_a_plain_tensor_to_a_bias_says_to_wrap_it() -> None:
+    for add in (lambda b, t: b + t, lambda b, t: t + b):
+        with pytest.raises(TypeError, match=r"shape \(4, 6\) .* wrap the tensor in "
+                                            r"attnbias.TensorBias"):  # fmt: skip
+            add(SlidingWindowBias(2), torch.zeros(4, 6))
+    assert repr(sum([SlidingWindowBias(2), causal_lower_right()])) == repr(
+        SlidingWindowBias(2) + causal_lower_right()
+    )

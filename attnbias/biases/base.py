@@ -215,15 +215,19 @@ class AttnBias(ABC):
             )
 
     def __add__(self, other: object) -> CompositeBias:
+        other = _operand(self, other)
         if not isinstance(other, AttnBias):
             return NotImplemented
         return CompositeBias((*parts_of(self), *parts_of(other)))
 
     def __radd__(self, other: object) -> AttnBias:
         # sum([a, b]) starts from 0
-        if isinstance(other, int) and other == 0:
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
             return self
-        return NotImplemented
+        other = _operand(self, other)
+        if not isinstance(other, AttnBias):
+            return NotImplemented
+        return CompositeBias((*parts_of(other), *parts_of(self)))
 
     # -- what the library asks of a bias kind (override in a subclass) -----------------------
 
@@ -637,3 +641,34 @@ def materialize_masked(
         return MaskedBias(None, None)
     shape = None if shape is None else tuple(int(n) for n in shape)
     return bias.masked(device, shape, dtype)
+
+
+def from_torch(value: object) -> AttnBias | None:
+    """The attnbias form of PyTorch's own bias objects (``torch.nn.attention.bias``'s
+    ``CausalBias``, from its ``causal_upper_left`` / ``causal_lower_right``: the causal bias
+    of the same alignment and lengths), or ``None`` for anything else."""
+    try:
+        from torch.nn.attention.bias import CausalBias as TorchCausal
+    except ImportError:  # pragma: no cover - PyTorch before 2.2
+        return None
+    if not isinstance(value, TorchCausal):
+        return None
+    from attnbias.biases.causal import CausalBias, CausalVariant
+
+    variant = CausalVariant(int(getattr(value.variant, "value", value.variant)))
+    return CausalBias(variant, int(value.seq_len_q), int(value.seq_len_kv))
+
+
+def _operand(bias: AttnBias, other: object) -> object:
+    """``other`` as an operand of ``bias + other``: PyTorch's causal bias as ours; a plain
+    tensor refused with the fix."""
+    converted = from_torch(other)
+    if converted is not None:
+        return converted
+    if isinstance(other, Tensor):
+        raise TypeError(
+            f"cannot add a plain Tensor of shape {tuple(other.shape)} and a bias "
+            f"({type(bias).__name__}): wrap the tensor in attnbias.TensorBias, e.g. "
+            f"bias + TensorBias(mask)"
+        )
+    return other
