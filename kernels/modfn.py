@@ -675,7 +675,8 @@ class TracedMods:
         keep = torch.ones((), dtype=torch.bool, device=q_idx.device)
         for result in results:
             keep = keep & torch.as_tensor(result, device=q_idx.device).bool()
-        return keep
+        # a mask that reads no index (a constant True or False) still covers the grid
+        return keep.expand(torch.broadcast_shapes(keep.shape, q_idx.shape, kv_idx.shape))
 
     def score_grid(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
@@ -1226,7 +1227,12 @@ def trace_mods(
         tracer.name = f"mask_mod {_function_name(fn)}"
         result = tracer.lift(_call(tracer, fn, index_syms))
         if result.kind != "bool":
-            result = _cast(result, torch.bool)
+            raise ModTraceError(
+                f"{tracer.name} returns {'an' if result.kind == 'int' else 'a'} {result.kind} "
+                f"value, not a bool: a mask function "
+                f"keeps a pair where it returns True (a comparison, e.g. kv_idx <= q_idx); "
+                f"write (...) != 0 to keep the pairs where the value is not zero"
+            )
         traced_masks.append(_traced(tracer, result.node, inputs))
     for fn in scores:
         tracer.name = f"score_mod {_function_name(fn)}"

@@ -251,3 +251,24 @@ def test_adding_a_plain_tensor_to_a_bias_says_to_wrap_it() -> None:
     assert repr(sum([SlidingWindowBias(2), causal_lower_right()])) == repr(
         SlidingWindowBias(2) + causal_lower_right()
     )
+
+
+@pytest.mark.parametrize("route", ["reference", "triton"])
+def test_a_mask_function_of_a_constant_or_a_number(route: str) -> None:
+    """A mask function returning Python ``False`` keeps nothing (rows of zeros) and ``True``
+    everything (stock SDPA without a mask); one returning an int or a float is refused,
+    naming the rewrite, instead of being read as ``!= 0``."""
+    from attnbias import ModBias, use_backends
+
+    q = torch.randn(1, 2, 16, 16)
+    with use_backends(route):
+        nothing = sdpa(q, q, q, attn_mask=ModBias(mask_mod=lambda b, h, i, j: False))
+        assert torch.equal(nothing, torch.zeros_like(q))
+        everything = sdpa(q, q, q, attn_mask=ModBias(mask_mod=lambda b, h, i, j: True))
+        wide = q.double()
+        expected = torch.nn.functional.scaled_dot_product_attention(wide, wide, wide)
+        assert (everything.double() - expected).abs().max() < 1e-5
+        for fn, kind in ((lambda b, h, i, j: i - j, "an int"), (lambda b, h, i, j: i * 0.5,
+                                                                "a float")):  # fmt: skip
+            with pytest.raises(TypeError, match=f"returns {kind} value, not a bool: .* != 0"):
+                sdpa(q, q, q, attn_mask=ModBias(mask_mod=fn))
