@@ -398,6 +398,22 @@ class Sym:
     def logical_not(self) -> Sym:
         return ~_cast(self, torch.bool)
 
+    # -- one value per pair, as FlexAttention's and_masks / or_masks / noop_mask make it ------
+
+    @property
+    def device(self) -> None:
+        """Where a new value would live: the kernels decide (``new_ones(device=...)``)."""
+        return None
+
+    def new_ones(self, *size: Any, **kwargs: Any) -> Sym:
+        return _filled(self, 1, size, size_kw=kwargs.pop("size", None), **kwargs)
+
+    def new_zeros(self, *size: Any, **kwargs: Any) -> Sym:
+        return _filled(self, 0, size, size_kw=kwargs.pop("size", None), **kwargs)
+
+    def new_full(self, size: Any, fill_value: Any, **kwargs: Any) -> Sym:
+        return _filled(self, fill_value, (size,), **kwargs)
+
     @classmethod
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -431,6 +447,38 @@ def _cast(value: Sym, dtype: torch.dtype) -> Sym:
 
 def _unary_float(value: Sym, op: str) -> Sym:
     return value.tracer.add(op, (value.tracer.lift(value).node,), "float")
+
+
+def _filled(
+    like: Sym,
+    value: Any,
+    size: tuple[Any, ...],
+    *,
+    dtype: torch.dtype | None = None,
+    device: Any = None,
+    requires_grad: bool = False,
+    layout: Any = None,
+    pin_memory: bool = False,
+    size_kw: Any = None,
+) -> Sym:
+    """A new value of shape ``()`` (one per pair) filled with ``value``, of ``dtype`` (or
+    ``like``'s kind): ``b.new_ones((), dtype=torch.bool)`` is the constant ``True``."""
+    del device, requires_grad, layout, pin_memory
+    shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+    if size_kw is not None:
+        shape = size_kw
+    if tuple(shape) != ():
+        raise like.tracer.error(
+            f"a new tensor of size {tuple(shape)} (each pair computes one value: use size ())"
+        )
+    kind = like.kind if dtype is None else _KIND_OF_DTYPE.get(dtype)
+    if kind == "bool":
+        return like.tracer.const(bool(value))
+    if kind == "int":
+        return like.tracer.const(int(value))
+    if kind == "float":
+        return like.tracer.const(float(value))
+    raise like.tracer.error(f"a new value of dtype {dtype}")
 
 
 def _clamp(value: Any, low: Any, high: Any) -> Sym:
@@ -562,6 +610,9 @@ def _torch_functions() -> dict[Any, Callable[..., Any]]:
         torch.le: _binary_torch("__le__"),
         torch.gt: _binary_torch("__gt__"),
         torch.ge: _binary_torch("__ge__"),
+        torch.ones_like: lambda tracer, x, **kw: _filled(tracer.lift(x), 1, ((),), **kw),
+        torch.zeros_like: lambda tracer, x, **kw: _filled(tracer.lift(x), 0, ((),), **kw),
+        torch.full_like: lambda tracer, x, value, **kw: _filled(tracer.lift(x), value, ((),), **kw),
         Tensor.__getitem__: _getitem,
         Tensor.to: _to,
         Tensor.__bool__: lambda tracer, x: bool(tracer.lift(x)),

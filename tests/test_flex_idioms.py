@@ -1,0 +1,67 @@
+"""FlexAttention's own mask helpers (``and_masks``, ``or_masks``, ``noop_mask``) and the
+one-value constructors they use (``new_ones``, ``new_zeros``, ``ones_like``, ...) in a ModBias:
+each against the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly), on the
+exact path and on the Triton kernel (interpreted on the CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from oracle import assert_call_close
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
+
+import attnbias
+from attnbias import ModBias, use_backends
+
+SHAPE = (1, 2, 16, 16)  # B, H, L = S, E
+
+
+def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx <= q_idx
+
+
+def near(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (q_idx - kv_idx).abs() <= 3
+
+
+def first(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx == torch.zeros_like(kv_idx)
+
+
+def scaled(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score * score.new_full((), 0.5) + torch.full_like(score, 0.25) * h
+
+
+MASKS = {
+    "and_masks": and_masks(causal, near),
+    "or_masks": or_masks(causal, first),
+    "noop_mask": noop_mask,
+    "and of none": and_masks(),
+    "new_zeros": lambda b, h, q_idx, kv_idx: (
+        (q_idx - kv_idx).new_zeros((), dtype=torch.bool) | causal(b, h, q_idx, kv_idx)
+    ),
+    "ones_like": lambda b, h, q_idx, kv_idx: (
+        torch.ones_like(q_idx, dtype=torch.bool) & near(b, h, q_idx, kv_idx)
+    ),
+}
+
+
+@pytest.mark.parametrize("route", ["reference", "triton"])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_flex_mask_helpers(name: str, route: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(SHAPE, generator=generator) for _ in range(4))
+    bias = ModBias(mask_mod=MASKS[name], score_mod=scaled if name == "and_masks" else None)
+    with use_backends(route):
+        assert_call_close(lambda *t: attnbias.sdpa(*t, attn_mask=bias), bias, (q, k, v), grad)
+
+
+def test_a_new_tensor_of_more_than_one_value_is_refused() -> None:
+    def rows(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return b.new_ones((4,), dtype=torch.bool)[0] & causal(b, h, q_idx, kv_idx)
+
+    q = torch.randn(SHAPE)
+    with pytest.raises(TypeError, match=r"a new tensor of size \(4,\) .* use size \(\)"):
+        attnbias.sdpa(q, q, q, attn_mask=ModBias(mask_mod=rows))
