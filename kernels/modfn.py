@@ -308,9 +308,50 @@ class Sym:
         return self.tracer.add("not" if self.kind == "bool" else "invert", (self.node,), self.kind)
 
     def __pow__(self, other: Any) -> Sym:
-        raise self.tracer.error("the ** operator")
+        """``x ** n`` for a whole ``n`` in 0..8 (products) and ``x ** 0.5`` (a square root);
+        any other exponent is refused."""
+        if (
+            isinstance(other, numbers.Integral)
+            and not isinstance(other, bool)
+            and 0 <= int(other) <= 8
+        ):
+            result: Sym = self.tracer.lift(1 if self.kind != "float" else 1.0)
+            for _ in range(int(other)):
+                result = result * self
+            return result
+        if isinstance(other, numbers.Real) and float(other) == 0.5:
+            return _unary_float(self, "sqrt")
+        raise self.tracer.error(
+            f"x ** {other!r} (only whole exponents 0 to 8 and 0.5 compile; write "
+            f"torch.exp(y * torch.log(x)) for x > 0)"
+        )
 
-    __rpow__ = __pow__
+    def __rpow__(self, base: Any) -> Sym:
+        """``c ** x`` for a number ``c > 0``: ``exp(x * ln c)``."""
+        if isinstance(base, numbers.Real) and not isinstance(base, bool) and float(base) > 0:
+            return _exp_of(self * math.log(float(base)))
+        raise self.tracer.error(f"{base!r} ** x (only a positive number as the base compiles)")
+
+    def exp2(self) -> Sym:
+        return _exp_of(self * math.log(2.0))
+
+    def expm1(self) -> Sym:
+        return _exp_of(self) - 1.0
+
+    def log2(self) -> Sym:
+        return _unary_float(self, "log") * (1.0 / math.log(2.0))
+
+    def log10(self) -> Sym:
+        return _unary_float(self, "log") * (1.0 / math.log(10.0))
+
+    def log1p(self) -> Sym:
+        return _unary_float(self + 1.0, "log")
+
+    def rsqrt(self) -> Sym:
+        return 1.0 / _unary_float(self, "sqrt")
+
+    def square(self) -> Sym:
+        return self * self
 
     def __bool__(self) -> bool:
         raise ModTraceError(
@@ -447,6 +488,10 @@ def _cast(value: Sym, dtype: torch.dtype) -> Sym:
 
 def _unary_float(value: Sym, op: str) -> Sym:
     return value.tracer.add(op, (value.tracer.lift(value).node,), "float")
+
+
+def _exp_of(value: Sym) -> Sym:
+    return _unary_float(value, "exp")
 
 
 def _filled(
@@ -620,6 +665,16 @@ def _torch_functions() -> dict[Any, Callable[..., Any]]:
     for name in ("exp", "log", "tanh", "sqrt", "sigmoid"):
         table[getattr(torch, name)] = _unary_torch(name)
         table[getattr(Tensor, name)] = _unary_torch(name)
+    # the rest of the exp / log family, written with exp and log
+    for name in ("exp2", "expm1", "log2", "log10", "log1p", "rsqrt", "square"):
+        for owner in (torch, Tensor):
+            table[getattr(owner, name)] = lambda tracer, value, name=name: getattr(
+                tracer.lift(value), name
+            )()
+    table[torch.pow] = lambda tracer, a, b: (
+        a.__pow__(b) if isinstance(a, Sym) else tracer.lift(b).__rpow__(a)
+    )
+    table[Tensor.pow] = table[torch.pow]
     for name in ("float", "double", "half", "bfloat16", "int", "long", "bool", "abs"):
         table[getattr(Tensor, name)] = _method(name)
     for name in ("clamp", "clip", "clamp_min", "clamp_max"):
@@ -652,8 +707,10 @@ _TORCH_FUNCTIONS = _torch_functions()
 #: What a mask or score function may use, in words (for the documentation and errors).
 SUPPORTED = (
     "+ - * / // % on numbers and indices, comparisons, & | ^ ~, abs, torch.where, "
-    "torch.minimum / maximum, clamp, exp, log, tanh, sqrt, sigmoid, casts (.to(dtype), .float(), "
-    ".long(), ...), and tensor parameters indexed with one index expression per dimension"
+    "torch.minimum / maximum, clamp, exp, exp2, expm1, log, log2, log10, log1p, tanh, sqrt, "
+    "rsqrt, square, sigmoid, x ** n (n whole, 0 to 8, or 0.5), c ** x (c > 0), casts "
+    "(.to(dtype), .float(), .long(), ...), new_ones / ones_like of size (), and tensor "
+    "parameters indexed with one index expression per dimension"
 )
 
 

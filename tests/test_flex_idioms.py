@@ -1,5 +1,6 @@
-"""FlexAttention's own mask helpers (``and_masks``, ``or_masks``, ``noop_mask``) and the
-one-value constructors they use (``new_ones``, ``new_zeros``, ``ones_like``, ...) in a ModBias:
+"""FlexAttention's own mask helpers (``and_masks``, ``or_masks``, ``noop_mask``), the
+one-value constructors they use (``new_ones``, ``new_zeros``, ``ones_like``, ...), the exp / log
+family (``exp2`` as attention-gym's ALiBi uses it, ``log1p``, ...) and powers in a ModBias:
 each against the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly), on the
 exact path and on the Triton kernel (interpreted on the CPU)."""
 
@@ -65,3 +66,43 @@ def test_a_new_tensor_of_more_than_one_value_is_refused() -> None:
     q = torch.randn(SHAPE)
     with pytest.raises(TypeError, match=r"a new tensor of size \(4,\) .* use size \(\)"):
         attnbias.sdpa(q, q, q, attn_mask=ModBias(mask_mod=rows))
+
+
+def gym_alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """attention-gym's ALiBi: slopes 2 ** (-8 (h + 1) / H) through torch.exp2."""
+    return score + (kv_idx - q_idx) * torch.exp2(-((h + 1) * 8.0 / SHAPE[1]))
+
+
+def exp_log_family(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (
+        score
+        + 0.01 * (q_idx - kv_idx) ** 2
+        + 2 ** (-(h + 1.0))
+        + 0.1 * torch.log1p(q_idx + 0.0)
+        + 0.1 * torch.log2(kv_idx + 1.0)
+        - torch.expm1(h * 0.1)
+        + torch.rsqrt(kv_idx + 1.0)
+        + 0.01 * torch.square(q_idx * 0.5)
+        + 0.1 * torch.log10(kv_idx + 2.0)
+        + torch.pow(score, 1) * 0.0
+    )
+
+
+@pytest.mark.parametrize("route", ["reference", "triton"])
+@pytest.mark.parametrize("score_mod", [gym_alibi, exp_log_family])
+def test_the_exp_log_family_and_powers(score_mod: Any, route: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    q, k, v, grad = (torch.randn(SHAPE, generator=generator) for _ in range(4))
+    bias = ModBias(mask_mod=causal, score_mod=score_mod)
+    with use_backends(route):
+        assert_call_close(lambda *t: attnbias.sdpa(*t, attn_mask=bias), bias, (q, k, v), grad)
+
+
+def test_a_power_that_does_not_compile_names_the_rewrite() -> None:
+    q = torch.randn(SHAPE)
+    for fn, said in (
+        (lambda s, b, h, i, j: s + (i - j) ** 1.5, r"x \*\* 1.5 .* torch.exp\(y \* torch.log"),
+        (lambda s, b, h, i, j: s + (-2) ** i, r"-2 \*\* x \(only a positive number"),
+    ):
+        with pytest.raises(TypeError, match=said):
+            attnbias.sdpa(q, q, q, attn_mask=ModBias(score_mod=fn))
