@@ -210,7 +210,9 @@ def _scores(q: Tensor, k: Tensor, masked: MaskedBias, cap: float | None, scale: 
     if masked.additive is not None:
         scores = scores + masked.additive
     for score_fn in masked.score_fns:
-        scores = score_fn(scores)
+        # a table of a wider dtype promotes the scores, as in eager PyTorch; they go on in
+        # the dtype the path computes in (FlexAttention casts a score_mod's result back too)
+        scores = score_fn(scores).to(scores.dtype)
     return scores
 
 

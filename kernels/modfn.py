@@ -1578,7 +1578,7 @@ def _node_range(
             quotients = [x / y for x in a[:2] for y in b[:2]]
             low, high, nan = _combine(quotients, nan)
             return (
-                (math.floor(low), math.floor(high), nan) if op == "floordiv" else (low, high, nan)
+                (_floor(low), _floor(high), nan) if op == "floordiv" else (low, high, nan)
             )
         if op == "mod" and math.isfinite(max(abs(b[0]), abs(b[1]))):
             if b[0] > 0 and a[0] >= 0 and a[1] < b[0]:
@@ -1631,6 +1631,11 @@ def _node_range(
     if op == "sigmoid":
         return (0.0, 1.0, nan)
     return _ANY
+
+
+def _floor(x: float) -> float:
+    """``math.floor`` that keeps an infinite bound infinite."""
+    return x if math.isinf(x) or math.isnan(x) else float(math.floor(x))
 
 
 def _exp(x: float) -> float:

@@ -106,3 +106,37 @@ def test_a_power_that_does_not_compile_names_the_rewrite() -> None:
     ):
         with pytest.raises(TypeError, match=said):
             attnbias.sdpa(q, q, q, attn_mask=ModBias(score_mod=fn))
+
+
+def floor_of_score(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score + 0.01 * (score // 0.5)
+
+
+WIDE_TABLE = torch.randn(SHAPE[2], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+
+def wide_table(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A float64 table with float32 inputs: eager promotion, the score kept in float32."""
+    return score + WIDE_TABLE[kv_idx]
+
+
+@pytest.mark.parametrize("route", ["reference", "triton"])
+def test_a_wider_table_promotes_as_eager_does(route: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(SHAPE, generator=generator) for _ in range(4))
+    bias = ModBias(score_mod=wide_table)
+    with use_backends(route):
+        assert_call_close(lambda *t: attnbias.sdpa(*t, attn_mask=bias), bias, (q, k, v), grad)
+
+
+@pytest.mark.parametrize("route", ["reference", "triton"])
+def test_float_floor_division(route: str) -> None:
+    """Forward only: eager PyTorch has no derivative for floor_divide."""
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(SHAPE, generator=generator) for _ in range(3))
+    with use_backends(route):
+        out = attnbias.sdpa(q, k, v, attn_mask=ModBias(score_mod=floor_of_score))
+    wide = [t.double() for t in (q, k, v)]
+    scores = wide[0] @ wide[1].transpose(-1, -2) / SHAPE[3] ** 0.5
+    expected = floor_of_score(scores, None, None, None, None).softmax(-1) @ wide[2]
+    assert (out.double() - expected).abs().max() < 1e-5
