@@ -29,8 +29,19 @@ __all__ = [
 ]
 
 
-def _zero_nonfinite(tensor: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(tensor), tensor, torch.zeros((), dtype=tensor.dtype))
+def _zero_bad_rows(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """``(tensor with its rows that hold a non-finite entry zeroed, those rows (bool, all but
+    the last dimension))``: a row's sum finds them (a NaN or an infinity makes it non-finite),
+    checked entry by entry where the sum says so (it may only have overflowed)."""
+    wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    bad = ~torch.isfinite(tensor.sum(-1, dtype=wide))
+    if tensor.numel() == 0 or not bool(bad.any()):
+        return tensor, bad
+    rows = bad.nonzero(as_tuple=True)
+    bad[rows] = ~torch.isfinite(tensor[rows]).all(-1)
+    zeroed = tensor.clone()
+    zeroed[bad] = 0
+    return zeroed, bad
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,17 +68,33 @@ class FiniteInputs:
     bad_query: Tensor  # (B, Hq, L) bool
     bad_key_value: Tensor  # (B, Hq, S) bool, key/value heads repeated for GQA
 
+    clean: bool = False  # every entry is finite: nothing to poison
+
     @classmethod
     def of(cls, query: Tensor, key: Tensor, value: Tensor) -> FiniteInputs:
-        bad_key_value = ~(torch.isfinite(key).all(-1) & torch.isfinite(value).all(-1))
         heads_q, heads_kv = query.shape[1], key.shape[1]
+        if query.device.type == "cpu":
+            # one sum per row finds the rows with a non-finite entry (no device to wait for
+            # here): a bad row is zeroed whole (its other entries reach only rows that come
+            # out NaN anyway), the others are not copied
+            (query, bad_query), (key, bad_key), (value, bad_value) = (
+                _zero_bad_rows(t) for t in (query, key, value)
+            )
+            bad_key_value = bad_key | bad_value
+            clean = not (bool(bad_query.any()) or bool(bad_key_value.any()))
+            if heads_kv not in (0, heads_q):
+                bad_key_value = bad_key_value.repeat_interleave(heads_q // heads_kv, dim=1)
+            return cls(query, key, value, bad_query, bad_key_value, clean=clean)
+        finite = [torch.isfinite(t) for t in (query, key, value)]
+        bad_key_value = ~(finite[1].all(-1) & finite[2].all(-1))
         if heads_kv not in (0, heads_q):
             bad_key_value = bad_key_value.repeat_interleave(heads_q // heads_kv, dim=1)
+        zero = [torch.zeros((), dtype=t.dtype) for t in (query, key, value)]
         return cls(
-            query=_zero_nonfinite(query),
-            key=_zero_nonfinite(key),
-            value=_zero_nonfinite(value),
-            bad_query=~torch.isfinite(query).all(-1),
+            query=torch.where(finite[0], query, zero[0]),
+            key=torch.where(finite[1], key, zero[1]),
+            value=torch.where(finite[2], value, zero[2]),
+            bad_query=~finite[0].all(-1),
             bad_key_value=bad_key_value,
         )
 
@@ -77,7 +104,7 @@ class FiniteInputs:
         whole keep-mask of the call; ``None`` keeps every pair."""
         batch, heads, _ = self.bad_query.shape
         bad = self.bad_key_value
-        if bad.shape[-1] == 0:  # no key: no row attends anything
+        if bad.shape[-1] == 0 or self.clean:  # no key, or nothing non-finite
             return torch.zeros_like(self.bad_query)
         if keep is None:
             return bad.any(-1, keepdim=True) | (self.bad_query & (bad.shape[-1] > 0))
@@ -105,7 +132,7 @@ class FiniteInputs:
 
     def poison(self, out: Tensor, keep: Tensor | None) -> Tensor:
         """``out`` ``(B, Hq, L, Ev)`` with the poisoned rows NaN, their gradient NaN too."""
-        if out.numel() == 0:
+        if out.numel() == 0 or self.clean:
             return out
         rows = self.poisoned_rows(keep)[..., None]
         # a product, not a selection: the gradient of a poisoned row is NaN as well, and every
