@@ -1577,9 +1577,7 @@ def _node_range(
         if op in ("truediv", "floordiv") and (b[0] > 0 or b[1] < 0):
             quotients = [x / y for x in a[:2] for y in b[:2]]
             low, high, nan = _combine(quotients, nan)
-            return (
-                (_floor(low), _floor(high), nan) if op == "floordiv" else (low, high, nan)
-            )
+            return (_floor(low), _floor(high), nan) if op == "floordiv" else (low, high, nan)
         if op == "mod" and math.isfinite(max(abs(b[0]), abs(b[1]))):
             if b[0] > 0 and a[0] >= 0 and a[1] < b[0]:
                 return a  # below every divisor: the value itself
