@@ -73,10 +73,11 @@ class FiniteInputs:
     @classmethod
     def of(cls, query: Tensor, key: Tensor, value: Tensor) -> FiniteInputs:
         heads_q, heads_kv = query.shape[1], key.shape[1]
-        if query.device.type == "cpu":
+        if query.device.type == "cpu" and not torch.compiler.is_compiling():
             # one sum per row finds the rows with a non-finite entry (no device to wait for
-            # here): a bad row is zeroed whole (its other entries reach only rows that come
-            # out NaN anyway), the others are not copied
+            # here; not under torch.compile, whose graph cannot branch on values): a bad row
+            # is zeroed whole (its other entries reach only rows that come out NaN anyway),
+            # the others are not copied
             (query, bad_query), (key, bad_key), (value, bad_value) = (
                 _zero_bad_rows(t) for t in (query, key, value)
             )
