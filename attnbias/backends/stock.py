@@ -247,11 +247,18 @@ def _causal_scale_reasons(spec: Spec) -> list[str]:
     ]
 
 
-def _stock(spec: Spec, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+def _stock(
+    spec: Spec,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    inputs: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Stock SDPA on ``spec``'s call (on ``inputs`` in place of its q, k, v where given)."""
+    query, key, value = inputs or (spec.query, spec.key, spec.value)
     return stock_sdpa(
-        spec.query,
-        spec.key,
-        spec.value,
+        query,
+        key,
+        value,
         attn_mask=attn_mask,
         dropout_p=spec.dropout_p,
         is_causal=is_causal,
@@ -397,16 +404,7 @@ class MaterializedSDPA(Backend):
         bias = spec.bias
         if bias is None:  # an empty bias (a pinned call with no mask) needs no mask
             inputs = FiniteInputs.of(spec.query, spec.key, spec.value)
-            out = stock_sdpa(
-                inputs.query,
-                inputs.key,
-                inputs.value,
-                attn_mask=None,
-                dropout_p=spec.dropout_p,
-                is_causal=False,
-                scale=spec.scale,
-                enable_gqa=spec.enable_gqa,
-            )
+            out = _stock(spec, None, False, (inputs.query, inputs.key, inputs.value))
             return inputs.poison(out, None)
         return materialized_attention(
             spec.query,

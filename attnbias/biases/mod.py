@@ -186,6 +186,12 @@ class ModBias(KernelBias):
             object.__setattr__(self, "_seen_values", seen)
         return found
 
+    def _current_values(self) -> Any:
+        """The trace's structure, numbers and tensors as :func:`_key_of` gives them, for the
+        values the functions read now (read again first, as :meth:`_traced` does)."""
+        self._traced()
+        return self.__dict__["_values_key"]
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for name in _WORKED_OUT:
@@ -456,13 +462,14 @@ class ModBias(KernelBias):
         write is planned and checked again); ``None`` where such a tensor has no version
         counter."""
         traced = self._traced()
+        values = self.__dict__["_values_key"]
         # the tensors' shapes and the versions of those indices are read from: a call after
         # a resize or a write there proves its reads again (:meth:`TracedMods.check_reads`)
         reads = traced.read_versions()
         if reads is None:
             return None
         shapes = tuple(tuple(t.shape) for t in traced.params)
-        key = (_Identity(self), self.__dict__["_values_key"], shapes, reads)
+        key = (_Identity(self), values, shapes, reads)
         form = self.builtin_form()
         if form is None or form.ids is None or not form.id_params:
             return key
@@ -777,7 +784,7 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
 
     first = parts[0]
     # each part's values as they are now (a part whose values changed drops its forms)
-    keys = tuple((part._traced(), part.__dict__["_values_key"])[1] for part in parts)
+    keys = tuple(part._current_values() for part in parts)
     if len(parts) == 1:
         found = first.__dict__.get("_compiled_mods")
         if found is None:
