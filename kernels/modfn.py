@@ -1320,14 +1320,29 @@ def _function_name(fn: Callable[..., Any]) -> str:
 
 
 def trace_mods(
-    masks: Sequence[Callable[..., Any]], scores: Sequence[Callable[..., Any]]
+    masks: Sequence[Callable[..., Any]],
+    scores: Sequence[Callable[..., Any]],
+    *,
+    bind: Callable[[Callable[[Any], tuple[Sym, int]]], tuple[Sequence[Any], Sequence[Any]]]
+    | None = None,
 ) -> TracedMods:
     """Trace mask functions ``f(b, h, q_idx, kv_idx) -> bool`` and score functions
     ``f(score, b, h, q_idx, kv_idx) -> score`` into one graph. Raises :class:`ModTraceError`
-    naming the function and the operator it cannot compile."""
+    naming the function and the operator it cannot compile.
+
+    ``bind``, where given, makes the functions to trace instead of ``masks`` and ``scores``:
+    it receives ``slot_of(number) -> (value, slot)``, which makes a runtime number of the
+    trace (a traced value) and says which of :attr:`TracedMods.consts` holds it."""
     tracer = _Tracer("?")
     inputs = {name: tracer.add("input", (name,), "int").node for name in INDEX_NAMES}
     inputs["score"] = tracer.add("input", ("score",), "float").node
+    if bind is not None:
+
+        def slot_of(value: Any) -> tuple[Sym, int]:
+            sym = tracer.const(value)
+            return sym, len(tracer.consts) - 1
+
+        masks, scores = bind(slot_of)
     index_syms = [Sym(tracer, inputs[name]) for name in INDEX_NAMES]
     traced_masks, traced_scores = [], []
     score: Sym = Sym(tracer, inputs["score"])
@@ -1352,6 +1367,36 @@ def trace_mods(
     return TracedMods(
         tracer.nodes, traced_masks, traced_scores, tracer.params, tracer.consts, inputs
     )
+
+
+def same_graph(a: TracedMods, b: TracedMods) -> bool:
+    """Whether two traces compute the same: from each function's result down, the same
+    operations on the same inputs, tensors (by identity) and numbers (by type and value),
+    wherever their slots are."""
+    table: dict[Any, int] = {}
+
+    def forms(traced: TracedMods) -> list[int]:
+        out: list[int] = []
+        for node in traced.nodes:
+            form: tuple[Any, ...]
+            if node.op == "const":
+                value = traced.consts[node.args[0]]
+                form = ("=", type(value), value.hex() if isinstance(value, float) else value)
+            elif node.op == "load":
+                form = ("load", id(traced.params[node.args[0]]), *(out[i] for i in node.args[1:]))
+            elif node.op == "cast":
+                form = ("cast", out[node.args[0]], *node.args[1:])
+            elif node.op in ("input", "bool"):
+                form = (node.op, *node.args)
+            else:
+                form = (node.op, *(out[i] for i in node.args))
+            out.append(table.setdefault((node.kind, form), len(table)))
+        return out
+
+    ours, theirs = forms(a), forms(b)
+    return [ours[f.result] for f in a.masks] == [theirs[f.result] for f in b.masks] and [
+        ours[f.result] for f in a.scores
+    ] == [theirs[f.result] for f in b.scores]
 
 
 def _call(tracer: _Tracer, fn: Callable[..., Any], args: list[Sym]) -> Any:

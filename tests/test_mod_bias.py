@@ -802,8 +802,35 @@ def test_a_bias_built_inside_torch_compile_is_refused_naming_the_fix() -> None:
         return sdpa(q, k, v, attn_mask=PrefixLM(8) + T5Bias(table))
 
     q = torch.randn(1, 2, 16, 8, device=DEVICE)
-    with pytest.raises(Exception, match="build the bias, or the sum of ModBias parts, outside"):
+    with pytest.raises(Exception, match="build the bias outside the compiled function and pass"):
         torch.compile(attend, fullgraph=True, backend="eager")(q, q, q)
+
+
+def test_a_bias_built_inside_torch_compile_without_fullgraph_is_built_eagerly() -> None:
+    """Without ``fullgraph=True`` the build runs eagerly at a graph break: the call is right,
+    forward and gradients, on two calls with new contents."""
+    torch._dynamo.reset()
+    table = random_table(4, 3)
+
+    def make() -> AttnBias:
+        return PrefixLM(12) + T5Bias(table) + causal_lower_right()
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa(q, k, v, attn_mask=make(), enable_gqa=True)
+
+    compiled = torch.compile(attend, backend="aot_eager")
+    case = Case(make, (2, 4, 2, 40, 56), FP32)
+    # the kernels do not run under torch.compile on the interpreter: the CPU's exact route
+    with attnbias.use_backends(exclude=["triton"]):
+        for seed in (0, 1):
+            check(
+                case,
+                FP32,
+                fused=False,
+                param_grads=False,
+                seed=seed,
+                call=lambda q, k, v, attn_mask, enable_gqa: compiled(q, k, v),
+            )
 
 
 def test_a_sum_keeps_the_code_of_its_parts_together() -> None:

@@ -4,9 +4,11 @@ A number in a closure, a field of a (non-frozen) dataclass, an attribute set in 
 module global and a tensor a closure is rebound to, each changed five times between calls:
 every call agrees with the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly
 with the values of the moment), on the exact path and on the Triton kernel (interpreted on the
-CPU, compiled on a GPU). Counted: each change traces the functions once more and generates no
-new source (the generated code takes the numbers as runtime arguments); an unchanged call
-traces nothing. A Python branch on a closure value gives the other function's graph.
+CPU, compiled on a GPU). Counted: such a change traces nothing and generates no new source (the
+trace takes these numbers as runtime arguments, written anew where they change); an unchanged
+call traces nothing. A number the function computes with on the Python side, or one that a
+helper function reads as well, traces the functions once per change and still generates no
+new source. A Python branch on a closure value gives the other function's graph.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ def _changes(
     device: str,
     route: str,
     traces: list[int],
+    per_change: int = 0,
 ) -> None:
-    """Call, then for each value: ``change(value)``, call (right each time), counted."""
+    """Call, then for each value: ``change(value)``, call (right each time), counted: each
+    change traces the functions ``per_change`` times."""
     _check(bias, device, route, 0)
     _check(bias, device, route, 1)  # nothing changed: nothing traced
     before, sources = traces[0], len(modfn._SOURCES)
@@ -77,7 +81,9 @@ def _changes(
     for n, value in enumerate(values):
         change(value)
         _check(bias, device, route, 3 + n)
-        assert traces[0] == before + n + 1, f"change {n}: traced {traces[0] - before} times"
+        assert traces[0] == before + (n + 1) * per_change, (
+            f"change {n}: traced {traces[0] - before} times"
+        )
     assert len(modfn._SOURCES) == sources, "a new value generated new source"
 
 
@@ -187,3 +193,68 @@ def test_a_rebound_tensor_and_a_branch_on_a_closure_value(device: str) -> None:
         _check(bias, device, "triton", n)
         table = torch.randn(SHAPE[1], 2 * SHAPE[2], device=device)
         symmetric = not symmetric
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", ["python_side", "type_test", "helper_reads_it"])
+def test_numbers_the_trace_cannot_take_as_runtime_numbers(
+    case: str, route: str, traces: list[int]
+) -> None:
+    """Where the trace cannot stand for a number, a change traces again (once) and the call is
+    still right: a number the function computes with on the Python side (``reach - 1``), a
+    type test on one, and a cell a helper function reads too."""
+    reach = 3
+
+    def python_side(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx - kv_idx).abs() <= reach - 1) | (q_idx == kv_idx)
+
+    def type_test(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx).abs() <= (reach if isinstance(reach, int) else 0)
+
+    def helper(kv_idx: Any) -> Any:
+        return kv_idx % 8 == reach
+
+    def helper_reads_it(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx - kv_idx).abs() <= reach) | helper(kv_idx)
+
+    mask = {"python_side": python_side, "type_test": type_test}.get(case, helper_reads_it)
+    bias = ModBias(mask_mod=mask)
+
+    def change(value: int) -> None:
+        nonlocal reach
+        reach = value
+
+    _changes(bias, change, [5, 2, 7, 3, 4], "cpu", route, traces, per_change=1)
+
+
+class Shared(ModBias):
+    """An attribute the bias's method reads from ``self`` and a helper from the bias held in
+    a module-level registry: a change reaches the helper too."""
+
+    def __init__(self, reach: int) -> None:
+        super().__init__()
+        self.reach = reach
+
+    def mask_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx - kv_idx).abs() <= self.reach) | _registered_reach(kv_idx)
+
+
+REGISTRY: list[Shared] = []
+
+
+def _registered_reach(kv_idx: Any) -> Any:
+    return kv_idx == REGISTRY[0].reach
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_attribute_also_read_through_another_path(route: str, traces: list[int]) -> None:
+    bias = Shared(2)
+    REGISTRY.append(bias)
+    try:
+
+        def change(value: int) -> None:
+            bias.reach = value
+
+        _changes(bias, change, [5, 1, 7, 3, 0], "cpu", route, traces, per_change=1)
+    finally:
+        REGISTRY.clear()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import math
 import threading
-import types
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -18,6 +16,7 @@ from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape, check_head_range, resolve_lengths
 from attnbias.biases.documents import DocumentBias
+from attnbias.biases.mod_values import cell_value, renumbered, seen, unchanged, with_slots
 from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.terms import Block, Call, Terms
@@ -156,34 +155,61 @@ class ModBias(KernelBias):
 
         A trace holds the numbers the functions computed from what they can see (closure
         cells, fields and attributes, defaults, module globals, class attributes): each call
-        first compares those values with the ones of the trace (:func:`_seen`, a few µs) and
-        traces the functions again where one changed. A new trace of the same structure
-        generates the same source (no compilation); everything worked out from the old values
-        (built-in forms, documents, generated forms, shifted copies) is dropped, and
-        :meth:`cache_key` names the new values, so that no plan of the old ones is reused.
-        Inside ``torch.compile`` the trace is the one of the last call outside it."""
+        first compares those values with the ones of the trace (:func:`~attnbias.biases.
+        mod_values.seen`, a few µs). A number the functions read straight from a closure
+        cell, a module global or the bias's own attributes is a runtime number of the trace
+        (:func:`~attnbias.biases.mod_values.with_slots`): its new value is written into the
+        trace. Where anything else changed, the functions are traced again. Either way the
+        same structure generates the same source (no compilation); everything worked out
+        from the old values (built-in forms, documents, generated forms, shifted copies) is
+        dropped, and :meth:`cache_key` names the new values, so that no plan of the old ones
+        is reused. Inside ``torch.compile`` the trace is the one of the last call outside
+        it."""
         found = self.__dict__.get("_traced_mods")
         if torch.compiler.is_compiling():
             if found is None:
                 _refuse_inside_compile(self)
             return found
         probes = self.__dict__.get("_seen_values")
-        if found is not None and probes is not None and _unchanged(probes):
-            return found
-        seen = _seen(self)
+        if found is not None and probes is not None:
+            if unchanged(probes):
+                return found
+            renewed = renumbered(found, probes, self.__dict__.get("_value_slots"))
+            if renewed is not None:
+                return self._keep_trace(renewed[0], renewed[1], self.__dict__["_value_slots"])
         from attnbias.kernels.modfn import trace_mods
 
         _refuse_inside_compile(self)
-        traced = trace_mods(*self.functions())
+        functions = self.functions()
+        reached: dict[int, int] = {}
+        probes = seen(self, functions, ModBias, _WORKED_OUT, reached)
+        traced = trace_mods(*functions)
+        slotted = None
+        if probes is not None and not self.__dict__.get("_no_slots"):
+            slotted = with_slots(self, functions, traced, probes, reached, _WORKED_OUT)
+            if slotted is None:  # not tried again: a change traces anew from now on
+                object.__setattr__(self, "_no_slots", True)
+        if slotted is None:
+            return self._keep_trace(traced, probes, None)
+        return self._keep_trace(slotted[0], probes, slotted[1])
+
+    def _keep_trace(
+        self, traced: Any, probes: Any, slots: dict[int, tuple[int, ...]] | None
+    ) -> Any:
+        """Keep ``traced`` (dropping what was worked out from other values) unless it has the
+        values of the kept trace; returns the trace kept."""
         key = _key_of(traced)
         with _LOCK:
+            found = self.__dict__.get("_traced_mods")
             if found is None or key != self.__dict__.get("_values_key"):
                 for name in _WORKED_OUT:
-                    self.__dict__.pop(name, None)
+                    if name != "_no_slots":
+                        self.__dict__.pop(name, None)
                 object.__setattr__(self, "_traced_mods", traced)
                 object.__setattr__(self, "_values_key", key)
                 found = traced
-            object.__setattr__(self, "_seen_values", seen)
+            object.__setattr__(self, "_seen_values", probes)
+            object.__setattr__(self, "_value_slots", slots)
         return found
 
     def _current_values(self) -> Any:
@@ -210,7 +236,7 @@ class ModBias(KernelBias):
             cell.cell_contents
             for fn in (self.mask_mod, self.score_mod)
             for cell in (getattr(fn, "__closure__", None) or ())
-            if isinstance(_cell_value(cell), Tensor) and cell.cell_contents.requires_grad
+            if isinstance(cell_value(cell), Tensor) and cell.cell_contents.requires_grad
         ]
         if shared:
             warnings.warn(
@@ -544,7 +570,8 @@ def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) ->
 # the values its functions read; dropped where those change)
 _WORKED_OUT = (
     "_traced_mods", "_builtin_form", "_chunk_docs", "_id_docs", "_blocks", "_head_ranges",
-    "_compiled_mods", "_combined_mods", "_seen_values", "_values_key",
+    "_compiled_mods", "_combined_mods", "_seen_values", "_values_key", "_value_slots",
+    "_no_slots",
 )  # fmt: skip
 
 
@@ -570,166 +597,6 @@ def _key_of(traced: Any) -> tuple[Any, ...]:
 
 
 _STRUCTURES: dict[tuple[Any, ...], int] = {}
-
-
-class _Unseen(Exception):
-    """The values a function reads go past what :func:`_seen` compares."""
-
-
-#: The most values :func:`_seen` compares, and how deep it follows containers and objects;
-#: past either, the functions are traced again at every call.
-_MAX_SEEN = 2048
-_MAX_DEPTH = 8
-_ATOMS = (int, float, bool, str, bytes, complex, type(None))
-_OPAQUE = (
-    types.ModuleType, type, types.BuiltinFunctionType, types.MethodDescriptorType,
-    types.WrapperDescriptorType, torch.dtype, torch.device,
-)  # fmt: skip
-_EMPTY_CELL = object()
-
-
-def _seen(bias: ModBias) -> list[tuple[int, Any, Any, Any]] | None:
-    """Where everything ``bias``'s functions can read lives, with its value now: a list of
-    probes ``(how, container, key, value)`` that :func:`_unchanged` reads again at each call.
-
-    Followed: the functions (their code, defaults, closure cells and the module globals their
-    code names, nested functions included), bound methods (the function and the object),
-    ``functools.partial``, lists, tuples, sets and dicts, objects' attributes (``__dict__``
-    and ``__slots__``), and the bias's classes (their plain values and functions). Numbers and
-    strings are compared by value and type, anything else by identity (a tensor's contents
-    are read by the kernels at every call anyway). ``None`` where that goes past
-    :data:`_MAX_SEEN` probes or :data:`_MAX_DEPTH` levels (every call then traces anew)."""
-    probes: list[tuple[int, Any, Any, Any]] = []
-    done: set[int] = set()
-
-    def probe(how: int, container: Any, key: Any, depth: int) -> None:
-        value = _read(how, container, key)
-        probes.append((how, container, key, value))
-        visit(value, depth + 1)
-
-    def visit(value: Any, depth: int) -> None:
-        if len(probes) > _MAX_SEEN or depth > _MAX_DEPTH:
-            raise _Unseen
-        if type(value) in _ATOMS or isinstance(value, (Tensor, *_OPAQUE)):
-            return
-        if id(value) in done:
-            return
-        done.add(id(value))
-        kind = type(value)
-        if isinstance(value, types.FunctionType):
-            for name in ("__code__", "__defaults__", "__kwdefaults__"):
-                probe(_ATTR, value, name, depth)
-            for cell in value.__closure__ or ():
-                probe(_CELL, cell, None, depth)
-            space = value.__globals__
-            for name in _global_names(value.__code__):
-                if name in space:
-                    probe(_ITEM, space, name, depth)
-        elif isinstance(value, types.MethodType):
-            visit(value.__func__, depth + 1)
-            visit(value.__self__, depth + 1)
-        elif isinstance(value, functools.partial):
-            visit(value.func, depth + 1)
-            visit(value.args, depth + 1)
-            visit(value.keywords, depth + 1)
-        elif kind is tuple or kind is frozenset:
-            for item in value:
-                visit(item, depth + 1)
-        elif kind is list:
-            probes.append((_LENGTH, value, None, len(value)))
-            for index in range(len(value)):
-                probe(_ITEM, value, index, depth)
-        elif kind is set:
-            probes.append((_LENGTH, value, None, len(value)))
-            probes.append((_SAME, value, None, frozenset(value)))
-        elif kind is dict:
-            probes.append((_LENGTH, value, None, len(value)))
-            for key in list(value):
-                probe(_ITEM, value, key, depth)
-        else:
-            attributes = getattr(value, "__dict__", None)
-            if attributes is not None:
-                for key in list(attributes):
-                    if not (isinstance(value, ModBias) and key in _WORKED_OUT):
-                        probe(_ITEM, attributes, key, depth)
-            for cls in kind.__mro__:
-                if cls is ModBias or cls is object:
-                    break
-                for slot in cls.__dict__.get("__slots__", ()):
-                    if isinstance(slot, str) and slot not in ("__dict__", "__weakref__"):
-                        probe(_ATTR, value, slot, depth)
-                if isinstance(value, ModBias):  # the subclass's values and methods
-                    for key, item in cls.__dict__.items():
-                        if not key.startswith("__") and (
-                            type(item) in _ATOMS or isinstance(item, types.FunctionType)
-                        ):
-                            probe(_ITEM, cls.__dict__, key, depth)
-
-    try:
-        visit(bias, 0)
-        visit(bias.functions(), 1)
-    except (_Unseen, RecursionError):
-        return None
-    return probes
-
-
-# how a probe of :func:`_seen` reads its value
-_ITEM, _ATTR, _CELL, _LENGTH, _SAME = range(5)
-_MISSING = object()
-
-
-def _read(how: int, container: Any, key: Any) -> Any:
-    if how == _ITEM:
-        try:
-            return container[key]
-        except (KeyError, IndexError):
-            return _MISSING
-    if how == _ATTR:
-        return getattr(container, key, _MISSING)
-    if how == _CELL:
-        return _cell_value(container, _MISSING)
-    if how == _LENGTH:
-        return len(container)
-    return frozenset(container)
-
-
-def _unchanged(probes: list[tuple[int, Any, Any, Any]]) -> bool:
-    """Whether every probe of :func:`_seen` reads what it read then."""
-    for how, container, key, value in probes:
-        now = _read(how, container, key)
-        if now is value:
-            continue
-        kind = type(now)
-        if kind is not type(value) or (kind not in _ATOMS and how != _SAME):
-            return False
-        if now != value and not (kind is float and math.isnan(now) and math.isnan(value)):
-            return False
-    return True
-
-
-_GLOBAL_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
-
-
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """The names ``code`` may read as module globals (nested functions' code included)."""
-    found = _GLOBAL_NAMES.get(code)
-    if found is None:
-        names = set(code.co_names)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                names.update(_global_names(const))
-        found = tuple(sorted(names))
-        if len(_GLOBAL_NAMES) < 4096:
-            _GLOBAL_NAMES[code] = found
-    return found
-
-
-def _cell_value(cell: Any, empty: Any = None) -> Any:
-    """A closure cell's value (``empty`` for a cell not filled yet)."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return empty
 
 
 def _plus(index: Any, offset: int) -> Any:
@@ -818,15 +685,29 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
 
 
 def _prepare(parts: tuple[ModBias, ...]) -> None:
-    """:func:`compiled_mods` of ``parts`` and their built-in forms ahead of the calls, unless
-    ``torch.compile`` is tracing (the tracer cannot run there); a function the compiler refuses
-    is left to raise at the first call, where the error names it."""
+    """:func:`compiled_mods` of ``parts`` and their built-in forms ahead of the calls; a
+    function the compiler refuses is left to raise at the first call, where the error names
+    it. Under ``torch.compile`` the tracer cannot run in the graph: the work runs eagerly at a
+    graph break, and with ``fullgraph=True`` the compiler's error says why."""
     if torch.compiler.is_compiling():
+        _prepare_eagerly(parts)
         return
     with contextlib.suppress(ModTraceError):
         compiled_mods(parts)
         for part in parts:  # read under torch.compile as a kept value only
             part.builtin_form()
+
+
+_BUILT_INSIDE = (
+    "a ModBias traces its functions when it is built (or summed), which cannot happen inside a "
+    "torch.compile graph: build the bias outside the compiled function and pass it in, or "
+    "compile without fullgraph=True (the build then runs eagerly at a graph break)"
+)
+
+
+@torch.compiler.disable(reason=_BUILT_INSIDE)
+def _prepare_eagerly(parts: tuple[ModBias, ...]) -> None:
+    _prepare(parts)
 
 
 def _refuse_inside_compile(*parts: ModBias) -> None:
