@@ -25,11 +25,13 @@ capture does not allow).
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
 biases, :class:`TensorBias`, and ALiBi with user slopes (converted on each call, so that their
-gradient is recorded each time). Biases are immutable, with one exception:
+gradient is recorded each time). Biases are immutable except for their tensors' contents:
 the positions of a :class:`KeyRangeBias` given as int32 ``(B,)`` tensors on the inputs'
-device are read at each call, so a cache that grows writes ``end += 1`` in place. Writing into
-the id tensors of a :class:`DocumentBias`, or into positions of another dtype or device, after
-using the bias may not be seen (nor by their per-device copies): build a new bias instead.
+device are read at each call, so a cache that grows writes ``end += 1`` in place; where two
+ranges intersect, the kept plan recomputes the intersection on the device before each run
+(:attr:`Terms.refresh`). Tensors a bias copies (document ids, positions of another dtype or
+device) are named by their version counters in its key, so a write makes a new plan. Writes
+that bypass the version counter (``.data``, a NumPy view) are not seen by such copies.
 """
 
 from __future__ import annotations
@@ -143,12 +145,26 @@ def store(key: Hashable, chosen: Plan) -> CachedPlan | None:
         run = _by_capture(uncaptured=other.prepare(spec), captured=backend.prepare(spec))
     else:
         run = _by_capture(uncaptured=backend.prepare(spec), captured=other.prepare(spec))
+    if spec.terms.refresh:
+        run = _refreshed(run, spec.terms.refresh)
     entry = CachedPlan(spec.bias, spec.terms, run)
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:
             del _ENTRIES[next(iter(_ENTRIES))]
     return entry
+
+
+def _refreshed(run: Prepared, refresh: tuple[Callable[[], object], ...]) -> Prepared:
+    """``run`` after the work :attr:`Terms.refresh` asks of each call (on the device; a CUDA
+    graph that captures the call captures it too)."""
+
+    def refreshed(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        for work in refresh:
+            work()
+        return run(query, key, value)
+
+    return refreshed
 
 
 def _by_capture(*, uncaptured: Prepared, captured: Prepared) -> Prepared:

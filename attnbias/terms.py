@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,6 +137,9 @@ class Terms:
     # or neither; a start past its end keeps no key.
     kv_start: Tensor | None = None
     kv_end: Tensor | None = None
+    # Work a kept plan redoes before each call: the intersection of two key ranges, written
+    # again into the tensors above from the ranges' own (in-place writes are seen).
+    refresh: tuple[Callable[[], object], ...] = ()
     doc_parts: tuple[object, ...] = ()  # the bias parts the documents come from
     # ModBias parts, in the order of the sum: their masks intersect with the rest, their score
     # functions apply after the additive terms, in this order. Each part compiles the tuple
@@ -189,6 +193,7 @@ class Terms:
         else:
             docs = _merge_docs((self.q_doc, self.kv_doc), (other.q_doc, other.kv_doc))
         key_range = (self.kv_start, self.kv_end)
+        refresh = self.refresh + other.refresh
         if other.kv_start is not None and other.kv_end is not None:
             if self.kv_start is None or self.kv_end is None:
                 key_range = (other.kv_start, other.kv_end)
@@ -196,6 +201,12 @@ class Terms:
                 key_range = (
                     torch.maximum(self.kv_start, other.kv_start),
                     torch.minimum(self.kv_end, other.kv_end),
+                )
+                # computed again before each call of a kept plan: writes into either range
+                # are seen (the kernels read these tensors)
+                refresh += (
+                    partial(_intersect, self.kv_start, other.kv_start, key_range[0], torch.maximum),
+                    partial(_intersect, self.kv_end, other.kv_end, key_range[1], torch.minimum),
                 )
         slopes, shift, alibi_parts = self.slopes, self.alibi_shift, self.alibi_parts
         materialized: tuple[object, ...] = ()
@@ -219,6 +230,7 @@ class Terms:
             others=self.others + other.others + materialized,
             kv_start=key_range[0],
             kv_end=key_range[1],
+            refresh=refresh,
             doc_parts=self.doc_parts + other.doc_parts,
             mods=self.mods + other.mods,
             forms=self.forms + other.forms,
@@ -271,6 +283,7 @@ class Terms:
             others=self.others,
             kv_start=self.kv_start,
             kv_end=self.kv_end,
+            refresh=self.refresh,
             doc_parts=self.doc_parts,
             mods=self.mods,
             forms=self.forms,
@@ -359,3 +372,7 @@ class Terms:
         terms += [f"{p.describe()} ({p.describe_form()})" for p in self.forms]
         terms += [f"{type(p).__name__} (materialized)" for p in self.others]
         return ", ".join(terms) if terms else "no mask"
+
+
+def _intersect(a: Tensor, b: Tensor, out: Tensor, op: Callable[..., Tensor]) -> None:
+    op(a, b, out=out)

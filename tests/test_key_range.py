@@ -263,3 +263,60 @@ def test_positions_written_in_place_are_seen_by_the_next_call(backend: str) -> N
                 k[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
                 v[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
             end += 1
+
+
+@pytest.mark.parametrize("backend", ["triton-decode", "triton", "sdpa+mask", "reference"])
+def test_two_ranges_written_in_place_are_seen_by_the_next_call(backend: str) -> None:
+    """A sum of two ranges (left padding and the filled part, each its own bias) intersects
+    them on the device; the kept plan intersects them again at each call, so writes into
+    either range are seen: the window of the last keys moves with ``start``, the cache
+    fills with ``end``."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(2, 4, length, 16, generator=generator).to(DEVICE) for length in (2, 40, 40)
+    )
+    padding = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    window = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
+    end = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    bias = KeyRangeBias(start=padding) + KeyRangeBias(start=window, end=end)
+    bias = bias + causal_lower_right()
+    k[:, :, 33:] = math.nan  # not filled yet
+    v[:, :, 33:] = math.nan
+    with torch.no_grad(), attnbias.use_backends(backend):
+        for _ in range(4):  # the first call plans, the next ones reuse the plan
+            out = attnbias.sdpa(q, k, v, attn_mask=bias)
+            fresh = (
+                KeyRangeBias(start=padding.tolist())
+                + KeyRangeBias(start=window.tolist(), end=end.tolist())
+                + causal_lower_right()
+            )
+            expected = attention(q, k.nan_to_num(), v.nan_to_num(), fresh)
+            low = attention(q, k.nan_to_num(), v.nan_to_num(), fresh, dtype=q.dtype)
+            assert_close_to_oracle([out], [expected], [low], q.dtype)
+            for row, position in enumerate(end.tolist()):
+                k[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
+                v[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
+            end += 1
+            window += 2  # the window of the last keys moves on
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa+mask", "reference"])
+def test_positions_the_bias_copies_are_copied_again_after_a_write(backend: str) -> None:
+    """int64 positions (and positions of one row for a batch of two) are copied for the
+    kernels; a write into them bumps their version, and the next call copies them again."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (
+        torch.randn(2, 4, length, 16, generator=generator).to(DEVICE) for length in (3, 40, 40)
+    )
+    start = torch.tensor([2], dtype=torch.int64, device=DEVICE)
+    end = torch.tensor([20, 33], dtype=torch.int64, device=DEVICE)
+    bias = KeyRangeBias(start=start, end=end)
+    with torch.no_grad(), attnbias.use_backends(backend):
+        for _ in range(4):
+            out = attnbias.sdpa(q, k, v, attn_mask=bias)
+            fresh = KeyRangeBias(start=start.tolist() * 2, end=end.tolist())
+            expected = attention(q, k, v, fresh)
+            low = attention(q, k, v, fresh, dtype=q.dtype)
+            assert_close_to_oracle([out], [expected], [low], q.dtype)
+            start += 3
+            end -= 2

@@ -82,6 +82,8 @@ class KeyRangeBias(KernelMask):
     start: Tensor | None = field(default=None, repr=False)
     end: Tensor | None = field(default=None, repr=False)
     _on_device: dict[Any, Tensor] = field(default_factory=dict, init=False, repr=False)
+    # which of start / end a call had to copy (another dtype, device or shape)
+    _copied: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         start = _check_key_bound(self.start, "start")
@@ -153,18 +155,35 @@ class KeyRangeBias(KernelMask):
     def bounds_on(self, device: Device, batch: int, length_kv: int) -> tuple[Tensor, Tensor]:
         """``(start, end)`` as int32 ``(B,)`` tensors on ``device``, ``None`` filled in with 0
         and ``S``: the bias's own tensors where they are int32 ``(B,)`` on ``device`` already
-        (so that writes into them are seen), otherwise copied to a device once and kept with
-        the bias."""
+        (so that writes into them are seen), otherwise copied to a device and kept with the
+        bias until the tensor is written again (its version counter; :meth:`cache_key` then
+        names the version, so that a plan holding the old copy is not reused)."""
+        where = device_key(device)
+        key = (where, batch, length_kv)
 
-        def prepare(bound: Tensor | None, default: int) -> Tensor:
+        def kept(name: str, bound: Tensor | None, default: int) -> Tensor:
             if bound is None:
-                return torch.full((batch,), default, dtype=torch.int32, device=device)
-            return bound.to(device=device, dtype=torch.int32).expand(batch).contiguous()
+                return cached_on(
+                    self._on_device,
+                    (name, key),
+                    lambda: torch.full((batch,), default, dtype=torch.int32, device=where),
+                )
+            if (
+                bound.dtype == torch.int32
+                and bound.device == where
+                and bound.shape == (batch,)
+                and bound.is_contiguous()
+            ):
+                return bound  # read where it is, at each call
+            if not torch.compiler.is_compiling():
+                self._copied[name] = True
+            return cached_on(
+                self._on_device,
+                (name, key, bound._version),
+                lambda: bound.to(device=where, dtype=torch.int32).expand(batch).contiguous(),
+            )
 
-        key = (device_key(device), batch, length_kv)
-        start = cached_on(self._on_device, ("start", key), lambda: prepare(self.start, 0))
-        end = cached_on(self._on_device, ("end", key), lambda: prepare(self.end, length_kv))
-        return start, end
+        return kept("start", self.start, 0), kept("end", self.end, length_kv)
 
     def keep(self, device: Device = None, shape: Shape = None) -> Tensor:
         """``(B, 1, 1, S)`` bool."""
@@ -220,8 +239,18 @@ class KeyRangeBias(KernelMask):
         return KeyRangeBias(moved(self.start), moved(self.end))
 
     def cache_key(self) -> Hashable:
-        # by identity, as DocumentBias: the positions are read on the device at each call
-        return (KeyRangeBias, id(self))
+        # by identity, as DocumentBias: the positions are read on the device at each call;
+        # where a call copied them, their versions too (a write needs a new copy)
+        versions = tuple(
+            bound._version
+            for name, bound in (("start", self.start), ("end", self.end))
+            if bound is not None and (self._copied.get(name) or bound.dtype != torch.int32)
+        )
+        return (KeyRangeBias, id(self), versions)
+
+    @property
+    def cache_key_varies(self) -> bool:
+        return self.start is not None or self.end is not None
 
     def __repr__(self) -> str:
         def show(bound: Tensor | None) -> str:
