@@ -85,6 +85,20 @@ class MaskedBias:
             self.score_fns + other.score_fns,
         )
 
+    def narrowed(self, start: int, stop: int) -> MaskedBias:
+        """This form for the call's keys ``[start, stop)`` alone: the key dimension of the
+        keep-mask and of the additive part sliced (a view; one broadcast over every key stays
+        as it is). Not for score functions, which are bound to the whole call's grid."""
+        if self.score_fns:
+            raise ValueError("a form with score functions cannot be narrowed to some keys")
+
+        def narrow(tensor: Tensor | None) -> Tensor | None:
+            if tensor is None or tensor.shape[-1] == 1:
+                return tensor
+            return tensor[..., start:stop]
+
+        return MaskedBias(narrow(self.keep), narrow(self.additive), self.cap)
+
     def additive_form(self, dtype: torch.dtype) -> Tensor | None:
         """The single float tensor of ``materialize``: ``additive`` with ``-inf`` where masked
         (``None`` when nothing is masked or added)."""

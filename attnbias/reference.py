@@ -5,7 +5,8 @@ kernel does not cover (dropout with soft-cap, user biases combined with soft-cap
 readable statement of the semantics.
 
 It also holds the one mechanism by which every materializing route keeps non-finite values at
-masked positions out of the results (:class:`FiniteInputs`).
+masked positions out of the results (:class:`FiniteInputs`), and what those routes read of the
+keys (:func:`read_keys`: on CPU, only the span of keys some row keeps).
 """
 
 from __future__ import annotations
@@ -24,24 +25,77 @@ __all__ = [
     "FiniteInputs",
     "attention_with_lse",
     "attention_with_lse_backward",
+    "kept_key_span",
     "masked_reference_attention",
+    "read_keys",
     "reference_attention",
 ]
 
 
-def _zero_bad_rows(tensor: Tensor) -> tuple[Tensor, Tensor]:
+def _zero_bad_rows(tensor: Tensor) -> tuple[Tensor, Tensor | None]:
     """``(tensor with its rows that hold a non-finite entry zeroed, those rows (bool, all but
-    the last dimension))``: a row's sum finds them (a NaN or an infinity makes it non-finite),
-    checked entry by entry where the sum says so (it may only have overflowed)."""
+    the last dimension))``; ``(tensor, None)`` where every entry is finite.
+
+    One pass when it is: the sum of every entry is finite exactly when each is (a NaN or an
+    infinity makes any sum that takes it non-finite), unless the sum overflowed. Only then are
+    the rows summed, and checked entry by entry where a row's sum says so (it may only have
+    overflowed too)."""
     wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    bad = ~torch.isfinite(tensor.sum(-1, dtype=wide))
-    if tensor.numel() == 0 or not bool(bad.any()):
+    data = tensor.detach()  # the checks record no autograd graph
+    if data.numel() == 0 or math.isfinite(float(data.sum(dtype=wide))):
+        return tensor, None
+    bad = ~torch.isfinite(data.sum(-1, dtype=wide))
+    if not bool(bad.any()):
         return tensor, bad
     rows = bad.nonzero(as_tuple=True)
-    bad[rows] = ~torch.isfinite(tensor[rows]).all(-1)
+    bad[rows] = ~torch.isfinite(data[rows]).all(-1)
     zeroed = tensor.clone()
     zeroed[bad] = 0
     return zeroed, bad
+
+
+def kept_key_span(keep: Tensor | None, length_kv: int) -> tuple[int, int] | None:
+    """``(start, stop)``: the keys ``[start, stop)`` outside of which no row keeps any key,
+    from ``keep`` (bool, broadcastable to ``(B, H, L, S)``), or ``None`` where that is every
+    key (or ``keep`` cannot tell). Where no row keeps any key, one key, ``[0, 1)``."""
+    if keep is None or length_kv == 0 or keep.shape[-1] != length_kv:
+        return None
+    # the end keys first: where some row keeps each (causal, documents, full masks), the span
+    # is every key, found without reading the rest of the mask
+    if bool(keep[..., 0].any()) and bool(keep[..., -1].any()):
+        return None
+    kept = keep.any(dim=tuple(range(keep.dim() - 1))) if keep.dim() > 1 else keep
+    columns = kept.nonzero()
+    span = (0, 1) if columns.numel() == 0 else (int(columns[0]), int(columns[-1]) + 1)
+    return None if span == (0, length_kv) else span
+
+
+def read_keys(
+    key: Tensor, value: Tensor, masked: MaskedBias, *, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor, MaskedBias]:
+    """``key`` ``(B, Hkv, S, E)``, ``value`` and ``masked`` narrowed to the keys some row
+    keeps (:func:`kept_key_span`), as views: what the exact routes read.
+
+    Why: a key that no row keeps changes no output and no gradient, so it need not be read at
+    all; the unfilled end of a key/value cache or the padding of a batch (often NaN) is then
+    never checked, copied or multiplied, and the attention is over fewer keys. The gradient of
+    a key or value outside the span is 0, through the slice. Not done where the span would
+    cost a synchronisation (off the CPU, or under torch.compile, which cannot branch on
+    values), under dropout (a seeded call draws the same mask as stock SDPA with the same
+    materialized mask) or with score functions (bound to the call's whole grid).
+    """
+    if (
+        dropout_p > 0.0
+        or masked.score_fns
+        or key.device.type != "cpu"
+        or torch.compiler.is_compiling()
+    ):
+        return key, value, masked
+    span = kept_key_span(masked.keep, key.shape[-2])
+    if span is None:
+        return key, value, masked
+    start, stop = span
+    return key[:, :, start:stop], value[:, :, start:stop], masked.narrowed(start, stop)
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,17 +128,28 @@ class FiniteInputs:
     def of(cls, query: Tensor, key: Tensor, value: Tensor) -> FiniteInputs:
         heads_q, heads_kv = query.shape[1], key.shape[1]
         if query.device.type == "cpu" and not torch.compiler.is_compiling():
-            # one sum per row finds the rows with a non-finite entry (no device to wait for
-            # here; not under torch.compile, whose graph cannot branch on values): a bad row
-            # is zeroed whole (its other entries reach only rows that come out NaN anyway),
-            # the others are not copied
+            # one sum per tensor finds whether it holds a non-finite entry (no device to wait
+            # for here; not under torch.compile, whose graph cannot branch on values), one per
+            # row which rows do: a bad row is zeroed whole (its other entries reach only rows
+            # that come out NaN anyway), the others are not copied
             (query, bad_query), (key, bad_key), (value, bad_value) = (
                 _zero_bad_rows(t) for t in (query, key, value)
             )
-            bad_key_value = bad_key | bad_value
-            clean = not (bool(bad_query.any()) or bool(bad_key_value.any()))
-            if heads_kv not in (0, heads_q):
+            found = [bad for bad in (bad_query, bad_key, bad_value) if bad is not None]
+            clean = not any(bool(bad.any()) for bad in found)
+            # the rows of a tensor found clean: one False, expanded (nothing allocated)
+            no_bad = torch.zeros((), dtype=torch.bool)
+            batch, length_q, length_kv = query.shape[0], query.shape[2], key.shape[2]
+            if bad_key is None or bad_value is None:
+                bad_key_value = bad_value if bad_key is None else bad_key
+            else:
+                bad_key_value = bad_key | bad_value
+            if bad_key_value is None:
+                bad_key_value = no_bad.expand(batch, heads_q, length_kv)
+            elif heads_kv not in (0, heads_q):
                 bad_key_value = bad_key_value.repeat_interleave(heads_q // heads_kv, dim=1)
+            if bad_query is None:
+                bad_query = no_bad.expand(batch, heads_q, length_q)
             return cls(query, key, value, bad_query, bad_key_value, clean=clean)
         finite = [torch.isfinite(t) for t in (query, key, value)]
         bad_key_value = ~(finite[1].all(-1) & finite[2].all(-1))
@@ -195,6 +260,7 @@ def masked_reference_attention(
     enable_gqa: bool,
 ) -> Tensor:
     """:func:`reference_attention` for a bias already materialized as ``masked``."""
+    key, value, masked = read_keys(key, value, masked, dropout_p=dropout_p)
     scores, v, inputs = _kept_scores(query, key, value, masked, cap, scale, enable_gqa)
 
     # Softmax that maps a row with no finite score to all-zero weights (and zero gradients)
@@ -295,6 +361,7 @@ def attention_with_lse(
     """
     with torch.no_grad():
         masked = _materialized(query, key, bias)
+        key, value, masked = read_keys(key, value, masked)
         scores, v, inputs = _kept_scores(query, key, value, masked, masked.cap, scale, enable_gqa)
         lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is kept
         out = torch.exp(scores - _finite_or_zero(lse)[..., None]) @ v
@@ -329,7 +396,9 @@ def attention_with_lse_backward(
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
         masked = _materialized(q, k, bias)  # under grad mode: it reaches ``wrt``
-        scores, v_rep, _ = _kept_scores(q, k, v, masked, masked.cap, scale, enable_gqa)
+        # sliced: the keys outside the span get a zero gradient
+        k_read, v_read, masked = read_keys(k, v, masked)
+        scores, v_rep, _ = _kept_scores(q, k_read, v_read, masked, masked.cap, scale, enable_gqa)
         compute = scores.dtype
         weights = torch.exp(scores - _finite_or_zero(lse.to(compute))[..., None])
         grad = grad_out.to(compute)

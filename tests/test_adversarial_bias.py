@@ -27,6 +27,7 @@ from attnbias import (
     AttnBias,
     CausalBias,
     DocumentBias,
+    KeyRangeBias,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -36,6 +37,12 @@ from attnbias import (
 )
 from attnbias.backends import triton as triton_backend
 from attnbias.biases import CompositeBias, parts_of
+from attnbias.reference import (
+    FiniteInputs,
+    attention_with_lse,
+    attention_with_lse_backward,
+    kept_key_span,
+)
 from attnbias.spec import lower
 from attnbias.terms import Call
 
@@ -174,6 +181,155 @@ def test_fully_masked_row_with_nan_query_is_zero(route: str) -> None:
     out.sum().backward()
     assert torch.equal(q_dirty.grad[0, 0, :2], torch.zeros(2, 8))  # type: ignore[index]
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()  # type: ignore[arg-type]
+
+
+# -- the exact routes read only the keys some row keeps ------------------------------------------
+# A cache of S = 24 slots (B = 3, Hq = 4, Hkv = 2): each case's bias keeps, over all its rows,
+# only the keys [start, stop) of SPANS; every slot outside holds NaN / Inf (the unfilled end of
+# a cache, left padding), which must reach nothing and must not even be read.
+
+CACHE_LENGTH = 24
+CACHE_CASES = {
+    # a decode step: row b keeps [start[b], end[b]); the window reaches past the cache
+    "decode": (1, lambda: (
+        KeyRangeBias(start=[2, 5, 9], end=[13, 17, 15]) + causal_lower_right()
+        + SlidingWindowBias(1023)
+    )),
+    # the window sets the first key (23 - 8 = 15); two rows keep no key at all
+    "decode_window": (1, lambda: (
+        KeyRangeBias(end=[13, 17, 15]) + causal_lower_right() + SlidingWindowBias(8)
+    )),
+    # speculative decoding: four queries at the end, left padding, keys up to the last
+    "speculative": (4, lambda: KeyRangeBias(start=[2, 5, 9]) + causal_lower_right()),
+    # a chunk prefilled into a larger buffer: the band alone ends the keys
+    "prefill_chunk": (4, causal_upper_left),
+    # ALiBi's additive part, made for the whole cache, narrowed with the keys
+    "alibi": (2, lambda: (
+        KeyRangeBias(start=[3, 1, 6], end=[11, 19, 12]) + AlibiBias(num_heads=4)
+        + causal_lower_right()
+    )),
+}  # fmt: skip
+SPANS = {
+    "decode": (2, 17),
+    "decode_window": (15, 17),
+    "speculative": (2, 24),
+    "prefill_chunk": (0, 4),
+    "alibi": (1, 19),
+}
+
+
+def cache_call(name: str, seed: int = 0) -> tuple[AttnBias, tuple[torch.Tensor, ...], torch.Tensor]:
+    """``(bias, (q, k, v), grad_out)`` of a case, with NaN in the keys and Inf in the values
+    outside its span."""
+    length_q, make = CACHE_CASES[name]
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 4, length_q, 8, generator=generator)
+    k, v = (torch.randn(3, 2, CACHE_LENGTH, 8, generator=generator) for _ in range(2))
+    grad_out = torch.randn(3, 4, length_q, 8, generator=generator)
+    start, stop = SPANS[name]
+    for tensor, poison in ((k, math.nan), (v, math.inf)):
+        tensor[:, :, :start] = poison
+        tensor[:, :, stop:] = -poison
+    return make(), (q, k, v), grad_out
+
+
+def outside_span(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s keys outside the span of case ``name``, as one tensor."""
+    start, stop = SPANS[name]
+    return torch.cat([tensor[:, :, :start], tensor[:, :, stop:]], dim=2)
+
+
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_keys_no_row_keeps_are_never_read(
+    route: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs and gradients match the oracle on the cache with zeros in place of the NaN
+    (the gradients of the keys outside the span exactly 0), and the finiteness check, so the
+    attention, sees only the span's keys: nothing outside it is read (copied, checked or
+    multiplied), not one key more nor less."""
+    bias, (q, k, v), grad_out = cache_call(name)
+    seen: list[int] = []
+    check = FiniteInputs.of.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type[FiniteInputs], *tensors: torch.Tensor) -> FiniteInputs:
+        seen.append(tensors[1].shape[-2])
+        return check(cls, *tensors)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(FiniteInputs, "of", classmethod(spy))
+    results = run_with_grads(
+        lambda *x: sdpa(*x, attn_mask=bias, enable_gqa=True), (q, k, v), grad_out
+    )
+    start, stop = SPANS[name]
+    assert seen and set(seen) == {stop - start}, f"keys read: {seen}, the span has {stop - start}"
+    clean = [q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)]
+    expected = run_with_grads(
+        lambda *x: attention(*x, bias, enable_gqa=True),
+        [t.double() for t in clean],
+        grad_out.double(),
+    )
+    low = run_with_grads(
+        lambda *x: attention(*x, bias, enable_gqa=True, dtype=torch.float32), clean, grad_out
+    )
+    assert_close_to_oracle(results, expected, low, torch.float32, ("out", "dq", "dk", "dv"))
+    assert (outside_span(name, results[2]) == 0).all() and (
+        outside_span(name, results[3]) == 0
+    ).all()
+
+
+def test_a_non_finite_key_the_span_holds_reaches_exactly_the_rows_that_keep_it(
+    route: str,
+) -> None:
+    """Inside the span the contract is the one of every key: a NaN key reaches the rows that
+    keep it (batch row 1 keeps key 15, rows 0 and 2 do not), an Inf value at the span's first
+    key the one row that keeps it (batch row 0); the other rows stay exact."""
+    bias, (q, k, v), _ = cache_call("decode")
+    clean = [q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)]
+    k[:, :, 15] = math.nan
+    v[:, :, 2] = math.inf
+    out = sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert out[:2].isnan().all(), "a row that keeps a non-finite key or value is not NaN"
+    expected = attention(*(t.double() for t in clean), bias, enable_gqa=True)
+    low = attention(*clean, bias, enable_gqa=True, dtype=torch.float32)
+    assert_close_to_oracle([out[2]], [expected[2]], [low[2]], torch.float32)
+
+
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_log_sum_exp_route_reads_only_the_span(name: str) -> None:
+    """The exact path's log-sum-exp form (context parallelism's shard pairs), forward and
+    backward: the same with NaN outside the span as with zeros there, bit for bit, and no
+    gradient outside it."""
+    bias, (q, k, v), grad_out = cache_call(name)
+    clean = (q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0))
+    results = []
+    for tensors in ((q, k, v), clean):
+        out, lse = attention_with_lse(*tensors, bias, scale=None, enable_gqa=True)
+        grads = attention_with_lse_backward(
+            *tensors, bias, grad_out, out, lse, scale=None, enable_gqa=True
+        )
+        results.append((out, lse, *grads[:3]))
+    for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(got, want), f"{label}: a key outside the span reached it"
+    out, lse, _, dk, dv = results[0]
+    assert (outside_span(name, dk) == 0).all() and (outside_span(name, dv) == 0).all()
+    expected = attention(*(t.double() for t in clean), bias, enable_gqa=True)
+    low = attention(*clean, bias, enable_gqa=True, dtype=torch.float32)
+    assert_close_to_oracle([out], [expected], [low], torch.float32)
+
+
+def test_kept_key_span() -> None:
+    cols = torch.arange(10)
+    # (B, 1, 1, S): the union of the rows' ranges
+    keep = ((cols >= torch.tensor([[3], [6]])) & (cols < torch.tensor([[5], [8]])))[:, None, None]
+    assert kept_key_span(keep, 10) == (3, 8)
+    assert kept_key_span(keep[1], 10) == (6, 8)
+    # every key kept by some row, a mask broadcast over the keys, none at all: nothing to narrow
+    causal = torch.ones(4, 10, dtype=torch.bool)
+    assert kept_key_span(causal.tril(6), 10) is None  # lower-right: the last row keeps all
+    assert kept_key_span(causal.tril(), 10) == (0, 4)  # upper-left: a band ends the keys
+    assert kept_key_span(torch.ones(2, 1, 4, 1, dtype=torch.bool), 10) is None
+    assert kept_key_span(None, 10) is None
+    # no row keeps a key: one key is read, masked for every row
+    assert kept_key_span(torch.zeros(3, 10, dtype=torch.bool), 10) == (0, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -17,7 +17,7 @@ from attnbias.backends.documents import document_part, documents_layout, flatten
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
 from attnbias.materialize import MaskedBias
-from attnbias.reference import FiniteInputs, masked_reference_attention
+from attnbias.reference import FiniteInputs, masked_reference_attention, read_keys
 from attnbias.spec import Spec
 
 __all__ = ["MaterializedSDPA", "StockSDPA", "materialized_attention", "stock_sdpa"]
@@ -87,6 +87,7 @@ def materialized_attention(
 
     The bias is materialized once as a keep-mask and a float32 (or float64) additive part
     (:func:`attnbias.biases.base.materialize_masked`, which checks a user class's result).
+    On CPU only the keys some row keeps are read (:func:`attnbias.reference.read_keys`).
     Stock SDPA runs on the inputs with non-finite entries zeroed, and the rows that attend one
     are set to NaN after (:class:`attnbias.reference.FiniteInputs`): stock SDPA itself lets a
     masked NaN key or value reach every row. An additive part that the inputs' half precision
@@ -95,6 +96,9 @@ def materialized_attention(
     """
     shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     masked = materialize_masked(bias, query.device, shape, query.dtype)
+    # only the keys some row keeps are checked and attended: a cache's unfilled end (NaN,
+    # often) is never read
+    key, value, masked = read_keys(key, value, masked, dropout_p=dropout_p)
     exact, mask = _stock_mask(masked, query.dtype)
     if not exact:
         return masked_reference_attention(
@@ -396,8 +400,9 @@ class MaterializedSDPA(Backend):
 
     def how(self, spec: Spec) -> str:
         return (
-            "stock SDPA with the materialized (L, S) mask (a bool keep-mask, non-finite inputs "
-            "zeroed and the rows attending them set to NaN)"
+            "stock SDPA with the materialized (L, S) mask (a bool keep-mask; on CPU only the "
+            "keys some row keeps are read; non-finite inputs zeroed and the rows attending them "
+            "set to NaN)"
         )
 
     def run(self, spec: Spec) -> Tensor:
