@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Hashable
@@ -690,8 +691,12 @@ def _prepare(parts: tuple[ModBias, ...]) -> None:
     it. Under ``torch.compile`` the tracer cannot run in the graph: the work runs eagerly at a
     graph break, and with ``fullgraph=True`` the compiler's error says why."""
     if torch.compiler.is_compiling():
-        _prepare_eagerly(parts)
+        if _EAGERLY:
+            _EAGERLY[0](parts)
+        else:  # (torch._dynamo was not loaded when a bias was last built outside compile)
+            _refuse_inside_compile(*parts)
         return
+    _eagerly_ready()
     with contextlib.suppress(ModTraceError):
         compiled_mods(parts)
         for part in parts:  # read under torch.compile as a kept value only
@@ -705,9 +710,14 @@ _BUILT_INSIDE = (
 )
 
 
-@torch.compiler.disable(reason=_BUILT_INSIDE)
-def _prepare_eagerly(parts: tuple[ModBias, ...]) -> None:
-    _prepare(parts)
+# _prepare, run eagerly at a graph break where torch.compile meets it (made once torch._dynamo
+# is loaded: importing it here would load Triton with the package)
+_EAGERLY: list[Callable[[tuple[ModBias, ...]], None]] = []
+
+
+def _eagerly_ready() -> None:
+    if not _EAGERLY and "torch._dynamo" in sys.modules:
+        _EAGERLY.append(torch.compiler.disable(_prepare, reason=_BUILT_INSIDE))
 
 
 def _refuse_inside_compile(*parts: ModBias) -> None:
@@ -720,5 +730,8 @@ def _refuse_inside_compile(*parts: ModBias) -> None:
             f"{names}: a ModBias traces its functions when it is built, and this one was not "
             f"traced before torch.compile reached it (built inside the compiled function, or "
             f"a subclass __post_init__ that does not call super().__post_init__()); build the "
-            f"bias, or the sum of ModBias parts, outside the compiled function and pass it in"
+            f"bias outside the compiled function and pass it in (a sum of ModBias parts too)"
         )
+
+
+_eagerly_ready()
