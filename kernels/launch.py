@@ -65,16 +65,30 @@ def launcher(kernel: Any) -> Any:
     return launcher
 
 
+def _specialized(arg: Any, width_only: bool) -> object:
+    """What Triton specializes a kernel on of ``arg`` (a tuple element by element)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if width_only and type(arg) is int:
+        return "i32" if -(2**31) <= arg < 2**31 else "i64"
+    if width_only and type(arg) is float:
+        return "fp32"
+    if width_only and type(arg) is tuple:
+        return tuple(_specialized(item, True) for item in arg)
+    return (type(arg), arg)
+
+
 class CachedLaunch:
     """Launches one ``@triton.jit`` kernel, reusing the compiled kernel when a call repeats
     what Triton specializes the kernel on.
 
     Triton specializes on tensors' dtypes and 16-byte alignment, on ``None`` as a constant,
     and on integers' width and on their being 1 or a multiple of 16, except for parameters
-    marked ``do_not_specialize`` (width only). The key here holds each tensor's dtype and
-    alignment, each integer of a ``do_not_specialize`` parameter by its width, and every
-    other scalar by value, so a repeated key has the same compiled kernel, and a length that
-    changes on every call (a growing cache) needs no new key when its parameter is marked. A
+    marked ``do_not_specialize`` (width only; a tuple's elements too). The key here holds each
+    tensor's dtype and alignment, each number of a ``do_not_specialize`` parameter (or tuple)
+    by its type and width, and every other scalar by value, so a repeated key has the same
+    compiled kernel, and a length that changes on every call (a growing cache) or a number of a
+    ModBias needs no new key when its parameter is marked. A
     launch through the jit function binds and specializes every argument and builds its own
     cache key on each call: on an H100 host that took ~60 µs per launch of the forward
     kernel, against ~20 µs for the compiled kernel's own launcher. Only the first call with a
@@ -110,12 +124,7 @@ class CachedLaunch:
         ]
         parts += [options[name] for name in self.constexpr_names]
         for arg, width_only in zip(args, self.width_only, strict=True):
-            if isinstance(arg, torch.Tensor):
-                parts.append((arg.dtype, arg.data_ptr() % 16 == 0))
-            elif width_only and type(arg) is int:
-                parts.append("i32" if -(2**31) <= arg < 2**31 else "i64")
-            else:
-                parts.append((type(arg), arg))
+            parts.append(_specialized(arg, width_only))
         return tuple(parts)
 
     def run(self, grid: tuple[int, ...], *args: Any, **options: Any) -> Any:

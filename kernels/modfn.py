@@ -2781,8 +2781,11 @@ def with_flat_mods(kernel: Any, count: int, bound: Mapping[str, Any] | None = No
     origin = "".join(sorted({fn.fn.__module__ for fn in fixed.values() if fn is not None}))
     suffix = hashlib.sha256(origin.encode()).hexdigest()[:8] if origin else "free"
     name = f"{kernel.__name__}_mods{count}_{suffix}"
+    # the functions' numbers change between calls: specialized on their type only (Triton
+    # would compile a variant for a value of 1 or a multiple of 16)
+    jit = f"@triton.jit(do_not_specialize={flat!r})" if flat else "@triton.jit"
     source = (
-        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        f"import triton\nimport triton.language as tl\n\n\n{jit}\n"
         f"def {name}({', '.join(signature)}):\n    {kernel.__name__}({', '.join(call)})\n"
     )
     made = jit_from_source(source, name, namespace)[name]

@@ -258,3 +258,36 @@ def test_an_attribute_also_read_through_another_path(route: str, traces: list[in
         _changes(bias, change, [5, 1, 7, 3, 0], "cpu", route, traces, per_change=1)
     finally:
         REGISTRY.clear()
+
+
+@pytest.mark.gpu
+def test_numbers_that_triton_would_specialize_compile_nothing_new(traces: list[int]) -> None:
+    """Triton specializes integer arguments equal to 1 or divisible by 16; the functions'
+    numbers are marked not to be, so a closure number moving through such values compiles no
+    kernel (counted at Triton's compiler) and traces nothing."""
+    import triton.compiler
+
+    reach = 3
+
+    def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx - kv_idx).abs() <= reach) | (kv_idx == 0)
+
+    bias = ModBias(mask_mod=mask)
+    _check(bias, "cuda", "triton", 0)  # compiles the kernels once
+    compiled: list[str] = []
+    original = triton.compiler.compile
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        compiled.append(str(getattr(getattr(args[0], "fn", None), "__name__", args[0])))
+        return original(*args, **kwargs)
+
+    before = traces[0]
+    try:
+        triton.compiler.compile = counting
+        for n, value in enumerate([16, 1, 32, 5, 48]):
+            reach = value
+            _check(bias, "cuda", "triton", 1 + n)
+    finally:
+        triton.compiler.compile = original
+    assert compiled == [], compiled
+    assert traces[0] == before
