@@ -291,3 +291,37 @@ def test_numbers_that_triton_would_specialize_compile_nothing_new(traces: list[i
         triton.compiler.compile = original
     assert compiled == [], compiled
     assert traces[0] == before
+
+
+def test_under_torch_compile_a_changed_value_is_never_used_stale() -> None:
+    """The compiler guards on the values a ModBias reads: a compiled call after a change
+    either runs with the new values (without ``fullgraph=True``, eagerly; with it, after one
+    call outside the compiled function) or, under ``fullgraph=True`` without that call,
+    raises naming the fix. Never the old values."""
+    torch._dynamo.reset()
+    reach = 3
+
+    def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx).abs() <= reach
+
+    bias = ModBias(mask_mod=mask)
+    inputs, grad = _inputs("cpu", 0)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+    # the kernels do not run under torch.compile on the interpreter: the CPU's exact route
+    with use_backends("reference"):
+        loose = torch.compile(attend, backend="aot_eager")
+        for value in (3, 6, 1, 4, 9):
+            reach = value
+            assert_call_close(loose, bias, inputs, grad)
+        torch._dynamo.reset()
+        whole = torch.compile(attend, backend="aot_eager", fullgraph=True)
+        assert_call_close(whole, bias, inputs, grad)
+        for value in (5, 2, 7):
+            reach = value
+            with pytest.raises(Exception, match="changed since the bias was last used outside"):
+                whole(*inputs)
+            attnbias.sdpa(*inputs, attn_mask=bias)  # once outside: the next compiled call is right
+            assert_call_close(whole, bias, inputs, grad)

@@ -165,13 +165,19 @@ class ModBias(KernelBias):
         from the old values (built-in forms, documents, generated forms, shifted copies) is
         dropped, and :meth:`cache_key` names the new values, so that no plan of the old ones
         is reused. Inside ``torch.compile`` the trace is the one of the last call outside
-        it."""
+        it; the values are read there too, so that the compiler guards on them: a compiled
+        call after a change compiles again and raises (:func:`_refuse_changed_inside_compile`),
+        which without ``fullgraph=True`` runs the call eagerly, with the new values."""
         found = self.__dict__.get("_traced_mods")
+        probes = self.__dict__.get("_seen_values")
         if torch.compiler.is_compiling():
             if found is None:
                 _refuse_inside_compile(self)
+            # read under the compiler, which guards on what it reads: a compiled call runs
+            # with these values only, and a change makes it compile the call again
+            if probes is not None and not unchanged(probes):
+                _refuse_changed_inside_compile(self)
             return found
-        probes = self.__dict__.get("_seen_values")
         if found is not None and probes is not None:
             if unchanged(probes):
                 return found
@@ -718,6 +724,18 @@ _EAGERLY: list[Callable[[tuple[ModBias, ...]], None]] = []
 def _eagerly_ready() -> None:
     if not _EAGERLY and "torch._dynamo" in sys.modules:
         _EAGERLY.append(torch.compiler.disable(_prepare, reason=_BUILT_INSIDE))
+
+
+def _refuse_changed_inside_compile(bias: ModBias) -> None:
+    """A value ``bias``'s functions read changed since its last call outside
+    ``torch.compile``, whose tracer cannot trace them anew: without ``fullgraph=True`` the
+    call then runs eagerly (and sees the new values); with it, this error says what to do."""
+    raise TypeError(
+        f"{bias.describe()}: a value its functions read changed since the bias was last used "
+        f"outside torch.compile, and the functions cannot be traced anew inside it; call the "
+        f"bias once outside the compiled function after changing its values (or compile "
+        f"without fullgraph=True: the call then runs eagerly with the new values)"
+    )
 
 
 def _refuse_inside_compile(*parts: ModBias) -> None:
