@@ -16,7 +16,7 @@ from attnbias.biases import (
     causal_lower_right,
     causal_upper_left,
 )
-from attnbias.functional import explain, patch_sdpa, sdpa
+from attnbias.functional import check_errors, explain, patch_sdpa, sdpa
 from attnbias.planner import use_backends
 
 try:
@@ -38,6 +38,7 @@ __all__ = [
     "__version__",
     "causal_lower_right",
     "causal_upper_left",
+    "check_errors",
     "explain",
     "patch_sdpa",
     "sdpa",

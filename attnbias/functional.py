@@ -25,11 +25,12 @@ from torch import Tensor
 from attnbias import plan_cache
 from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import from_torch, set_router
+from attnbias.kernels import modfn
 from attnbias.planner import current_policy, plan
-from attnbias.spec import call_form, make_spec
+from attnbias.spec import call_form, capturing, make_spec
 from attnbias.terms import Call
 
-__all__ = ["explain", "patch_sdpa", "sdpa"]
+__all__ = ["check_errors", "explain", "patch_sdpa", "sdpa"]
 
 AttnMask = AttnBias | Tensor | None
 
@@ -280,6 +281,8 @@ def sdpa(
         >>> sdpa(q, k, v, attn_mask=bias).shape
         torch.Size([1, 2, 8, 16])
     """
+    if modfn.pending_checks() and not torch.compiler.is_compiling() and not capturing(query):
+        check_errors()  # an earlier call's reads, checked on the device
     attn_mask = from_torch(attn_mask) or attn_mask  # PyTorch's own causal bias, as ours
     call = plan_cache.call_key(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, current_policy()
@@ -464,3 +467,26 @@ def patch_sdpa() -> _Patch:
     scaled_dot_product_attention``) keeps the original and is not affected.
     """
     return _Patch()
+
+
+def check_errors() -> None:
+    """Raise the error an earlier call found on the device, if any.
+
+    A ``ModBias`` function that indexes a tensor with an index whose range cannot be proven
+    on the host (bounds unknown from its operations and more than 2**24 positions to
+    evaluate) is checked on the device while the kernels run, without a synchronisation;
+    the next eager call of :func:`sdpa` reads that check first and raises the ``IndexError``
+    there, naming the tensor and the range reached (the earlier call's output is wrong).
+    Call this to read the checks now, e.g. at the end of a step. Nothing is pending (and
+    nothing synchronises) otherwise.
+
+    Example::
+
+        >>> import attnbias
+        >>> attnbias.check_errors()  # nothing pending: returns at once
+    """
+    try:
+        modfn.check_errors()
+    except IndexError:
+        plan_cache.clear()  # the calls of that bias validate again (and raise at once)
+        raise

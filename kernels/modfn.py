@@ -34,6 +34,7 @@ import inspect
 import linecache
 import math
 import numbers
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -893,9 +894,9 @@ class TracedMods:
         if torch.compiler.is_compiling():
             _prove_reads(self, shape, reads)  # bounds alone: no synchronisation, nothing kept
             return
-        used = _prove_reads(self, shape, reads)
+        used, deferred = _prove_reads(self, shape, reads)
         versions = tuple((slot, _version(self.params[slot])) for slot in used)
-        if all(version is not None for _, version in versions):
+        if not deferred and all(version is not None for _, version in versions):
             if len(proven) >= _PROVEN_LIMIT:
                 proven.pop(next(iter(proven)), None)
             proven[shape] = (
@@ -904,6 +905,32 @@ class TracedMods:
                 tuple(p.shape for p in self.params),
                 versions,
             )
+
+    def proven_on_device(
+        self, shape: tuple[int, int, int, int], read: tuple[int, int], key: Any
+    ) -> None:
+        """Keep that the device found ``read`` within its tensor on a call of ``shape``, for
+        the numbers and tensor versions of :meth:`proof_key` ``key`` (those of the check)."""
+        kept = self.__dict__.setdefault("_device_proven", {})
+        if len(kept) >= _PROVEN_LIMIT:
+            kept.clear()
+        kept[shape, read] = key
+
+    def device_proven(self, shape: tuple[int, int, int, int], read: tuple[int, int]) -> bool:
+        """Whether :meth:`proven_on_device` holds for this call's numbers and tensors."""
+        found = self.__dict__.get("_device_proven", {}).get((shape, read))
+        return found is not None and found == self.proof_key(read)
+
+    def proof_key(self, read: tuple[int, int]) -> tuple[Any, ...]:
+        """The numbers, and the tensors (by identity and version) ``read``'s index reads."""
+        index = _index_of(self, read)
+        tables = sorted(
+            {self.nodes[i].args[0] for i in self.ancestors(index) if self.nodes[i].op == "load"}
+        )
+        return (
+            tuple((type(c), c) for c in self.consts),
+            tuple((slot, id(self.params[slot]), _version(self.params[slot])) for slot in tables),
+        )
 
     def read_versions(self) -> tuple[int, ...] | None:
         """The versions of the tensors that the indices of reads are computed from (``ids`` of
@@ -1138,10 +1165,13 @@ def _tensor_bounds(
 
 def _evaluated_bounds(
     traced: TracedMods, read: tuple[int, int], shape: tuple[int, int, int, int]
-) -> tuple[int, int]:
+) -> tuple[int, int] | None:
     """The least and greatest index of ``read`` on the call, evaluated with torch operations
     on the grid of the positions the index reads (on its tensors' device; one host
-    synchronisation). Raises the ValueError of :func:`_unproven` where that cannot be done."""
+    synchronisation). Past :data:`EXACT_LIMIT` positions on a GPU, ``None``: the bounds are
+    found on the device and read at the next call (:func:`check_errors`). Raises the
+    ValueError of :func:`_unproven` where neither can be done (a CPU tensor past the limit,
+    an index of the score, a capture or a trace that cannot synchronise)."""
     index = _index_of(traced, read)
     ancestors = traced.ancestors(index)
     if traced.inputs["score"] in ancestors:
@@ -1149,13 +1179,6 @@ def _evaluated_bounds(
     names = [name for name in INDEX_NAMES if traced.inputs[name] in ancestors]
     sizes = dict(zip(INDEX_NAMES, shape, strict=True))
     count = math.prod(sizes[name] for name in names)
-    if count > EXACT_LIMIT:
-        raise _unproven(
-            traced,
-            read,
-            f"its bounds are not known from the operations, and the {count} positions it "
-            f"reads on this call are more than the {EXACT_LIMIT} evaluated to find them",
-        )
     tables = [traced.params[traced.nodes[i].args[0]] for i in ancestors
               if traced.nodes[i].op == "load"]  # fmt: skip
     device = tables[0].device if tables else torch.device("cpu")
@@ -1167,30 +1190,123 @@ def _evaluated_bounds(
             f"its bounds are not known from the operations, and evaluating it cannot happen "
             f"{refusal}",
         )
-    grids = {}
-    for axis, name in enumerate(INDEX_NAMES):
-        if name in names:
-            view = [1] * len(INDEX_NAMES)
-            view[axis] = sizes[name]
-            grids[name] = torch.arange(sizes[name], device=device).reshape(view)
-    value = traced.evaluate(index, **grids).to(device=device, dtype=torch.int64)
-    low, high = torch.stack(torch.aminmax(value.reshape(-1))).tolist()  # a synchronisation
-    return int(low), int(high)
+    if count > EXACT_LIMIT and _defers(device):
+        _check_on_device(traced, read, shape, names, device)
+        return None
+    if count > EXACT_LIMIT:
+        raise _unproven(
+            traced,
+            read,
+            f"its bounds are not known from the operations, and the {count} positions it "
+            f"reads on this call are more than the {EXACT_LIMIT} evaluated on the host to find "
+            f"them",
+        )
+    low, high = torch.stack(_index_bounds(traced, index, sizes, names, device)).tolist()
+    return int(low), int(high)  # (a synchronisation)
+
+
+def _index_bounds(
+    traced: TracedMods,
+    index: int,
+    sizes: dict[str, int],
+    names: list[str],
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """The least and greatest value of node ``index`` over the grid of the positions ``names``
+    of ``sizes``, as int64 tensors on ``device`` (no synchronisation), evaluated in slices of
+    at most :data:`EXACT_LIMIT` positions along the longest axis."""
+    longest = max(names, key=lambda name: sizes[name])
+    rest = math.prod(sizes[name] for name in names if name != longest)
+    step = max(1, EXACT_LIMIT // max(rest, 1))
+    low = high = None
+    for first in range(0, sizes[longest], step):
+        grids = {}
+        for axis, name in enumerate(INDEX_NAMES):
+            if name in names:
+                view = [1] * len(INDEX_NAMES)
+                stop = min(first + step, sizes[name]) if name == longest else sizes[name]
+                start = first if name == longest else 0
+                view[axis] = stop - start
+                grids[name] = torch.arange(start, stop, device=device).reshape(view)
+        value = traced.evaluate(index, **grids).to(device=device, dtype=torch.int64)
+        part_low, part_high = torch.aminmax(value.reshape(-1))
+        low = part_low if low is None else torch.minimum(low, part_low)
+        high = part_high if high is None else torch.maximum(high, part_high)
+    assert low is not None and high is not None
+    return low, high
+
+
+def _defers(device: torch.device) -> bool:
+    """Whether a read past :data:`EXACT_LIMIT` positions is checked on ``device`` while the
+    kernels run (a GPU: no synchronisation) rather than refused (on the CPU that would be
+    unbounded host work on every call until it is read)."""
+    return device.type != "cpu"
+
+
+#: Reads checked on the device for a call whose host proof was inconclusive, each with the
+#: bounds its indices reached there (no synchronisation yet): read by :func:`check_errors`.
+_PENDING: list[
+    tuple[TracedMods, tuple[int, int], tuple[int, int, int, int], Tensor, Tensor, Any]
+] = []
+_PENDING_LOCK = threading.Lock()
+
+
+def _check_on_device(
+    traced: TracedMods,
+    read: tuple[int, int],
+    shape: tuple[int, int, int, int],
+    names: list[str],
+    device: torch.device,
+) -> None:
+    sizes = dict(zip(INDEX_NAMES, shape, strict=True))
+    low, high = _index_bounds(traced, _index_of(traced, read), sizes, names, device)
+    key = traced.proof_key(read)  # the numbers and versions the check was made with
+    with _PENDING_LOCK:
+        _PENDING.append((traced, read, shape, low, high, key))
+
+
+def pending_checks() -> bool:
+    """Whether a device-side check of an earlier call's reads is still to be read."""
+    return bool(_PENDING)
+
+
+def check_errors() -> None:
+    """Read the device-side checks of earlier calls (one synchronisation, only where one is
+    pending): raises the ``IndexError`` of a read that went outside its tensor, naming the
+    call; that call's output is not to be trusted (the kernels only kept its loads in
+    memory). Called at the start of each eager call of :func:`attnbias.sdpa`."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for traced, read, shape, low, high, key in pending:
+        low_value, high_value = torch.stack((low, high)).tolist()
+        size = _size_of(traced, read)
+        if low_value < -size or high_value >= size:
+            # the same read with the same numbers and tensors raises at once from now on
+            failed = traced.__dict__.setdefault("_device_failed", {})
+            failed[shape, read] = (key, low_value, high_value)
+            error = _out_of_range(traced, read, low_value, high_value, shape)
+            raise IndexError(
+                f"an earlier call (its index bounds could not be proven on the host, so they "
+                f"were checked on the device; its output is wrong): {error}"
+            )
+        traced.proven_on_device(shape, read, key)
 
 
 def _prove_reads(
     traced: TracedMods, shape: tuple[int, int, int, int], reads: list[tuple[int, int]]
-) -> list[int]:
+) -> tuple[list[int], bool]:
     """:meth:`TracedMods.check_reads` for a call of ``shape`` ``(B, Hq, L, S)``, none empty:
     raises where a read is out of range or unproven; returns the slots of the tensors whose
-    values the proof read (a proof by bounds alone reads none)."""
+    values the proof read (a proof by bounds alone reads none), and whether a read is left to
+    a check on the device (:func:`check_errors`)."""
     inputs = {
         name: (0.0, float(size - 1), False) for name, size in zip(INDEX_NAMES, shape, strict=True)
     }
     ranges = _value_ranges(traced, inputs)
     open_reads = [read for read in reads if not _within(traced, ranges, read)]
     if not open_reads:
-        return []
+        return [], False
     for read in open_reads:
         low, high, _ = ranges[_index_of(traced, read)]
         size = _size_of(traced, read)
@@ -1205,16 +1321,28 @@ def _prove_reads(
         used.update(loads)
         ranges = _value_ranges(traced, inputs, loads)
         open_reads = [read for read in open_reads if not _within(traced, ranges, read)]
+    deferred = False
     for read in open_reads:
         index = _index_of(traced, read)
-        low, high = _evaluated_bounds(traced, read, shape)
-        used.update(
-            traced.nodes[i].args[0] for i in traced.ancestors(index) if traced.nodes[i].op == "load"
-        )
+        tables = sorted(
+            {traced.nodes[i].args[0] for i in traced.ancestors(index)
+             if traced.nodes[i].op == "load"}
+        )  # fmt: skip
+        used.update(tables)
+        if traced.device_proven(shape, read):
+            continue
+        failed = traced.__dict__.get("_device_failed", {}).get((shape, read))
+        if failed is not None and failed[0] == traced.proof_key(read):
+            raise _out_of_range(traced, read, failed[1], failed[2], shape)
+        bounds = _evaluated_bounds(traced, read, shape)
+        if bounds is None:  # checked on the device, read at the next call
+            deferred = True
+            continue
+        low, high = bounds
         size = _size_of(traced, read)
         if low < -size or high >= size:
             raise _out_of_range(traced, read, low, high, shape)
-    return sorted(used)
+    return sorted(used), deferred
 
 
 def _node_inputs(node: Node) -> list[int]:
@@ -1242,6 +1370,8 @@ def _eval_load(traced: TracedMods, node: Node, cache: dict[int, Any]) -> Tensor:
         if value.numel() and _sync_refused(tensor.device) is None:
             low, high = torch.stack(torch.aminmax(value.reshape(-1))).tolist()
             if low < -size or high >= size:
+                with _PENDING_LOCK:  # raised here: not again by a check of the same call
+                    _PENDING[:] = [entry for entry in _PENDING if entry[0] is not traced]
                 raise _out_of_range(traced, (traced.id_of(node), dim), low, high)
         index.append(torch.where(value < 0, value + size, value))
     return tensor[tuple(index)] if index else tensor

@@ -1184,3 +1184,71 @@ def test_under_torch_compile_a_read_is_proven_by_bounds_alone() -> None:
                 compiled(q)
         else:
             torch.testing.assert_close(compiled(q), attend(q), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("route", ["triton", "reference"])
+def test_a_read_past_the_host_limit_is_checked_on_the_device_and_raised_at_the_next_call(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read the host cannot bound within :data:`EXACT_LIMIT` positions is checked on the
+    device without a synchronisation: in range, the calls run (the check read once, then
+    kept); out of range, the next call (or ``attnbias.check_errors()``) raises the
+    ``IndexError`` naming the earlier call, and the same call after it raises at once. Here
+    on the CPU with a limit of 100 positions."""
+    monkeypatch.setattr(modfn, "EXACT_LIMIT", 100)
+    monkeypatch.setattr(modfn, "_defers", lambda device: True)
+    table = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    weights = torch.rand(40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def of_floats(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[(weights[q_idx] + weights[kv_idx]).long()]
+
+    case = Case(lambda: ModBias(score_mod=of_floats), (1, 2, 1, 40, 40), FP32)
+    with use_backends(route):
+        check(case, FP32, fused=route == "triton", param_grads=False)
+        attnbias.check_errors()  # in range: nothing raised, and nothing left pending
+        assert not modfn.pending_checks()
+        weights.mul_(6.0)  # sums now reach 11: outside the table of 8
+        q, k, v, _ = tensors(case.shape, FP32)
+        bias = case.make()
+        if route == "triton":
+            sdpa(q, k, v, attn_mask=bias, enable_gqa=True)  # runs; its check is left on the device
+            assert modfn.pending_checks()
+            with pytest.raises(IndexError, match=r"an earlier call .* reaching \[0, 1[01]\]"):
+                sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+            # the same call again: known out of range, raised at once
+            with pytest.raises(IndexError, match=r"reaching \[0, 1[01]\]"):
+                sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+            assert not modfn.pending_checks()
+            other = torch.randn(1, 2, 24, 8)  # another shape: checked on the device again
+            sdpa(other, other[:, :1], other[:, :1], attn_mask=bias, enable_gqa=True)
+            with pytest.raises(IndexError, match="an earlier call"):
+                attnbias.check_errors()
+        else:  # the exact path reads the values it indexes with: raises at once
+            with pytest.raises(IndexError, match=r"reaching \[0, 1[01]\]"):
+                sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
+    attnbias.check_errors()  # nothing left
+
+
+@pytest.mark.gpu
+def test_a_read_past_the_host_limit_on_the_gpu() -> None:
+    """The same at the real limit: 8192 x 8192 positions are more than ``EXACT_LIMIT``; the
+    check runs on the GPU beside the kernel (no synchronisation), is read at the next call,
+    and an index written out of range raises there."""
+    generator = torch.Generator().manual_seed(4)
+    table = torch.randn(8, generator=generator).cuda()
+    weights = torch.rand(8192, generator=generator).cuda()
+
+    def of_floats(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + table[(weights[q_idx] + weights[kv_idx]).long()]
+
+    bias = ModBias(score_mod=of_floats)
+    q = torch.randn(1, 1, 8192, 64, device="cuda", dtype=torch.bfloat16)
+    with use_backends("triton"):
+        sdpa(q, q, q, attn_mask=bias)
+        assert modfn.pending_checks()
+        sdpa(q, q, q, attn_mask=bias)  # reads the first call's check: in range
+        weights.mul_(6.0)
+        sdpa(q, q, q, attn_mask=bias)
+        with pytest.raises(IndexError, match=r"an earlier call .* reaching \[0, 1[01]\]"):
+            sdpa(q, q, q, attn_mask=bias)
