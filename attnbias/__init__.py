@@ -18,6 +18,7 @@ from attnbias.biases import (
 )
 from attnbias.functional import check_errors, explain, patch_sdpa, sdpa
 from attnbias.planner import use_backends
+from attnbias.routing import clear_routing, set_routing
 
 try:
     __version__: str = _metadata.version("attnbias")
@@ -39,8 +40,10 @@ __all__ = [
     "causal_lower_right",
     "causal_upper_left",
     "check_errors",
+    "clear_routing",
     "explain",
     "patch_sdpa",
     "sdpa",
+    "set_routing",
     "use_backends",
 ]

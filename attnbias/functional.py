@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnbias import plan_cache
+from attnbias import plan_cache, routing
 from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import from_torch, set_router
 from attnbias.kernels import modfn
@@ -176,6 +176,7 @@ def _decide(
     scale: float | None,
     enable_gqa: bool,
     call: Hashable | None = None,
+    measure: bool = True,
 ) -> tuple[Callable[[], str], Callable[[], Tensor]]:
     """``(explanation, thunk)``: the one decision both sdpa and explain report, for a
     validated call of any form (a bias object, a plain tensor mask, none).
@@ -192,10 +193,15 @@ def _decide(
             form = call_form(query, attn_mask)
         else:
             form = "bias"
-    chosen = plan(
-        make_spec(query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form)
+    chosen = routing.decide(
+        plan(
+            make_spec(
+                query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form
+            )
+        ),
+        may_measure=measure,
     )
-    if call is not None:
+    if call is not None and not chosen.provisional:
         entry = plan_cache.store(call, chosen)
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
@@ -339,7 +345,9 @@ def explain(
     dropout_p, scale = _validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
-    explanation, _ = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    explanation, _ = _decide(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, measure=False
+    )
     return explanation()
 
 

@@ -9,9 +9,9 @@ every layer and every step. A call is identified here by everything the decision
   rebuilt each step still hits; a :class:`DocumentBias` and a :class:`KeyRangeBias` by
   identity, and the entry keeps them alive so that their identity cannot be reused (the terms
   it stores hold their tensors on the device); any other bias is not kept (``None``);
-- the shapes, dtypes, devices and ``requires_grad`` of query, key and value, and grad mode
-  (not the strides: a call in another memory layout runs on the decision of the first, which
-  every backend runs exactly in any layout);
+- the shapes, strides, dtypes, devices and ``requires_grad`` of query, key and value, and
+  grad mode (the strides: the fastest backend depends on the memory layout, which routing by
+  measurement, :mod:`attnbias.routing`, tells apart);
 - every flag with its type (``1`` and ``True`` are different calls: validation may treat them
   differently);
 - the :func:`~attnbias.use_backends` policy in force.
@@ -106,6 +106,9 @@ def call_key(
         query.shape,
         key.shape,
         value.shape,
+        query.stride(),  # the layout: routing by measurement tells layouts apart
+        key.stride(),
+        value.stride(),
         query.dtype,
         key.dtype,
         value.dtype,

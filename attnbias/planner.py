@@ -157,6 +157,10 @@ class Plan:
     fixed: bool = False  # the call's form has one route (FORM_ROUTES): nothing was weighed
     # the weighed backends' predicted (host µs, GPU µs), in the order tried
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # where routing by measurement decided (attnbias.routing): how, with the times measured
+    decision: str = ""
+    # chosen for now, to be measured when the call's class is met again: not kept
+    provisional: bool = False
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.spec)
@@ -176,6 +180,8 @@ class Plan:
                 for name, (host, gpu) in self.predicted.items()
             )
             lines.append(f"  predicted per call: {times}")
+        if self.decision:
+            lines.append(f"  decided by: {self.decision}")
         for name, backend in BACKENDS.items():
             if backend is self.backend:
                 continue

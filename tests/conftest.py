@@ -12,6 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Routes as the policy gives them, and no decisions kept in the user's cache file: the
+# tests of routing by measurement (tests/test_routing.py) switch it on themselves.
+os.environ.setdefault("ATTNBIAS_ROUTING", "policy")
+os.environ.setdefault("ATTNBIAS_ROUTING_CACHE", "off")
 
 import pytest
 from hypothesis import settings

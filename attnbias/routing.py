@@ -1,0 +1,450 @@
+"""Routing by measurement: the backend a class of calls runs fastest on, timed once and kept.
+
+The planner's priority lists and cost model (:mod:`attnbias.policy`) are a prior measured on
+one grid of shapes; off it they can pick a slower backend. Here, after the planner has chosen,
+a call of a *call class* met on a CUDA device for the second time (a call met once may never
+come back, and timing it could compile kernels for nothing) times every backend that can run
+it exactly, as the user would see it (forward alone, or forward and backward where gradients
+flow; a few repetitions, interleaved), and keeps the fastest, unless the planner's choice is
+within :data:`MARGIN` of it (so that noise does not flip decisions). Decisions are kept in
+memory and in a file per user (:func:`cache_path`), so that a job measures a class once.
+
+A call class is what decides the speed of a call: the lowered mask's form (its kind, the band's
+width, documents, key ranges, ALiBi, soft-cap, the structure of ``ModBias`` functions), dtype,
+head dims, the GQA ratio, the memory layout of query, key and value, ``B·H``, ``L`` and ``S``
+in powers of two, gradients or not, the device, and the versions of the library, PyTorch,
+Triton and FlashAttention 4.
+
+Measuring has no side effects: it runs on copies of the inputs, restores the gradients of the
+bias's tensors, skips a materialized mask that would not fit in free memory, and is not done
+for calls with dropout (their random numbers), while ``torch.compile`` traces, while a CUDA
+graph is captured, on the CPU, with backends pinned by :func:`~attnbias.use_backends`, or
+when switched off (:func:`set_routing`, ``ATTNBIAS_ROUTING=policy``). There the decision kept
+for the class is used where there is one, else the planner's. Nothing here talks to other
+processes: ranks of a distributed job agree through the file (measure on one rank first, or
+point ``ATTNBIAS_ROUTING_CACHE`` at a shared file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["cache_path", "clear_routing", "routing_mode", "set_routing"]
+
+#: The planner's choice stays unless another backend is faster by more than this fraction.
+MARGIN = 0.05
+#: Repetitions of each backend, interleaved; fewer where a call is slow (at most
+#: :data:`BUDGET_S` seconds of timing per call class, warm-up calls apart).
+REPEATS = 5
+BUDGET_S = 0.5
+#: How many times a class is met before it is measured.
+MEASURE_AT = 2
+
+MODES = ("measure", "policy")
+_FILE_VERSION = 1
+_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass
+class _State:
+    mode: str = "measure"
+    decisions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    loaded: Path | None = None  # the file the decisions were read from
+    seen: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _initial_mode() -> str:
+    mode = os.environ.get("ATTNBIAS_ROUTING", "measure")
+    if mode not in MODES:
+        warnings.warn(
+            f"ATTNBIAS_ROUTING={mode!r} is not one of {MODES}; routing by measurement is on",
+            stacklevel=1,
+        )
+        return "measure"
+    return mode
+
+
+_STATE = _State(mode=_initial_mode())
+
+
+def set_routing(mode: str) -> None:
+    """``"measure"`` (the default): the second call of a class on a CUDA device times the
+    backends that can run it and keeps the fastest (see :mod:`attnbias.routing`);
+    ``"policy"``: the planner's static choice, or a decision already kept for the class.
+    The environment variable ``ATTNBIAS_ROUTING`` sets the mode a process starts with."""
+    if mode not in MODES:
+        raise ValueError(f"set_routing takes one of {MODES}, got {mode!r}")
+    _STATE.mode = mode
+
+
+def routing_mode() -> str:
+    """The mode :func:`set_routing` set."""
+    return _STATE.mode
+
+
+def cache_path() -> Path | None:
+    """The file decisions are kept in: ``ATTNBIAS_ROUTING_CACHE`` where set (empty or
+    ``off``: no file), else ``$XDG_CACHE_HOME/attnbias/routing.json`` (``~/.cache`` where
+    ``XDG_CACHE_HOME`` is not set). Delete it, or call :func:`clear_routing`, to measure
+    again."""
+    chosen = os.environ.get("ATTNBIAS_ROUTING_CACHE")
+    if chosen is not None:
+        return None if chosen in ("", "off") else Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(base) / "attnbias" / "routing.json"
+
+
+def clear_routing(*, file: bool = True) -> None:
+    """Forget every decision in this process, and in the cache file where ``file``."""
+    with _LOCK:
+        _STATE.decisions.clear()
+        _STATE.seen.clear()
+        _STATE.loaded = None
+        path = cache_path()
+        if file and path is not None:
+            with _file_lock(path):
+                path.unlink(missing_ok=True)
+
+
+# -- the call class ----------------------------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (0 for 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def layout_of(t: Tensor) -> str:
+    """How ``t`` ``(B, H, N, E)`` lies in memory: ``bhse`` (contiguous), ``bshe`` (a view of a
+    ``(B, S, H, E)`` tensor), or its stride order."""
+    if t.is_contiguous():
+        return "bhse"
+    if t.dim() == 4 and t.transpose(1, 2).is_contiguous():
+        return "bshe"
+    order = sorted(range(t.dim()), key=lambda d: -int(t.stride()[d]))
+    unit = "u" if t.stride(-1) == 1 else "s"
+    return "".join(str(d) for d in order) + unit
+
+
+def _versions() -> str:
+    found = _VERSIONS.get("all")
+    if found is None:
+        from importlib import metadata
+
+        parts = [f"torch {torch.__version__}"]
+        for name in ("attnbias", "triton", "flash-attn-4"):
+            try:
+                parts.append(f"{name} {metadata.version(name)}")
+            except metadata.PackageNotFoundError:
+                parts.append(f"{name} -")
+        found = _VERSIONS["all"] = ", ".join(parts)
+    return found
+
+
+_VERSIONS: dict[str, str] = {}
+
+
+def _band(value: int | None) -> str:
+    return "-" if value is None else f"{'-' if value < 0 else ''}{_bucket(abs(value))}"
+
+
+def call_class(spec: Any) -> str:
+    """The key of ``spec``'s call class (see :mod:`attnbias.routing`), as a string."""
+    terms = spec.terms
+    batch, heads_q, length_q, length_kv = spec.shape
+    heads_kv = spec.key.shape[1]
+    mods = ""
+    if terms.mods:
+        mods = ",".join(str(part._current_values()[0]) for part in terms.mods)
+    mask = (
+        f"{spec.kind} band {_band(terms.band_lo)}..{_band(terms.band_hi)} "
+        f"docs {terms.q_doc is not None} range {terms.has_key_range} "
+        f"alibi {terms.slopes is not None} cap {terms.softcap is not None} "
+        f"others {len(terms.others)} mods {mods}"
+    )
+    device = spec.query.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    shape = (
+        f"{spec.query.dtype} E {spec.query.shape[-1]} Ev {spec.value.shape[-1]} "
+        f"gqa {heads_q // max(heads_kv, 1)} "
+        f"layout {layout_of(spec.query)}/{layout_of(spec.key)}/{layout_of(spec.value)} "
+        f"BH {_bucket(batch * heads_q)} L {_bucket(length_q)} S {_bucket(length_kv)} "
+        f"grad {spec.needs_grad}"
+    )
+    return f"{mask} | {shape} | {name} | {_versions()}"
+
+
+# -- the decisions kept --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``path``'s lock file (POSIX; nothing elsewhere)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path.with_suffix(path.suffix + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The decisions in ``path``; nothing where it is missing, unreadable or of another
+    format (it is written anew at the next decision)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _FILE_VERSION:
+        return {}
+    decisions = data.get("decisions")
+    if not isinstance(decisions, dict):
+        return {}
+    return {
+        key: value
+        for key, value in decisions.items()
+        if isinstance(key, str)
+        and isinstance(value, dict)
+        and isinstance(value.get("backend"), str)
+        and isinstance(value.get("times_ms"), dict)
+    }
+
+
+def _kept(key: str) -> dict[str, Any] | None:
+    """The decision kept for ``key``: this process's, else the file's."""
+    found = _STATE.decisions.get(key)
+    if found is not None:
+        return found
+    path = cache_path()
+    if path is None:
+        return None
+    with _LOCK:
+        if _STATE.loaded != path:
+            for name, value in _read_file(path).items():
+                _STATE.decisions.setdefault(name, {**value, "source": "measured earlier"})
+            _STATE.loaded = path
+    return _STATE.decisions.get(key)
+
+
+def _keep(key: str, backend: str, times_ms: dict[str, float]) -> None:
+    """Keep a decision here and in the file (read, merged and replaced atomically under the
+    file's lock, so that processes writing at once lose nothing). Decisions of other
+    versions are dropped from the file."""
+    entry = {"backend": backend, "times_ms": times_ms}
+    with _LOCK:
+        _STATE.decisions[key] = {**entry, "source": "measured now"}
+    path = cache_path()
+    if path is None:
+        return
+    versions = _versions()
+    try:
+        with _file_lock(path):
+            decisions = {
+                name: value for name, value in _read_file(path).items() if name.endswith(versions)
+            }
+            decisions[key] = entry
+            text = json.dumps({"version": _FILE_VERSION, "decisions": decisions}, indent=1)
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".routing.")
+            with os.fdopen(handle, "w") as out:
+                out.write(text)
+            os.replace(temporary, path)
+    except OSError:  # a read-only home: the decision is kept in this process only
+        pass
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def can_measure(spec: Any) -> bool:
+    """Whether ``spec`` may be timed now (see :mod:`attnbias.routing`)."""
+    return (
+        spec.query.device.type == "cuda"
+        and not spec.compiling
+        and not spec.capturing
+        and spec.dropout_p == 0.0
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _mask_bytes(spec: Any) -> int:
+    batch, heads, length_q, length_kv = spec.shape
+    return batch * heads * length_q * length_kv * 4
+
+
+def _fits(spec: Any, name: str) -> bool:
+    """Whether ``name`` can run ``spec`` within free memory (a materialized mask and scores
+    are ``B·H·L·S`` floats; the fused kernels need no more than the call's own tensors)."""
+    if name not in ("sdpa+mask", "reference") or spec.query.device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(spec.query.device)
+    return 3 * _mask_bytes(spec) < free // 2
+
+
+def _runner(spec: Any, run: Callable[[Any], Tensor]) -> Callable[[], None]:
+    """One call of ``run`` on copies of ``spec``'s inputs, as the user's would run: forward
+    without gradients, or forward and backward."""
+    if not spec.needs_grad:
+
+        def forward() -> None:
+            with torch.no_grad():
+                run(spec)
+
+        return forward
+    copies = [
+        t.detach().clone().requires_grad_(t.requires_grad)
+        for t in (spec.query, spec.key, spec.value)
+    ]
+    own = dataclasses.replace(spec, query=copies[0], key=copies[1], value=copies[2])
+    grad: list[Tensor] = []
+
+    def step() -> None:
+        out = run(own)
+        if not grad:
+            grad.append(torch.ones_like(out))  # (no random numbers drawn)
+        out.backward(grad[0])
+        for t in copies:
+            t.grad = None
+
+    return step
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
+    """Median seconds per call of each of ``candidates`` on ``spec`` (a warm-up call first,
+    then interleaved repetitions within :data:`BUDGET_S`); a backend that runs out of memory
+    or fails is left out. The gradients of the bias's tensors are restored."""
+    from attnbias.planner import BACKENDS
+
+    params = spec.bias.parameters() if spec.bias is not None else ()
+    saved = [(p, p.grad) for p in params]
+    for p in params:  # accumulated into fresh tensors, dropped after: the user's untouched
+        p.grad = None
+    device = spec.query.device
+    steps: dict[str, Callable[[], None]] = {}
+    times: dict[str, list[float]] = {}
+    try:
+        for name in candidates:
+            if not _fits(spec, name):
+                continue
+            step = _runner(spec, BACKENDS[name].run)
+            try:
+                _timed(step, device)  # warm-up (compiles where needed)
+            except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError):
+                continue
+            steps[name], times[name] = step, []
+        began = time.perf_counter()
+        for _ in range(REPEATS):
+            for name, step in steps.items():
+                times[name].append(_timed(step, device))
+            if time.perf_counter() - began > BUDGET_S:
+                break
+    finally:
+        for p, grad in saved:
+            p.grad = grad
+    return {name: statistics.median(found) for name, found in times.items() if found}
+
+
+def candidates_of(plan: Any) -> list[str]:
+    """The backends of ``plan``'s order that can run its spec exactly (its choice first)."""
+    from attnbias.planner import BACKENDS
+
+    spec = plan.spec
+    names = [plan.backend.name]
+    for name in plan.order:
+        if (
+            name not in names
+            and name not in plan.excluded
+            and not BACKENDS[name].not_supported_reasons(spec)
+        ):
+            names.append(name)
+    return names
+
+
+def routed(spec: Any) -> bool:
+    """Whether routing by measurement applies to ``spec`` at all: a CUDA device (the CPU has
+    one route per form, the exact one)."""
+    return bool(spec.query.device.type == "cuda")
+
+
+def decide(plan: Any, *, may_measure: bool = True) -> Any:
+    """``plan`` with the backend measured fastest for its call class (measured now, or kept
+    earlier), or ``plan`` itself; the plan says which (:attr:`Plan.decision`)."""
+    from attnbias.planner import BACKENDS
+
+    spec = plan.spec
+    if plan.fixed or plan.pinned or not routed(spec):
+        return plan
+    key = call_class(spec)
+    found = _kept(key)
+    if found is None:
+        if not may_measure:
+            return plan
+        if _STATE.mode != "measure" or not can_measure(spec):
+            why = "switched off" if _STATE.mode != "measure" else "not measured in this call"
+            return dataclasses.replace(plan, decision=f"policy (measuring {why})")
+        candidates = candidates_of(plan)
+        if len(candidates) < 2:
+            return plan
+        with _LOCK:
+            _STATE.seen[key] = _STATE.seen.get(key, 0) + 1
+            count = _STATE.seen[key]
+        if count < MEASURE_AT:
+            return dataclasses.replace(
+                plan,
+                decision="policy (the class is measured when it is met again)",
+                provisional=True,
+            )
+        times = measure(spec, candidates)
+        if not times:
+            return plan
+        best = min(times, key=times.__getitem__)
+        first = plan.backend.name
+        if first in times and times[first] <= (1 + MARGIN) * times[best]:
+            best = first
+        _keep(key, best, {name: 1e3 * t for name, t in times.items()})
+        found = _STATE.decisions[key]
+    name = found["backend"]
+    backend = BACKENDS.get(name)
+    if (
+        backend is None
+        or name in plan.excluded
+        or (name != plan.backend.name and backend.not_supported_reasons(spec))
+    ):
+        return plan  # kept for backends this call cannot have: the planner's choice
+    measured = sorted(
+        (ms, backend_name)
+        for backend_name, ms in found["times_ms"].items()
+        if isinstance(ms, (int, float)) and math.isfinite(ms)
+    )
+    shown = ", ".join(f"{backend_name} {ms:.3f} ms" for ms, backend_name in measured)
+    return dataclasses.replace(plan, backend=backend, decision=f"{found['source']}: {shown}")

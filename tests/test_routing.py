@@ -1,0 +1,241 @@
+"""Routing by measurement (``attnbias.routing``), on the CPU.
+
+The call class keeps apart what decides speed (layouts, strides, head dims, dtype, GQA ratio,
+gradients) and nothing else; decisions are measured on the second sighting of a class, kept
+past a margin only, read back from the cache file by another process (or after this one
+forgot them), never measured while compiling or capturing; the file survives corruption,
+stale versions and concurrent writers; and measuring leaves no trace in the user's state
+(gradients of the inputs and of the bias's tensors, the random number generator). Measuring
+itself needs a CUDA device: here ``routed`` and ``can_measure`` are switched on for the CPU
+and, where the decision is what is tested, the timings are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import attnbias
+from attnbias import AlibiBias, SlidingWindowBias, causal_lower_right, routing
+from attnbias.planner import plan
+from attnbias.spec import make_spec
+
+
+def _spec(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any = None, gqa: bool = False
+) -> Any:
+    bias = causal_lower_right() + SlidingWindowBias(7) if bias is None else bias
+    return make_spec(q, k, v, bias, False, None, 0.0, gqa)
+
+
+def _qkv(b: int = 2, h: int = 4, length: int = 32, e: int = 16, **kw: Any) -> list[torch.Tensor]:
+    return [torch.randn(b, h, length, e, **kw) for _ in range(3)]
+
+
+@pytest.fixture
+def measuring(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Routing by measurement on, for the CPU, with a cache file of its own."""
+    path = tmp_path / "routing.json"
+    monkeypatch.setenv("ATTNBIAS_ROUTING_CACHE", str(path))
+    monkeypatch.setattr(routing, "routed", lambda spec: True)
+    monkeypatch.setattr(routing, "can_measure", lambda spec: not spec.compiling)
+    routing.clear_routing(file=False)
+    routing.set_routing("measure")
+    yield path
+    routing.set_routing("policy")
+    routing.clear_routing(file=False)
+
+
+def test_the_call_class_keeps_apart_what_decides_speed() -> None:
+    q, k, v = _qkv()
+    base = routing.call_class(_spec(q, k, v))
+    # the same class: other values, the same shape
+    assert routing.call_class(_spec(*_qkv())) == base
+    assert routing.call_class(_spec(*_qkv(length=30))) == base  # L and S in powers of two
+    others = {
+        "layout (B, S, H, E)": _spec(
+            *[torch.randn(2, 32, 4, 16).transpose(1, 2) for _ in range(3)]
+        ),
+        "strided views": _spec(*[torch.randn(2, 4, 32, 32)[..., :16] for _ in range(3)]),
+        "head dim": _spec(*_qkv(e=32)),
+        "dtype": _spec(*_qkv(dtype=torch.float64)),
+        "GQA": _spec(q, k[:, :2], v[:, :2], gqa=True),
+        "gradients": _spec(*[t.clone().requires_grad_() for t in (q, k, v)]),
+        "length": _spec(*_qkv(length=64)),
+        "batch x heads": _spec(*_qkv(b=8)),
+        "window": _spec(q, k, v, causal_lower_right() + SlidingWindowBias(20)),
+        "soft-cap": _spec(q, k, v, causal_lower_right() + attnbias.SoftcapBias(5.0)),
+    }
+    keys = {name: routing.call_class(spec) for name, spec in others.items()}
+    for name, key in keys.items():
+        assert key != base, f"{name} merged with the base class"
+    assert len(set(keys.values())) == len(keys)
+
+
+def test_a_class_is_measured_when_met_again_and_the_fastest_kept(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measured: list[list[str]] = []
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        measured.append(list(candidates))
+        return {name: (1.0 if name == "reference" else 3.0) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    spec = _spec(*_qkv())
+    first = routing.decide(plan(spec))
+    assert first.provisional and not measured  # met once: the policy, not kept
+    assert first.backend.name == plan(spec).backend.name
+    second = routing.decide(plan(spec))
+    assert second.backend.name == "reference" and not second.provisional
+    assert len(measured) == 1 and "reference" in measured[0] and len(measured[0]) >= 2
+    assert second.decision.startswith("measured now: reference 1000.000 ms")
+    # kept: not measured again, in this process or from the file in another
+    assert routing.decide(plan(spec)).backend.name == "reference"
+    routing.clear_routing(file=False)
+    third = routing.decide(plan(spec))
+    assert third.backend.name == "reference" and third.decision.startswith("measured earlier")
+    assert len(measured) == 1
+    stored = json.loads(measuring.read_text())["decisions"]
+    assert list(stored.values()) == [
+        {"backend": "reference", "times_ms": {name: fake(spec, measured[0])[name] * 1e3
+                                              for name in measured[0]}}
+    ]  # fmt: skip
+
+
+def test_the_planners_choice_stays_within_the_margin(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = _spec(*_qkv())
+    policy = plan(spec).backend.name
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        # another backend 4% faster: within the margin, the policy's stays
+        return {name: (1.0 if name == policy else 0.96) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    routing.decide(plan(spec))
+    assert routing.decide(plan(spec)).backend.name == policy
+
+
+def test_no_measuring_while_compiling_but_the_kept_decision_is_used(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        calls.append(1)
+        return {name: (1.0 if name == "reference" else 2.0) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    spec = _spec(*_qkv())
+    traced = dataclasses.replace(spec, compiling=True)
+    for _ in range(3):
+        chosen = routing.decide(plan(traced))
+        assert chosen.decision.startswith("policy (measuring not measured")
+    assert not calls
+    routing.decide(plan(spec))
+    routing.decide(plan(spec))  # measured here
+    assert calls == [1]
+    assert routing.decide(plan(traced)).backend.name == "reference"
+    assert calls == [1]
+    routing.set_routing("policy")  # switched off: no measuring, the kept decision still used
+    other = _spec(*_qkv(e=32))
+    for _ in range(3):
+        assert routing.decide(plan(other)).decision == "policy (measuring switched off)"
+    assert calls == [1]
+
+
+def test_a_corrupt_or_stale_file_is_ignored_and_written_anew(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        routing, "measure", lambda spec, names: {n: float(i + 1) for i, n in enumerate(names)}
+    )
+    spec = _spec(*_qkv())
+    key = routing.call_class(spec)
+    stale = key.rsplit(" | ", 1)[0] + " | torch 0.0"
+    for text in ("{not json", json.dumps([1, 2]), json.dumps({"version": 99}),
+                 json.dumps({"version": 1, "decisions": {key: {"backend": 3}}})):  # fmt: skip
+        routing.clear_routing(file=False)
+        measuring.write_text(text)
+        assert routing.decide(plan(spec)).provisional  # nothing usable in the file
+    measuring.write_text(
+        json.dumps({"version": 1, "decisions": {stale: {"backend": "reference", "times_ms": {}}}})
+    )
+    routing.clear_routing(file=False)
+    routing.decide(plan(spec))
+    chosen = routing.decide(plan(spec))  # measured: the first candidate is fastest here
+    decisions = json.loads(measuring.read_text())["decisions"]
+    assert list(decisions) == [key]  # the stale entry dropped
+    assert decisions[key]["backend"] == chosen.backend.name
+
+
+def _write(path: str, index: int) -> None:
+    import os
+
+    os.environ["ATTNBIAS_ROUTING_CACHE"] = path
+    from attnbias import routing as own
+
+    for n in range(5):
+        own._keep(f"process {index} key {n} | {own._versions()}", "reference", {"reference": 1.0})
+
+
+def test_concurrent_writers_lose_nothing(measuring: Path) -> None:
+    threads = [
+        threading.Thread(
+            target=lambda i=i: [
+                routing._keep(f"thread {i} key {n} | {routing._versions()}", "sdpa", {"sdpa": 2.0})
+                for n in range(5)
+            ]
+        )
+        for i in range(4)
+    ]
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_write, args=(str(measuring), i)) for i in range(2)]
+    for worker in (*threads, *processes):
+        worker.start()
+    for worker in (*threads, *processes):
+        worker.join(timeout=120)
+    assert all(p.exitcode == 0 for p in processes)
+    decisions = json.loads(measuring.read_text())["decisions"]
+    assert len(decisions) == 4 * 5 + 2 * 5
+
+
+def test_measuring_leaves_no_trace(measuring: Path) -> None:
+    """The real measurement (on the CPU's backends): the inputs' and the bias's gradients and
+    the random number generator are as they were."""
+    slopes = torch.rand(4, requires_grad=True)
+    slopes.grad = torch.full((4,), 7.0)
+    bias = AlibiBias(slopes=slopes) + causal_lower_right()
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    spec = _spec(q, k, v, bias)
+    state = torch.get_rng_state()
+    times = routing.measure(spec, ["sdpa+mask", "reference"])
+    assert set(times) == {"sdpa+mask", "reference"} and all(t > 0 for t in times.values())
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(t.grad is None for t in (q, k, v))
+    assert torch.equal(slopes.grad, torch.full((4,), 7.0))
+
+
+def test_explain_says_where_the_decision_came_from(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        routing, "measure", lambda spec, names: {n: (0.5 if n == "reference" else 2.0)
+                                                 for n in names}
+    )  # fmt: skip
+    q, k, v = _qkv()
+    bias = causal_lower_right() + SlidingWindowBias(7)
+    attnbias.sdpa(q, k, v, attn_mask=bias)
+    attnbias.sdpa(q, k, v, attn_mask=bias)  # measured
+    text = attnbias.explain(q, k, v, attn_mask=bias)
+    assert text.startswith("reference:"), text
+    assert "decided by: measured now: reference 500.000 ms" in text, text
