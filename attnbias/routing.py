@@ -52,6 +52,8 @@ MARGIN = 0.05
 #: :data:`BUDGET_S` seconds of timing per call class, warm-up calls apart).
 REPEATS = 5
 BUDGET_S = 0.5
+#: Calls back to back per timing (one synchronisation for them all, as in a model).
+CALLS = 3
 #: How many times a class is met before it is measured.
 MEASURE_AT = 2
 
@@ -159,6 +161,19 @@ def _versions() -> str:
 _VERSIONS: dict[str, str] = {}
 
 
+_DEVICE_NAMES: dict[Any, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """The device's name, asked once (``torch.compile`` cannot trace the question: under it,
+    the name kept from an eager call)."""
+    found = _DEVICE_NAMES.get((device.type, device.index))
+    if found is None:
+        found = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        _DEVICE_NAMES[device.type, device.index] = found
+    return found
+
+
 def _band(value: int | None) -> str:
     return "-" if value is None else f"{'-' if value < 0 else ''}{_bucket(abs(value))}"
 
@@ -177,8 +192,7 @@ def call_class(spec: Any) -> str:
         f"alibi {terms.slopes is not None} cap {terms.softcap is not None} "
         f"others {len(terms.others)} mods {mods}"
     )
-    device = spec.query.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = _device_name(spec.query.device)
     shape = (
         f"{spec.query.dtype} E {spec.query.shape[-1]} Ev {spec.value.shape[-1]} "
         f"gqa {heads_q // max(heads_kv, 1)} "
@@ -301,25 +315,26 @@ def _fits(spec: Any, name: str) -> bool:
     return 3 * _mask_bytes(spec) < free // 2
 
 
-def _runner(spec: Any, run: Callable[[Any], Tensor]) -> Callable[[], None]:
-    """One call of ``run`` on copies of ``spec``'s inputs, as the user's would run: forward
-    without gradients, or forward and backward."""
+def _runner(spec: Any, backend: Any) -> Callable[[], None]:
+    """One call of ``backend``'s prepared run (as a repeated call runs it, from the plan
+    cache) on copies of ``spec``'s inputs, as the user's would run: forward without
+    gradients, or forward and backward."""
+    copies = [
+        t.detach().clone().requires_grad_(spec.needs_grad and t.requires_grad)
+        for t in (spec.query, spec.key, spec.value)
+    ]
+    prepared = backend.prepare(spec)
     if not spec.needs_grad:
 
         def forward() -> None:
             with torch.no_grad():
-                run(spec)
+                prepared(*copies)
 
         return forward
-    copies = [
-        t.detach().clone().requires_grad_(t.requires_grad)
-        for t in (spec.query, spec.key, spec.value)
-    ]
-    own = dataclasses.replace(spec, query=copies[0], key=copies[1], value=copies[2])
     grad: list[Tensor] = []
 
     def step() -> None:
-        out = run(own)
+        out = prepared(*copies)
         if not grad:
             grad.append(torch.ones_like(out))  # (no random numbers drawn)
         out.backward(grad[0])
@@ -333,10 +348,11 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     began = time.perf_counter()
-    step()
+    for _ in range(CALLS):
+        step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - began
+    return (time.perf_counter() - began) / CALLS
 
 
 def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
@@ -356,8 +372,8 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
         for name in candidates:
             if not _fits(spec, name):
                 continue
-            step = _runner(spec, BACKENDS[name].run)
             try:
+                step = _runner(spec, BACKENDS[name])
                 _timed(step, device)  # warm-up (compiles where needed)
             except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError):
                 continue
@@ -398,20 +414,29 @@ def routed(spec: Any) -> bool:
 
 def decide(plan: Any, *, may_measure: bool = True) -> Any:
     """``plan`` with the backend measured fastest for its call class (measured now, or kept
-    earlier), or ``plan`` itself; the plan says which (:attr:`Plan.decision`)."""
+    earlier), or ``plan`` itself; the plan says which (:attr:`Plan.decision`). While
+    ``torch.compile`` traces, the decisions this process holds are used (the file and the
+    device are not asked there: a class first met inside a compiled function runs on the
+    planner's choice)."""
     from attnbias.planner import BACKENDS
 
     spec = plan.spec
     if plan.fixed or plan.pinned or not routed(spec):
         return plan
+    if spec.compiling or torch.compiler.is_compiling():
+        if (
+            not _STATE.decisions
+            or (spec.query.device.type, spec.query.device.index) not in _DEVICE_NAMES
+            or "all" not in _VERSIONS
+        ):
+            return plan
+        found = _STATE.decisions.get(call_class(spec))
+        return plan if found is None else _chosen(plan, found, BACKENDS)
     key = call_class(spec)
     found = _kept(key)
     if found is None:
-        if not may_measure:
+        if not (may_measure and _STATE.mode == "measure" and can_measure(spec)):
             return plan
-        if _STATE.mode != "measure" or not can_measure(spec):
-            why = "switched off" if _STATE.mode != "measure" else "not measured in this call"
-            return dataclasses.replace(plan, decision=f"policy (measuring {why})")
         candidates = candidates_of(plan)
         if len(candidates) < 2:
             return plan
@@ -433,12 +458,18 @@ def decide(plan: Any, *, may_measure: bool = True) -> Any:
             best = first
         _keep(key, best, {name: 1e3 * t for name, t in times.items()})
         found = _STATE.decisions[key]
+    return _chosen(plan, found, BACKENDS)
+
+
+def _chosen(plan: Any, found: dict[str, Any], backends: dict[str, Any]) -> Any:
+    """``plan`` on the backend of the kept decision ``found``, where the call may have it."""
     name = found["backend"]
-    backend = BACKENDS.get(name)
+    backend = backends.get(name)
     if (
         backend is None
         or name in plan.excluded
-        or (name != plan.backend.name and backend.not_supported_reasons(spec))
+        or name not in plan.order
+        or (name != plan.backend.name and backend.not_supported_reasons(plan.spec))
     ):
         return plan  # kept for backends this call cannot have: the planner's choice
     measured = sorted(

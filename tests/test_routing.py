@@ -138,18 +138,29 @@ def test_no_measuring_while_compiling_but_the_kept_decision_is_used(
     spec = _spec(*_qkv())
     traced = dataclasses.replace(spec, compiling=True)
     for _ in range(3):
-        chosen = routing.decide(plan(traced))
-        assert chosen.decision.startswith("policy (measuring not measured")
+        assert routing.decide(plan(traced)).backend.name == plan(traced).backend.name
     assert not calls
     routing.decide(plan(spec))
     routing.decide(plan(spec))  # measured here
     assert calls == [1]
+    assert plan(traced).backend.name != "reference"
     assert routing.decide(plan(traced)).backend.name == "reference"
+    # and through torch.compile itself, the whole graph traced
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    bias = causal_lower_right() + SlidingWindowBias(7)
+    compiled = torch.compile(
+        lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), backend="eager", fullgraph=True
+    )
+    with attnbias.use_backends(exclude=["triton"]):  # (not traceable on the interpreter)
+        out = compiled(q, k, v)
+    torch.testing.assert_close(out, attnbias.sdpa(q, k, v, attn_mask=bias))
     assert calls == [1]
     routing.set_routing("policy")  # switched off: no measuring, the kept decision still used
     other = _spec(*_qkv(e=32))
     for _ in range(3):
-        assert routing.decide(plan(other)).decision == "policy (measuring switched off)"
+        assert not routing.decide(plan(other)).provisional
+    assert routing.decide(plan(spec)).backend.name == "reference"
     assert calls == [1]
 
 
