@@ -391,7 +391,9 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
 
 
 def candidates_of(plan: Any) -> list[str]:
-    """The backends of ``plan``'s order that can run its spec exactly (its choice first)."""
+    """The backends of ``plan``'s order that can run its spec exactly (its choice first). On a
+    GPU the exact eager path is left out unless it is the choice: it materializes the scores
+    and is never the fastest where a kernel takes the call, and timing it costs the most."""
     from attnbias.planner import BACKENDS
 
     spec = plan.spec
@@ -400,6 +402,7 @@ def candidates_of(plan: Any) -> list[str]:
         if (
             name not in names
             and name not in plan.excluded
+            and not (name == "reference" and spec.query.device.type == "cuda")
             and not BACKENDS[name].not_supported_reasons(spec)
         ):
             names.append(name)
