@@ -142,11 +142,13 @@ VARIANTS: dict[str, tuple[Callable[[Tensor, Tensor, Tensor], tuple[Tensor, ...]]
     "another query length": (lambda q, k, v: (q[:, :, :-1], k, v), True),
     "another key length": (lambda q, k, v: (q, k[:, :, :-3], v[:, :, :-3]), True),
     "another dtype": (lambda q, k, v: (q.half(), k.half(), v.half()), True),
-    # strides and alignment are per launch: the plan stays, the kernel follows them
+    # another layout is another call (the fastest backend depends on it: routing by
+    # measurement tells layouts apart), so it gets its own plan
     "non-contiguous": (
         lambda q, k, v: tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)),
-        False,
+        True,
     ),
+    # alignment is per launch: the plan stays, the kernel follows it
     "misaligned": (lambda q, k, v: tuple(_misaligned(t) for t in (q, k, v)), False),
 }
 
