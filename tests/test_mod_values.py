@@ -195,7 +195,7 @@ def test_a_rebound_tensor_and_a_branch_on_a_closure_value(device: str) -> None:
         symmetric = not symmetric
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ["reference"])  # (what traces again is route-independent)
 @pytest.mark.parametrize("case", ["python_side", "type_test", "helper_reads_it"])
 def test_numbers_the_trace_cannot_take_as_runtime_numbers(
     case: str, route: str, traces: list[int]
@@ -246,7 +246,7 @@ def _registered_reach(kv_idx: Any) -> Any:
     return kv_idx == REGISTRY[0].reach
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ["reference"])
 def test_an_attribute_also_read_through_another_path(route: str, traces: list[int]) -> None:
     bias = Shared(2)
     REGISTRY.append(bias)
