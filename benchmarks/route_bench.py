@@ -1,0 +1,276 @@
+"""The automatic route against the best backend pinned, over a grid of calls off the main
+benchmark's grid.
+
+For each case (head dim, batch, lengths, layout, GQA, dtype, bias, forward or forward +
+backward) it times ``attnbias.sdpa`` as it routes the call (after the call that lets routing by
+measurement decide) and under ``use_backends(name)`` for every backend that can take it, in two
+rounds of alternating order; the best pinned backend runs twice, as a control row whose spread
+is the noise band. It prints auto ÷ best per case, and the distribution.
+
+    python benchmarks/route_bench.py --out route.json            # the whole grid (GPU)
+    python benchmarks/route_bench.py --routing policy --out p.json  # the static policy alone
+    python benchmarks/route_bench.py --smoke                      # a few cases, any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    DocumentBias,
+    ModBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    causal_lower_right,
+    routing,
+    use_backends,
+)
+
+BACKENDS = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask")
+
+
+@dataclass
+class Case:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    length_q: int
+    length_kv: int
+    head_dim: int
+    dtype: str
+    layout: str  # "bhse" or "bshe"
+    bias: str
+    grad: bool
+
+
+@dataclass
+class Result:
+    case: Case
+    route: str = ""
+    auto_ms: float | None = None
+    pinned_ms: dict[str, float] = field(default_factory=dict)
+    control_spread: float | None = None  # the best backend's two runs, larger / smaller
+    ratio: float | None = None
+    error: str = ""
+
+
+def _prefix_lm(prefix: int) -> ModBias:
+    return ModBias(mask_mod=lambda b, h, q, kv: (kv <= q) | (kv < prefix))
+
+
+def _tanh_cap(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def make_bias(name: str, case: Case) -> Any:
+    """The bias ``name`` for ``case``'s lengths."""
+    length = case.length_kv
+    biases: dict[str, Callable[[], Any]] = {
+        "causal": causal_lower_right,
+        "window": lambda: causal_lower_right() + SlidingWindowBias(min(255, length - 1)),
+        "window+alibi": lambda: (
+            causal_lower_right() + SlidingWindowBias(min(511, length - 1)) + AlibiBias(case.heads_q)
+        ),
+        "alibi": lambda: causal_lower_right() + AlibiBias(case.heads_q),
+        "softcap": lambda: causal_lower_right() + SoftcapBias(30.0),
+        "documents": lambda: DocumentBias.from_seqlens(_documents(length)) + causal_lower_right(),
+        "prefix-lm": lambda: _prefix_lm(max(1, length // 8)),
+        "score-mod": lambda: ModBias(score_mod=_tanh_cap) + causal_lower_right(),
+    }
+    return biases[name]()
+
+
+def _documents(length: int) -> list[int]:
+    generator = random.Random(length)
+    left, out = length, []
+    while left > 0:
+        size = min(left, generator.randint(max(1, length // 8), max(2, length // 2)))
+        out.append(size)
+        left -= size
+    return out
+
+
+def grid(smoke: bool = False) -> Iterator[Case]:
+    """At least 150 cases: head dims 64/128/256, B 1-64, S 256-32k, prefill chunks (L < S)
+    and decode, both layouts, GQA, fp16/bf16, the built-ins, sums, ModBias masks and score
+    functions, forward and forward + backward."""
+    shapes = [  # (B, Hq, Hkv, L, S, E)
+        (64, 12, 12, 512, 512, 64), (8, 12, 12, 1024, 1024, 64), (4, 16, 4, 2048, 2048, 128),
+        (1, 16, 16, 8192, 8192, 128), (2, 16, 8, 4096, 4096, 128), (4, 8, 8, 2048, 2048, 256),
+        (1, 32, 8, 32768, 32768, 128), (16, 16, 16, 256, 256, 64), (2, 16, 4, 512, 4096, 128),
+        (8, 32, 8, 1, 8192, 128), (32, 32, 8, 1, 2048, 128), (1, 16, 16, 16384, 16384, 64),
+    ]  # fmt: skip
+    biases = ["causal", "window", "window+alibi", "alibi", "softcap", "documents",
+              "prefix-lm", "score-mod"]  # fmt: skip
+    count = 0
+    for (b, hq, hkv, lq, lkv, e), bias in itertools.product(shapes, biases):
+        decode = lq == 1
+        for grad, dtype, layout in (
+            (False, "bfloat16", "bhse"),
+            (not decode, "float16" if e == 256 else "bfloat16", "bshe"),
+        ):
+            if decode and bias in ("documents",):
+                continue
+            case = Case(
+                f"B{b} H{hq}/{hkv} L{lq} S{lkv} E{e} {dtype} {layout} {bias} "
+                f"{'f+b' if grad else 'fwd'}",
+                b, hq, hkv, lq, lkv, e, dtype, layout, bias, grad,
+            )  # fmt: skip
+            count += 1
+            yield case
+            if smoke and count >= 4:
+                return
+
+
+def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
+    dtype = getattr(torch, case.dtype) if device == "cuda" else torch.float32
+
+    def one(heads: int, length: int) -> torch.Tensor:
+        if case.layout == "bshe":
+            t = torch.randn(case.batch, length, heads, case.head_dim, device=device, dtype=dtype)
+            t = t.transpose(1, 2)
+        else:
+            t = torch.randn(case.batch, heads, length, case.head_dim, device=device, dtype=dtype)
+        return t.requires_grad_(case.grad)
+
+    return (
+        one(case.heads_q, case.length_q),
+        one(case.heads_kv, case.length_kv),
+        one(case.heads_kv, case.length_kv),
+    )
+
+
+def _step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any, grad: bool
+) -> Callable[[], None]:
+    gqa = q.shape[1] != k.shape[1]
+    grad_out = torch.ones_like(q) if grad else None
+
+    def run() -> None:
+        out = attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=gqa)
+        if grad_out is not None:
+            out.backward(grad_out)
+            for t in (q, k, v):
+                t.grad = None
+
+    if not grad:
+
+        def forward() -> None:
+            with torch.no_grad():
+                run()
+
+        return forward
+    return run
+
+
+def _time(step: Callable[[], None], device: str, repeats: int) -> float:
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(2):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        began = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
+
+
+def bench(case: Case, device: str, repeats: int) -> Result:
+    result = Result(case)
+    q, k, v = _inputs(case, device)
+    bias = make_bias(case.bias, case)
+    auto = _step(q, k, v, bias, case.grad)
+    try:
+        auto()
+        auto()  # the second call of a class measures and decides
+        gqa = q.shape[1] != k.shape[1]
+        result.route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa).split(":")[0]
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+    usable = []
+    for name in BACKENDS:
+        try:
+            with use_backends(name):
+                auto()
+            usable.append(name)
+        except Exception:
+            continue
+    rounds: dict[str, list[float]] = {"auto": []}
+    for name in usable:
+        rounds[name] = []
+    for order in (1, -1):  # two rounds, alternating order
+        for name in list(rounds)[::order]:
+            if name == "auto":
+                rounds[name].append(_time(auto, device, repeats))
+            else:
+                with use_backends(name):
+                    rounds[name].append(_time(auto, device, repeats))
+    result.auto_ms = min(rounds.pop("auto"))
+    result.pinned_ms = {name: min(found) for name, found in rounds.items()}
+    if result.pinned_ms:
+        best = min(result.pinned_ms, key=result.pinned_ms.__getitem__)
+        with use_backends(best):  # the control row: the best backend once more
+            again = _time(auto, device, repeats)
+        first = result.pinned_ms[best]
+        result.control_spread = max(first, again) / min(first, again)
+        result.ratio = result.auto_ms / min(first, again)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--routing", choices=routing.MODES, default="measure")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a few cases, small, any device")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ.setdefault("ATTNBIAS_ROUTING_CACHE", "off")  # measure afresh in this run
+    routing.set_routing(args.routing)
+    results = []
+    for case in grid(args.smoke):
+        if args.smoke or device == "cpu":
+            scale = max(1, case.length_kv // 128)
+            case.length_kv = max(1, case.length_kv // scale)
+            case.length_q = max(1, case.length_q // scale)
+            case.batch = min(case.batch, 2)
+        result = bench(case, device, args.repeats)
+        results.append(result)
+        ratio = "-" if result.ratio is None else f"{result.ratio:.2f}"
+        print(f"{case.name}: {result.route} auto {result.auto_ms} ratio {ratio} {result.error}")
+    ratios = sorted(r.ratio for r in results if r.ratio is not None)
+    if ratios:
+        within = sum(r <= 1.05 for r in ratios) / len(ratios)
+        print(
+            f"\n{len(ratios)} cases: auto / best pinned median {statistics.median(ratios):.3f}, "
+            f"worst {ratios[-1]:.2f}; within 1.05x: {within:.0%}, within 1.15x: "
+            f"{sum(r <= 1.15 for r in ratios) / len(ratios):.0%}"
+        )
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump([asdict(r) for r in results], handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
