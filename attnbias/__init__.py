@@ -18,7 +18,7 @@ from attnbias.biases import (
 )
 from attnbias.functional import check_errors, explain, patch_sdpa, sdpa
 from attnbias.planner import use_backends
-from attnbias.routing import clear_routing, set_routing
+from attnbias.routing import clear_routing, set_routing, sync_routing
 
 try:
     __version__: str = _metadata.version("attnbias")
@@ -45,5 +45,6 @@ __all__ = [
     "patch_sdpa",
     "sdpa",
     "set_routing",
+    "sync_routing",
     "use_backends",
 ]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["cache_path", "clear_routing", "routing_mode", "set_routing"]
+__all__ = ["cache_path", "clear_routing", "routing_mode", "set_routing", "sync_routing"]
 
 #: The planner's choice stays unless another backend is faster by more than this fraction.
 MARGIN = 0.05
@@ -121,6 +121,30 @@ def clear_routing(*, file: bool = True) -> None:
         if file and path is not None:
             with _file_lock(path):
                 path.unlink(missing_ok=True)
+
+
+def sync_routing(group: Any = None) -> int:
+    """Make every rank of ``group`` (a ``torch.distributed`` process group; ``None``: the
+    default one) hold the same decisions: each rank's are gathered and, where ranks decided
+    a class differently, the lowest rank's is kept; the merged decisions are kept on every
+    rank (and in its cache file). A collective: call it on every rank at a point where all of
+    them are, e.g. after the first training step, so that later calls of a class run on one
+    backend on every rank. Routing itself never communicates. Returns how many decisions
+    each rank holds now."""
+    import torch.distributed as dist
+
+    own = {key: {"backend": v["backend"], "times_ms": v["times_ms"]} for key, v in
+           list(_STATE.decisions.items())}  # fmt: skip
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, own, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    for decisions in reversed(gathered):  # the lowest rank's last, so it wins
+        merged.update(decisions or {})
+    for key, entry in merged.items():
+        if _STATE.decisions.get(key, {}).get("backend") != entry["backend"]:
+            _keep(key, entry["backend"], entry["times_ms"])
+            _STATE.decisions[key]["source"] = "measured on another rank"
+    return len(merged)
 
 
 # -- the call class ----------------------------------------------------------------------------

@@ -250,3 +250,52 @@ def test_explain_says_where_the_decision_came_from(
     text = attnbias.explain(q, k, v, attn_mask=bias)
     assert text.startswith("reference:"), text
     assert "decided by: measured now: reference 500.000 ms" in text, text
+
+
+def _sync_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from attnbias import routing as own
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        own.clear_routing(file=False)
+        suffix = f" | {own._versions()}"
+        # every rank decided "shared" (differently), and one class of its own
+        own._keep("shared" + suffix, f"backend of rank {rank}", {"x": float(rank)})
+        own._keep(f"rank {rank}" + suffix, "sdpa", {"sdpa": 1.0})
+        assert attnbias.sync_routing() == world + 1
+        decisions = own._STATE.decisions
+        assert decisions["shared" + suffix]["backend"] == "backend of rank 0"
+        assert all(f"rank {r}{suffix}" in decisions for r in range(world))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_routing_makes_every_rank_hold_the_same_decisions() -> None:
+    """Over gloo on 127.0.0.1, three ranks: the lowest rank's decision wins a class decided
+    differently; every rank's own classes reach the others."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    world = 3
+    context = mp.start_processes(
+        _sync_worker,
+        args=(world, port),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks took longer than 120 s")
