@@ -205,8 +205,8 @@ class Terms:
                 # computed again before each call of a kept plan: writes into either range
                 # are seen (the kernels read these tensors)
                 refresh += (
-                    partial(_intersect, self.kv_start, other.kv_start, key_range[0], torch.maximum),
-                    partial(_intersect, self.kv_end, other.kv_end, key_range[1], torch.minimum),
+                    partial(torch.maximum, self.kv_start, other.kv_start, out=key_range[0]),
+                    partial(torch.minimum, self.kv_end, other.kv_end, out=key_range[1]),
                 )
         slopes, shift, alibi_parts = self.slopes, self.alibi_shift, self.alibi_parts
         materialized: tuple[object, ...] = ()
@@ -372,7 +372,3 @@ class Terms:
         terms += [f"{p.describe()} ({p.describe_form()})" for p in self.forms]
         terms += [f"{type(p).__name__} (materialized)" for p in self.others]
         return ", ".join(terms) if terms else "no mask"
-
-
-def _intersect(a: Tensor, b: Tensor, out: Tensor, op: Callable[..., Tensor]) -> None:
-    op(a, b, out=out)

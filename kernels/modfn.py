@@ -916,17 +916,9 @@ class TracedMods:
             kept.clear()
         kept[shape, read] = key
 
-    def device_proven(self, shape: tuple[int, int, int, int], read: tuple[int, int]) -> bool:
-        """Whether :meth:`proven_on_device` holds for this call's numbers and tensors."""
-        found = self.__dict__.get("_device_proven", {}).get((shape, read))
-        return found is not None and found == self.proof_key(read)
-
     def proof_key(self, read: tuple[int, int]) -> tuple[Any, ...]:
         """The numbers, and the tensors (by identity and version) ``read``'s index reads."""
-        index = _index_of(self, read)
-        tables = sorted(
-            {self.nodes[i].args[0] for i in self.ancestors(index) if self.nodes[i].op == "load"}
-        )
+        tables = _tables(self, _index_of(self, read))
         return (
             tuple((type(c), c) for c in self.consts),
             tuple((slot, id(self.params[slot]), _version(self.params[slot])) for slot in tables),
@@ -1106,6 +1098,13 @@ def _tight(traced: TracedMods, node_id: int) -> bool:
     return walk(node_id)
 
 
+def _tables(traced: TracedMods, index: int) -> list[int]:
+    """The slots of the tensors whose values node ``index`` is computed from."""
+    return sorted(
+        {traced.nodes[i].args[0] for i in traced.ancestors(index) if traced.nodes[i].op == "load"}
+    )
+
+
 def _integer_tables(traced: TracedMods, index: int) -> list[int]:
     """The slots of the integer tensors whose values ``index`` is computed from."""
     return sorted(
@@ -1179,9 +1178,8 @@ def _evaluated_bounds(
     names = [name for name in INDEX_NAMES if traced.inputs[name] in ancestors]
     sizes = dict(zip(INDEX_NAMES, shape, strict=True))
     count = math.prod(sizes[name] for name in names)
-    tables = [traced.params[traced.nodes[i].args[0]] for i in ancestors
-              if traced.nodes[i].op == "load"]  # fmt: skip
-    device = tables[0].device if tables else torch.device("cpu")
+    tables = _tables(traced, index)
+    device = traced.params[tables[0]].device if tables else torch.device("cpu")
     refusal = _sync_refused(device)
     if refusal is not None:
         raise _unproven(
@@ -1323,16 +1321,12 @@ def _prove_reads(
         open_reads = [read for read in open_reads if not _within(traced, ranges, read)]
     deferred = False
     for read in open_reads:
-        index = _index_of(traced, read)
-        tables = sorted(
-            {traced.nodes[i].args[0] for i in traced.ancestors(index)
-             if traced.nodes[i].op == "load"}
-        )  # fmt: skip
-        used.update(tables)
-        if traced.device_proven(shape, read):
+        used.update(_tables(traced, _index_of(traced, read)))
+        key = traced.proof_key(read)  # what a check on the device found holds for
+        if traced.__dict__.get("_device_proven", {}).get((shape, read)) == key:
             continue
         failed = traced.__dict__.get("_device_failed", {}).get((shape, read))
-        if failed is not None and failed[0] == traced.proof_key(read):
+        if failed is not None and failed[0] == key:
             raise _out_of_range(traced, read, failed[1], failed[2], shape)
         bounds = _evaluated_bounds(traced, read, shape)
         if bounds is None:  # checked on the device, read at the next call
