@@ -91,7 +91,17 @@ def set_routing(mode: str) -> None:
     The environment variable ``ATTNBIAS_ROUTING`` sets the mode a process starts with."""
     if mode not in MODES:
         raise ValueError(f"set_routing takes one of {MODES}, got {mode!r}")
-    _STATE.mode = mode
+    if mode != _STATE.mode:
+        _STATE.mode = mode
+        _forget_plans()
+
+
+def _forget_plans() -> None:
+    """Drop the plans the calls kept (:mod:`attnbias.plan_cache`): they hold the backends of
+    decisions that no longer stand, and a call served from them never reaches :func:`decide`."""
+    from attnbias import plan_cache
+
+    plan_cache.clear()
 
 
 def routing_mode() -> str:
@@ -121,6 +131,7 @@ def clear_routing(*, file: bool = True) -> None:
         if file and path is not None:
             with _file_lock(path):
                 path.unlink(missing_ok=True)
+    _forget_plans()
 
 
 def sync_routing(group: Any = None) -> int:
@@ -140,10 +151,14 @@ def sync_routing(group: Any = None) -> int:
     merged: dict[str, dict[str, Any]] = {}
     for decisions in reversed(gathered):  # the lowest rank's last, so it wins
         merged.update(decisions or {})
+    changed = False
     for key, entry in merged.items():
         if _STATE.decisions.get(key, {}).get("backend") != entry["backend"]:
             _keep(key, entry["backend"], entry["times_ms"])
             _STATE.decisions[key]["source"] = "measured on another rank"
+            changed = True
+    if changed:
+        _forget_plans()
     return len(merged)
 
 

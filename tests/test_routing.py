@@ -266,7 +266,13 @@ def _sync_worker(rank: int, world: int, port: int) -> None:
         # every rank decided "shared" (differently), and one class of its own
         own._keep("shared" + suffix, f"backend of rank {rank}", {"x": float(rank)})
         own._keep(f"rank {rank}" + suffix, "sdpa", {"sdpa": 1.0})
+        from attnbias import plan_cache
+
+        plan_cache._ENTRIES["a plan kept before"] = None  # type: ignore[assignment]
         assert attnbias.sync_routing() == world + 1
+        # decisions changed: the kept plans are dropped (a call served from them would keep
+        # this rank's own backend)
+        assert "a plan kept before" not in plan_cache._ENTRIES
         decisions = own._STATE.decisions
         assert decisions["shared" + suffix]["backend"] == "backend of rank 0"
         assert all(f"rank {r}{suffix}" in decisions for r in range(world))
@@ -299,3 +305,32 @@ def test_sync_routing_makes_every_rank_hold_the_same_decisions() -> None:
             for process in context.processes:
                 process.kill()
             pytest.fail("the ranks took longer than 120 s")
+
+
+def test_forgetting_decisions_drops_the_plans_that_hold_them(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call served from the plan cache never reaches routing: after ``clear_routing`` (or a
+    change of mode) the next calls plan, and measure, again."""
+    calls: list[int] = []
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        calls.append(1)
+        return {name: (0.5 if name == "reference" else 2.0) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    q, k, v = _qkv()
+    bias = causal_lower_right() + SlidingWindowBias(7)
+    for _ in range(3):
+        attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert calls == [1]
+    routing.clear_routing()
+    for _ in range(3):
+        attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert calls == [1, 1]
+    routing.set_routing("policy")
+    routing.set_routing("measure")
+    routing.clear_routing(file=False)  # (the file still holds it: read back, not measured)
+    attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert calls == [1, 1]
+    assert "measured earlier" in attnbias.explain(q, k, v, attn_mask=bias)
