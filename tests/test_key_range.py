@@ -237,32 +237,53 @@ def test_ranges_past_the_keys_are_refused() -> None:
         sdpa(q, k, v, attn_mask=KeyRangeBias(end=[41, 3]), enable_gqa=True)
 
 
-@pytest.mark.parametrize("backend", ["triton-decode", "triton", "sdpa+mask", "reference"])
-def test_positions_written_in_place_are_seen_by_the_next_call(backend: str) -> None:
-    """int32 ``(B,)`` positions on the inputs' device are used, not copied: a cache that fills
-    writes ``end += 1`` between decode steps, and the same bias (and a prepared plan, or a
-    captured graph) sees it."""
-    generator = torch.Generator().manual_seed(3)
+def _decode_steps(
+    backend: str,
+    bias: AttnBias,
+    fresh: Callable[[], AttnBias],
+    end: Tensor,
+    steps: int,
+    seed: int,
+    move: Callable[[], None] = lambda: None,
+) -> None:
+    """Decode steps on a cache of 40 slots filled to ``end`` (NaN past 33): each call of the
+    one ``bias`` against the oracle of ``fresh()``, a bias built from the positions now; then
+    each row's next key and value go in at ``end``, ``end += 1`` and ``move()``."""
+    generator = torch.Generator().manual_seed(seed)
     q, k, v = (
         torch.randn(2, 4, length, 16, generator=generator).to(DEVICE) for length in (2, 40, 40)
     )
-    end = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
-    bias = KeyRangeBias(start=torch.tensor([3, 0], dtype=torch.int32, device=DEVICE), end=end)
-    bias = bias + causal_lower_right()
     k[:, :, 33:] = math.nan  # not filled yet
     v[:, :, 33:] = math.nan
     with torch.no_grad(), attnbias.use_backends(backend):
-        for _ in range(3):  # the first call plans, the next ones reuse the plan
+        for _ in range(steps):  # the first call plans, the next ones reuse the plan
             out = attnbias.sdpa(q, k, v, attn_mask=bias)
-            fresh = KeyRangeBias(start=[3, 0], end=end.tolist()) + causal_lower_right()
-            expected = attention(q, k.nan_to_num(), v.nan_to_num(), fresh)
-            low = attention(q, k.nan_to_num(), v.nan_to_num(), fresh, dtype=q.dtype)
+            expected = attention(q, k.nan_to_num(), v.nan_to_num(), fresh())
+            low = attention(q, k.nan_to_num(), v.nan_to_num(), fresh(), dtype=q.dtype)
             assert_close_to_oracle([out], [expected], [low], q.dtype)
             # the next token of each row: its key and value go in at `end`, then the range grows
             for row, position in enumerate(end.tolist()):
                 k[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
                 v[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
             end += 1
+            move()
+
+
+@pytest.mark.parametrize("backend", ["triton-decode", "triton", "sdpa+mask", "reference"])
+def test_positions_written_in_place_are_seen_by_the_next_call(backend: str) -> None:
+    """int32 ``(B,)`` positions on the inputs' device are used, not copied: a cache that fills
+    writes ``end += 1`` between decode steps, and the same bias (and a prepared plan, or a
+    captured graph) sees it."""
+    end = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    bias = KeyRangeBias(start=torch.tensor([3, 0], dtype=torch.int32, device=DEVICE), end=end)
+    _decode_steps(
+        backend,
+        bias + causal_lower_right(),
+        lambda: KeyRangeBias(start=[3, 0], end=end.tolist()) + causal_lower_right(),
+        end,
+        steps=3,
+        seed=3,
+    )
 
 
 @pytest.mark.parametrize("backend", ["triton-decode", "triton", "sdpa+mask", "reference"])
@@ -271,33 +292,22 @@ def test_two_ranges_written_in_place_are_seen_by_the_next_call(backend: str) -> 
     them on the device; the kept plan intersects them again at each call, so writes into
     either range are seen: the window of the last keys moves with ``start``, the cache
     fills with ``end``."""
-    generator = torch.Generator().manual_seed(5)
-    q, k, v = (
-        torch.randn(2, 4, length, 16, generator=generator).to(DEVICE) for length in (2, 40, 40)
-    )
     padding = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
     window = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
     end = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
     bias = KeyRangeBias(start=padding) + KeyRangeBias(start=window, end=end)
-    bias = bias + causal_lower_right()
-    k[:, :, 33:] = math.nan  # not filled yet
-    v[:, :, 33:] = math.nan
-    with torch.no_grad(), attnbias.use_backends(backend):
-        for _ in range(4):  # the first call plans, the next ones reuse the plan
-            out = attnbias.sdpa(q, k, v, attn_mask=bias)
-            fresh = (
-                KeyRangeBias(start=padding.tolist())
-                + KeyRangeBias(start=window.tolist(), end=end.tolist())
-                + causal_lower_right()
-            )
-            expected = attention(q, k.nan_to_num(), v.nan_to_num(), fresh)
-            low = attention(q, k.nan_to_num(), v.nan_to_num(), fresh, dtype=q.dtype)
-            assert_close_to_oracle([out], [expected], [low], q.dtype)
-            for row, position in enumerate(end.tolist()):
-                k[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
-                v[row, :, position] = torch.randn(4, 16, generator=generator).to(DEVICE)
-            end += 1
-            window += 2  # the window of the last keys moves on
+
+    def fresh() -> AttnBias:
+        return (
+            KeyRangeBias(start=padding.tolist())
+            + KeyRangeBias(start=window.tolist(), end=end.tolist())
+            + causal_lower_right()
+        )
+
+    def move() -> None:
+        window.add_(2)  # the window of the last keys moves on
+
+    _decode_steps(backend, bias + causal_lower_right(), fresh, end, steps=4, seed=5, move=move)
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa+mask", "reference"])
