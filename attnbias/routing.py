@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,18 @@ __all__ = ["cache_path", "clear_routing", "routing_mode", "set_routing", "sync_r
 
 #: The planner's choice stays unless another backend is faster by more than this fraction.
 MARGIN = 0.05
-#: Repetitions of each backend, interleaved; fewer where a call is slow (at most
-#: :data:`BUDGET_S` seconds of timing per call class, warm-up calls apart).
+#: Repetitions of each backend, interleaved, after one timed call that estimates it: at most
+#: :data:`REPEATS`, at least :data:`MIN_REPEATS`, fewer than the most where the timing of the
+#: class has taken :data:`BUDGET_S` seconds (the untimed first calls, which compile, apart).
 REPEATS = 5
+MIN_REPEATS = 2
 BUDGET_S = 0.5
-#: Calls back to back per timing (one synchronisation for them all, as in a model).
+#: A candidate whose estimate is this many times the fastest one's is not timed further.
+PRUNE = 2.0
+#: Calls back to back per timing (one synchronisation for them all, as in a model), at most
+#: :data:`CALLS` and as many as fit in :data:`CALL_SPAN_S` seconds (one for slow calls).
 CALLS = 3
+CALL_SPAN_S = 1e-3
 #: How many times a class is met before it is measured.
 MEASURE_AT = 2
 
@@ -345,11 +351,25 @@ def _mask_bytes(spec: Any) -> int:
     return batch * heads * length_q * length_kv * 4
 
 
-def _fits(spec: Any, name: str) -> bool:
-    """Whether ``name`` can run ``spec`` within free memory (a materialized mask and scores
-    are ``B·H·L·S`` floats; the fused kernels need no more than the call's own tensors)."""
-    if name not in ("sdpa+mask", "reference") or spec.query.device.type != "cuda":
+#: Backends that materialize the mask (or the scores): ``B·H·L·S`` floats of memory.
+MATERIALIZED = frozenset({"sdpa+mask", "reference"})
+#: From this many scores per head (``L·S``) on, a materialized mask is not timed where a fused
+#: kernel can run the call: it reads ``L·S`` mask entries a fused kernel does not and skips no
+#: block, and at these sizes one call of it costs more than the whole timing budget.
+MATERIALIZED_MAX_SCORES = 1 << 24
+
+
+def _fits(spec: Any, name: str, candidates: Sequence[str] = ()) -> bool:
+    """Whether ``name`` is worth timing on ``spec`` and can run it within free memory (a
+    materialized mask and scores are ``B·H·L·S`` floats; the fused kernels need no more than
+    the call's own tensors)."""
+    if name not in MATERIALIZED or spec.query.device.type != "cuda":
         return True
+    _, _, length_q, length_kv = spec.shape
+    if length_q * length_kv >= MATERIALIZED_MAX_SCORES and any(
+        other not in MATERIALIZED for other in candidates
+    ):
+        return False
     free, _ = torch.cuda.mem_get_info(spec.query.device)
     return 3 * _mask_bytes(spec) < free // 2
 
@@ -383,21 +403,29 @@ def _runner(spec: Any, backend: Any) -> Callable[[], None]:
     return step
 
 
-def _timed(step: Callable[[], None], device: torch.device) -> float:
+def _timed(step: Callable[[], None], device: torch.device, calls: int) -> float:
+    """Seconds per call of ``calls`` calls of ``step`` back to back."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     began = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - began) / CALLS
+    return (time.perf_counter() - began) / calls
 
 
 def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
-    """Median seconds per call of each of ``candidates`` on ``spec`` (a warm-up call first,
-    then interleaved repetitions within :data:`BUDGET_S`); a backend that runs out of memory
-    or fails is left out. The gradients of the bias's tensors are restored."""
+    """Median seconds per call of each of ``candidates`` on ``spec``; a backend that runs out
+    of memory or fails is left out. The gradients of the bias's tensors are restored.
+
+    Each candidate first runs once untimed (it compiles there where it needs to), then once
+    timed, which estimates it; a candidate more than :data:`PRUNE` times slower than the
+    fastest estimate cannot win and is not timed further. The rest are timed in interleaved
+    repetitions (:data:`CALLS` calls each, fewer for slow calls) until :data:`BUDGET_S`
+    seconds of timing have passed, at least :data:`MIN_REPEATS` times. The seconds spent are
+    kept in :data:`LAST_COST` (``warm_up_s``: the untimed calls, compilation included;
+    ``timing_s``: the rest)."""
     from attnbias.planner import BACKENDS
 
     params = spec.bias.parameters() if spec.bias is not None else ()
@@ -407,26 +435,43 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
     device = spec.query.device
     steps: dict[str, Callable[[], None]] = {}
     times: dict[str, list[float]] = {}
+    warm_up = timing = 0.0
     try:
         for name in candidates:
-            if not _fits(spec, name):
+            if not _fits(spec, name, candidates):
                 continue
+            began = time.perf_counter()
             try:
                 step = _runner(spec, BACKENDS[name])
-                _timed(step, device)  # warm-up (compiles where needed)
+                _timed(step, device, 1)  # warm-up (compiles where needed)
+                warm_up += time.perf_counter() - began
+                began = time.perf_counter()
+                estimate = _timed(step, device, 1)
             except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError):
+                warm_up += time.perf_counter() - began
                 continue
-            steps[name], times[name] = step, []
-        began = time.perf_counter()
-        for _ in range(REPEATS):
-            for name, step in steps.items():
-                times[name].append(_timed(step, device))
-            if time.perf_counter() - began > BUDGET_S:
-                break
+            timing += time.perf_counter() - began
+            steps[name], times[name] = step, [estimate]
+        if steps:
+            fastest = min(found[0] for found in times.values())
+            steps = {name: s for name, s in steps.items() if times[name][0] <= PRUNE * fastest}
+            calls = max(1, min(CALLS, int(CALL_SPAN_S / max(fastest, 1e-9))))
+            began = time.perf_counter()
+            for repeat in range(REPEATS):
+                if repeat >= MIN_REPEATS and timing + time.perf_counter() - began > BUDGET_S:
+                    break
+                for name, step in steps.items():
+                    times[name].append(_timed(step, device, calls))
+            timing += time.perf_counter() - began
     finally:
         for p, grad in saved:
             p.grad = grad
-    return {name: statistics.median(found) for name, found in times.items() if found}
+        LAST_COST.update(warm_up_s=warm_up, timing_s=timing)
+    return {name: statistics.median(times[name]) for name in steps}
+
+
+#: What the last :func:`measure` spent, in seconds (``warm_up_s``, ``timing_s``).
+LAST_COST: dict[str, float] = {}
 
 
 def candidates_of(plan: Any) -> list[str]:

@@ -61,10 +61,15 @@ class Case:
 class Result:
     case: Case
     route: str = ""
+    policy_route: str = ""  # the static policy's choice (routing "policy")
+    measuring_call_s: float | None = None  # the call that measured, as the user waited
+    warm_up_s: float | None = None  # its untimed first calls of each candidate (compiles)
+    timing_s: float | None = None  # its timing, the rest
     auto_ms: float | None = None
     pinned_ms: dict[str, float] = field(default_factory=dict)
     control_spread: float | None = None  # the best backend's two runs, larger / smaller
     ratio: float | None = None
+    policy_ratio: float | None = None  # the policy's backend pinned ÷ the best pinned
     error: str = ""
 
 
@@ -200,11 +205,26 @@ def bench(case: Case, device: str, repeats: int) -> Result:
     q, k, v = _inputs(case, device)
     bias = make_bias(case.bias, case)
     auto = _step(q, k, v, bias, case.grad)
+    gqa = q.shape[1] != k.shape[1]
     try:
+        mode = routing.routing_mode()
+        routing.set_routing("policy")
+        result.policy_route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa)
+        result.policy_route = result.policy_route.split(":")[0].split("(")[0]
+        routing.set_routing(mode)
         auto()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        routing.LAST_COST.clear()
+        began = time.perf_counter()
         auto()  # the second call of a class measures and decides
-        gqa = q.shape[1] != k.shape[1]
-        result.route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa).split(":")[0]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        result.measuring_call_s = time.perf_counter() - began
+        result.warm_up_s = routing.LAST_COST.get("warm_up_s")
+        result.timing_s = routing.LAST_COST.get("timing_s")
+        result.route = attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa)
+        result.route = result.route.split(":")[0].split("(")[0]
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
@@ -235,21 +255,55 @@ def bench(case: Case, device: str, repeats: int) -> Result:
         first = result.pinned_ms[best]
         result.control_spread = max(first, again) / min(first, again)
         result.ratio = result.auto_ms / min(first, again)
+        if result.policy_route in result.pinned_ms:
+            result.policy_ratio = result.pinned_ms[result.policy_route] / min(first, again)
     return result
+
+
+def summary(results: list[Result]) -> None:
+    """The distribution of auto ÷ best pinned, and of the static policy's choice ÷ best."""
+    for label, ratios in (
+        ("auto (measured)", sorted(r.ratio for r in results if r.ratio is not None)),
+        ("policy", sorted(r.policy_ratio for r in results if r.policy_ratio is not None)),
+    ):
+        if not ratios:
+            continue
+        print(
+            f"{label}: {len(ratios)} cases, ÷ best pinned median "
+            f"{statistics.median(ratios):.3f}, worst {ratios[-1]:.2f}; within 1.05x: "
+            f"{sum(r <= 1.05 for r in ratios) / len(ratios):.0%}, within 1.15x: "
+            f"{sum(r <= 1.15 for r in ratios) / len(ratios):.0%}"
+        )
+    costs = sorted(r.timing_s for r in results if r.timing_s is not None)
+    if costs:
+        print(
+            f"measuring (timing, compiles apart): median {statistics.median(costs):.3f} s, "
+            f"worst {costs[-1]:.3f} s over {len(costs)} classes"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--routing", choices=routing.MODES, default="measure")
     parser.add_argument("--out", default="")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--smoke", action="store_true", help="a few cases, small, any device")
+    parser.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th")
+    parser.add_argument("--resume", default="", help="a JSON of results: its cases are kept")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("ATTNBIAS_ROUTING_CACHE", "off")  # measure afresh in this run
     routing.set_routing(args.routing)
-    results = []
-    for case in grid(args.smoke):
+    results: list[Result] = []
+    done: list[dict[str, Any]] = []
+    if args.resume and os.path.exists(args.resume):
+        with open(args.resume) as handle:
+            done = json.load(handle)
+    names = {row["case"]["name"] for row in done}
+    index, count = (int(part) for part in args.shard.split("/"))
+    for number, case in enumerate(grid(args.smoke)):
+        if number % count != index or case.name in names:
+            continue
         if args.smoke or device == "cpu":
             scale = max(1, case.length_kv // 128)
             case.length_kv = max(1, case.length_kv // scale)
@@ -258,18 +312,15 @@ def main() -> None:
         result = bench(case, device, args.repeats)
         results.append(result)
         ratio = "-" if result.ratio is None else f"{result.ratio:.2f}"
-        print(f"{case.name}: {result.route} auto {result.auto_ms} ratio {ratio} {result.error}")
-    ratios = sorted(r.ratio for r in results if r.ratio is not None)
-    if ratios:
-        within = sum(r <= 1.05 for r in ratios) / len(ratios)
         print(
-            f"\n{len(ratios)} cases: auto / best pinned median {statistics.median(ratios):.3f}, "
-            f"worst {ratios[-1]:.2f}; within 1.05x: {within:.0%}, within 1.15x: "
-            f"{sum(r <= 1.15 for r in ratios) / len(ratios):.0%}"
+            f"{case.name}: {result.route} (policy {result.policy_route}) auto {result.auto_ms} "
+            f"ratio {ratio} {result.error}",
+            flush=True,
         )
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump([asdict(r) for r in results], handle, indent=1)
+        if args.out:  # after each case: a run stopped midway keeps what it measured
+            with open(args.out, "w") as handle:
+                json.dump(done + [asdict(r) for r in results], handle, indent=1)
+    summary(results)
 
 
 if __name__ == "__main__":
