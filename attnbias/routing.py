@@ -49,10 +49,11 @@ __all__ = ["cache_path", "clear_routing", "routing_mode", "set_routing", "sync_r
 #: The planner's choice stays unless another backend is faster by more than this fraction.
 MARGIN = 0.05
 #: Repetitions of each backend, interleaved, after one timed call that estimates it: at most
-#: :data:`REPEATS`, at least :data:`MIN_REPEATS`, fewer than the most where the timing of the
-#: class has taken :data:`BUDGET_S` seconds (the untimed first calls, which compile, apart).
+#: :data:`REPEATS`, at least :data:`MIN_REPEATS`, fewer than the most where another round
+#: would take the timing of the class past :data:`BUDGET_S` seconds (the untimed first calls,
+#: which compile, apart).
 REPEATS = 5
-MIN_REPEATS = 2
+MIN_REPEATS = 1
 BUDGET_S = 0.5
 #: A candidate whose estimate is this many times the fastest one's is not timed further.
 PRUNE = 2.0
@@ -422,8 +423,8 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
     Each candidate first runs once untimed (it compiles there where it needs to), then once
     timed, which estimates it; a candidate more than :data:`PRUNE` times slower than the
     fastest estimate cannot win and is not timed further. The rest are timed in interleaved
-    repetitions (:data:`CALLS` calls each, fewer for slow calls) until :data:`BUDGET_S`
-    seconds of timing have passed, at least :data:`MIN_REPEATS` times. The seconds spent are
+    repetitions (:data:`CALLS` calls each, fewer for slow calls) while another round fits in
+    :data:`BUDGET_S` seconds of timing, at least :data:`MIN_REPEATS` times. The seconds spent are
     kept in :data:`LAST_COST` (``warm_up_s``: the untimed calls, compilation included;
     ``timing_s``: the rest)."""
     from attnbias.planner import BACKENDS
@@ -456,9 +457,11 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
             fastest = min(found[0] for found in times.values())
             steps = {name: s for name, s in steps.items() if times[name][0] <= PRUNE * fastest}
             calls = max(1, min(CALLS, int(CALL_SPAN_S / max(fastest, 1e-9))))
+            round_s = calls * sum(times[name][0] for name in steps)
             began = time.perf_counter()
             for repeat in range(REPEATS):
-                if repeat >= MIN_REPEATS and timing + time.perf_counter() - began > BUDGET_S:
+                spent = timing + time.perf_counter() - began
+                if repeat >= MIN_REPEATS and spent + round_s > BUDGET_S:
                     break
                 for name, step in steps.items():
                     times[name].append(_timed(step, device, calls))
