@@ -337,10 +337,17 @@ def _keep(key: str, backend: str, times_ms: dict[str, float]) -> None:
 
 
 def can_measure(spec: Any) -> bool:
-    """Whether ``spec`` may be timed now (see :mod:`attnbias.routing`)."""
+    """Whether ``spec`` may be timed now (see :mod:`attnbias.routing`): on a CUDA device,
+    where :func:`measurable`."""
+    return bool(spec.query.device.type == "cuda") and measurable(spec)
+
+
+def measurable(spec: Any) -> bool:
+    """Whether timing ``spec`` would leave the user's state as it was: not while
+    ``torch.compile`` traces or a CUDA graph is captured (a timing synchronises the device),
+    and not with dropout (it draws random numbers)."""
     return (
-        spec.query.device.type == "cuda"
-        and not spec.compiling
+        not spec.compiling
         and not spec.capturing
         and spec.dropout_p == 0.0
         and not torch.compiler.is_compiling()
@@ -364,13 +371,15 @@ def _fits(spec: Any, name: str, candidates: Sequence[str] = ()) -> bool:
     """Whether ``name`` is worth timing on ``spec`` and can run it within free memory (a
     materialized mask and scores are ``B·H·L·S`` floats; the fused kernels need no more than
     the call's own tensors)."""
-    if name not in MATERIALIZED or spec.query.device.type != "cuda":
+    if name not in MATERIALIZED:
         return True
     _, _, length_q, length_kv = spec.shape
     if length_q * length_kv >= MATERIALIZED_MAX_SCORES and any(
         other not in MATERIALIZED for other in candidates
     ):
         return False
+    if spec.query.device.type != "cuda":
+        return True
     free, _ = torch.cuda.mem_get_info(spec.query.device)
     return 3 * _mask_bytes(spec) < free // 2
 

@@ -45,7 +45,7 @@ def measuring(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     path = tmp_path / "routing.json"
     monkeypatch.setenv("ATTNBIAS_ROUTING_CACHE", str(path))
     monkeypatch.setattr(routing, "routed", lambda spec: True)
-    monkeypatch.setattr(routing, "can_measure", lambda spec: not spec.compiling)
+    monkeypatch.setattr(routing, "can_measure", routing.measurable)
     routing.clear_routing(file=False)
     routing.set_routing("measure")
     yield path
@@ -334,3 +334,223 @@ def test_forgetting_decisions_drops_the_plans_that_hold_them(
     attnbias.sdpa(q, k, v, attn_mask=bias)
     assert calls == [1, 1]
     assert "measured earlier" in attnbias.explain(q, k, v, attn_mask=bias)
+
+
+def test_no_measuring_while_captured_but_the_kept_decision_is_used(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call being captured in a CUDA graph (or with dropout) is never timed; once its class
+    is decided, the capture runs on the kept decision."""
+    calls: list[int] = []
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        calls.append(1)
+        return {name: (1.0 if name == "reference" else 2.0) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    spec = _spec(*_qkv())
+    captured = dataclasses.replace(spec, capturing=True)
+    dropping = dataclasses.replace(spec, dropout_p=0.1)
+    for _ in range(3):
+        for other in (captured, dropping):
+            chosen = routing.decide(plan(other))
+            assert chosen.backend.name == plan(other).backend.name and not chosen.provisional
+    assert not calls
+    routing.decide(plan(spec))
+    routing.decide(plan(spec))  # measured here
+    assert calls == [1]
+    assert routing.decide(plan(captured)).backend.name == "reference"
+    assert calls == [1]
+
+
+class _Timings:
+    """Stand-ins for the timing of each candidate: ``_runner`` hands back a tagged step and
+    ``_timed`` answers the tag's time, counting the timings of each."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.counts: dict[str, int] = dict.fromkeys(seconds, 0)
+
+    def runner(self, spec: Any, backend: Any) -> Any:
+        def step() -> None:
+            pass
+
+        step.name = backend.name  # type: ignore[attr-defined]
+        return step
+
+    def timed(self, step: Any, device: Any, calls: int) -> float:
+        self.counts[step.name] += 1
+        return self.seconds[step.name]
+
+
+def test_a_candidate_far_slower_than_the_fastest_is_not_timed_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stand_in = _Timings({"sdpa+mask": 1e-4, "reference": 1e-4 * (routing.PRUNE + 0.5)})
+    monkeypatch.setattr(routing, "_runner", stand_in.runner)
+    monkeypatch.setattr(routing, "_timed", stand_in.timed)
+    times = routing.measure(_spec(*_qkv()), ["sdpa+mask", "reference"])
+    assert list(times) == ["sdpa+mask"]  # the slow one dropped after its estimate
+    assert stand_in.counts["reference"] == 2  # the warm-up and the estimate, nothing more
+    assert stand_in.counts["sdpa+mask"] == 2 + routing.REPEATS
+    # within the factor: both timed in full, the median kept
+    stand_in = _Timings({"sdpa+mask": 1e-4, "reference": 1.5e-4})
+    monkeypatch.setattr(routing, "_runner", stand_in.runner)
+    monkeypatch.setattr(routing, "_timed", stand_in.timed)
+    times = routing.measure(_spec(*_qkv()), ["sdpa+mask", "reference"])
+    assert times == {"sdpa+mask": 1e-4, "reference": 1.5e-4}
+    assert set(stand_in.counts.values()) == {2 + routing.REPEATS}
+    assert routing.LAST_COST["timing_s"] >= 0 and routing.LAST_COST["warm_up_s"] >= 0
+
+
+def test_a_large_materialized_mask_is_not_timed_beside_a_fused_kernel() -> None:
+    side = 1 << 12  # L·S = 2**24 scores per head
+    q, k, v = (torch.randn(1, 1, side, 4) for _ in range(3))
+    spec = _spec(q, k, v)
+    assert side * side >= routing.MATERIALIZED_MAX_SCORES
+    assert not routing._fits(spec, "sdpa+mask", ["triton", "sdpa+mask"])
+    assert routing._fits(spec, "triton", ["triton", "sdpa+mask"])
+    # nothing fused among the candidates (the CPU): the materialized ones are what there is
+    assert routing._fits(spec, "sdpa+mask", ["sdpa+mask", "reference"])
+    small = _spec(*_qkv())
+    assert routing._fits(small, "sdpa+mask", ["triton", "sdpa+mask"])
+
+
+def _calls_in_sdpa(fn: Any) -> list[str]:
+    """The Python functions (and builtins) one call of ``fn`` runs inside ``attnbias.sdpa``,
+    in order; dataclasses' generated ``__eq__`` / ``__hash__`` (a pinned policy compared in
+    the plan cache's key) left out."""
+    names: list[str] = []
+    depth = [0]
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code.co_name == "sdpa" and code.co_filename.endswith("functional.py"):
+                depth[0] += 1
+            elif depth[0] and code.co_filename != "<string>":
+                names.append(f"{Path(code.co_filename).name}:{code.co_name}")
+        elif event == "return":
+            code = frame.f_code
+            if code.co_name == "sdpa" and code.co_filename.endswith("functional.py"):
+                depth[0] -= 1
+        elif event == "c_call" and depth[0]:
+            names.append(getattr(arg, "__name__", "?"))
+
+    import sys
+
+    sys.setprofile(profiler)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def test_a_cached_automatic_call_runs_exactly_what_the_pinned_backend_runs(
+    measuring: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No cost for being automatic: once decided, a repeated call does the same work inside
+    ``sdpa`` as the same call with the decided backend pinned (the plan cache's lookup, then
+    the backend's prepared run), function for function."""
+    monkeypatch.setattr(
+        routing, "measure", lambda spec, names: {n: (0.5 if n == "sdpa+mask" else 2.0)
+                                                 for n in names}
+    )  # fmt: skip
+    q, k, v = _qkv()
+    bias = causal_lower_right() + SlidingWindowBias(7)
+
+    def auto() -> None:
+        attnbias.sdpa(q, k, v, attn_mask=bias)
+
+    for _ in range(3):
+        auto()
+    assert attnbias.explain(q, k, v, attn_mask=bias).startswith("sdpa+mask:")
+    with attnbias.use_backends("sdpa+mask"):
+        auto()
+        pinned = _calls_in_sdpa(auto)
+    automatic = _calls_in_sdpa(auto)
+    assert automatic == pinned, (automatic, pinned)
+    assert "call_key" in " ".join(automatic) and "_validate" not in " ".join(automatic)
+
+
+@pytest.fixture
+def measuring_on_the_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Routing by measurement on, as a user gets it, with a cache file of its own."""
+    path = tmp_path / "routing.json"
+    monkeypatch.setenv("ATTNBIAS_ROUTING_CACHE", str(path))
+    routing.clear_routing(file=False)
+    routing.set_routing("measure")
+    yield path
+    routing.set_routing("policy")
+    routing.clear_routing(file=False)
+
+
+def _cuda_kernels(fn: Any) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_cached_automatic_call_launches_what_the_pinned_one_does(
+    measuring_on_the_gpu: Path,
+) -> None:
+    q, k, v = (
+        torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    bias = causal_lower_right() + SlidingWindowBias(100)
+    grad = torch.ones_like(q)
+
+    def step() -> None:
+        attnbias.sdpa(q, k, v, attn_mask=bias).backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    for _ in range(3):
+        step()
+    text = attnbias.explain(q, k, v, attn_mask=bias)
+    assert "decided by: measured now" in text, text
+    route = text.split(":")[0].split("(")[0]
+    with attnbias.use_backends(route):
+        step()
+        pinned = _calls_in_sdpa(step), _cuda_kernels(step)
+    automatic = _calls_in_sdpa(step), _cuda_kernels(step)
+    assert automatic[0] == pinned[0]
+    assert automatic[1] == pinned[1] and automatic[1], (automatic[1], pinned[1])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_captured_call_is_not_timed_and_runs_the_kept_decision(
+    measuring_on_the_gpu: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnbias import plan_cache
+
+    q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bias = causal_lower_right() + SlidingWindowBias(100)
+    for _ in range(3):
+        expected = attnbias.sdpa(q, k, v, attn_mask=bias)
+    assert "decided by: measured now" in attnbias.explain(q, k, v, attn_mask=bias)
+
+    def refuse(spec: Any, candidates: list[str]) -> dict[str, float]:
+        raise AssertionError("timed while captured")
+
+    monkeypatch.setattr(routing, "measure", refuse)
+    plan_cache.clear()  # the captured call routes again
+    routing._STATE.seen.clear()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attnbias.sdpa(q, k, v, attn_mask=bias)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    plan_cache.clear()
+    with torch.cuda.graph(graph):
+        out = attnbias.sdpa(q, k, v, attn_mask=bias)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
