@@ -191,15 +191,34 @@ def _step(
     return run
 
 
-def _time(step: Callable[[], None], device: str, repeats: int) -> float:
-    """Milliseconds per call: the median of ``repeats`` timings, each of as many calls back to
-    back as fill ~2 ms (one synchronisation at the end, as a model's loop runs them)."""
+def _calls(step: Callable[[], None], device: str) -> int:
+    """How many calls back to back fill ~2 ms (at most 20): one count for every contender of
+    a case, so that each is timed alike (one call per synchronisation serialises the host's
+    work and the GPU's, several overlap them)."""
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def timed(calls: int) -> float:
+    times = []
+    for _ in range(3):
+        sync()
+        began = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - began)
+    return max(1, min(20, int(2e-3 / max(min(times), 1e-6))))
+
+
+def _time(step: Callable[[], None], device: str, repeats: int, calls: int) -> float:
+    """Milliseconds per call: the median of ``repeats`` timings of ``calls`` calls back to
+    back (one synchronisation at the end, as a model's loop runs them)."""
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed() -> float:
         sync()
         began = time.perf_counter()
         for _ in range(calls):
@@ -208,9 +227,7 @@ def _time(step: Callable[[], None], device: str, repeats: int) -> float:
         return (time.perf_counter() - began) / calls
 
     step()
-    calls = max(1, min(20, int(2e-3 / max(timed(1), 1e-6))))
-    times = [timed(calls) for _ in range(repeats)]
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(timed() for _ in range(repeats))
 
 
 def bench(case: Case, device: str, repeats: int) -> Result:
@@ -249,22 +266,23 @@ def bench(case: Case, device: str, repeats: int) -> Result:
             usable.append(name)
         except Exception:
             continue
+    calls = _calls(auto, device)
     rounds: dict[str, list[float]] = {"auto": []}
     for name in usable:
         rounds[name] = []
     for order in (1, -1):  # two rounds, alternating order
         for name in list(rounds)[::order]:
             if name == "auto":
-                rounds[name].append(_time(auto, device, repeats))
+                rounds[name].append(_time(auto, device, repeats, calls))
             else:
                 with use_backends(name):
-                    rounds[name].append(_time(auto, device, repeats))
+                    rounds[name].append(_time(auto, device, repeats, calls))
     result.auto_ms = min(rounds.pop("auto"))
     result.pinned_ms = {name: min(found) for name, found in rounds.items()}
     if result.pinned_ms:
         best = min(result.pinned_ms, key=result.pinned_ms.__getitem__)
         with use_backends(best):  # the control row: the best backend once more
-            again = _time(auto, device, repeats)
+            again = _time(auto, device, repeats, calls)
         first = result.pinned_ms[best]
         result.control_spread = max(first, again) / min(first, again)
         result.ratio = result.auto_ms / min(first, again)
