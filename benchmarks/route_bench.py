@@ -10,6 +10,7 @@ is the noise band. It prints auto ÷ best per case, and the distribution.
     python benchmarks/route_bench.py --out route.json            # the whole grid (GPU)
     python benchmarks/route_bench.py --routing policy --out p.json  # the static policy alone
     python benchmarks/route_bench.py --smoke                      # a few cases, any device
+    python benchmarks/route_bench.py --report a.json b.json       # the table of saved runs
 """
 
 from __future__ import annotations
@@ -313,6 +314,76 @@ def summary(results: list[Result]) -> None:
         )
 
 
+def report(paths: list[str]) -> str:
+    """A markdown table of saved runs (``--out`` files of one setting, e.g. the shards of one
+    run): for the automatic route and for the static policy's choice, auto (or policy) ÷ the
+    best pinned backend over the cases, within 5% and 15% plainly and beyond the noise band
+    (a case counts as within where its ratio is inside the control row's spread); then the
+    cost of measuring, and the cases beyond the noise."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path) as handle:
+            rows += json.load(handle)
+    timed = [r for r in rows if r["ratio"] is not None]
+    lines = [
+        f"{len(rows)} cases, {len(timed)} timed"
+        + (
+            f"; failed: {', '.join(r['case']['name'] for r in rows if r['error'])}"
+            if any(r["error"] for r in rows)
+            else ""
+        ),
+        "",
+        "| route | median | worst | <= 1.05x | <= 1.15x | <= 1.05x beyond noise | "
+        "<= 1.15x beyond noise |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for label, key in (("automatic (measured)", "ratio"), ("static policy", "policy_ratio")):
+        found = [r for r in timed if r[key] is not None]
+        if not found:
+            continue
+        ratios = sorted(r[key] for r in found)
+
+        def share(
+            limit: float, noise: bool, found: list[dict[str, Any]] = found, key: str = key
+        ) -> str:
+            hits = sum(
+                r[key] <= (max(limit, r["control_spread"]) if noise else limit) for r in found
+            )
+            return f"{hits / len(found):.0%}"
+
+        lines.append(
+            f"| {label} | {statistics.median(ratios):.3f} | {ratios[-1]:.2f} | "
+            f"{share(1.05, False)} | {share(1.15, False)} | {share(1.05, True)} | "
+            f"{share(1.15, True)} |"
+        )
+    spreads = sorted(r["control_spread"] for r in timed)
+    costs = sorted(r["timing_s"] for r in timed if r["timing_s"])
+    warm = sorted(r["warm_up_s"] for r in timed if r["warm_up_s"])
+    lines.append("")
+    lines.append(
+        f"Control rows (the best backend timed again): spread median "
+        f"{statistics.median(spreads):.3f}, largest {spreads[-1]:.2f}."
+    )
+    if costs:
+        lines.append(
+            f"Measuring, over the {len(costs)} calls that measured: timing median "
+            f"{statistics.median(costs):.3f} s, largest {costs[-1]:.3f} s; the untimed first "
+            f"calls (compiling included) median {statistics.median(warm):.3f} s, largest "
+            f"{warm[-1]:.2f} s."
+        )
+    lines.append("")
+    lines.append("Beyond the noise band (ratio > max(1.05, control spread)):")
+    for r in timed:
+        if r["ratio"] > max(1.05, r["control_spread"]):
+            best = min(r["pinned_ms"], key=r["pinned_ms"].get)
+            lines.append(
+                f"- {r['case']['name']}: auto {r['route']} {r['auto_ms']:.3f} ms, best {best} "
+                f"{r['pinned_ms'][best]:.3f} ms ({r['ratio']:.2f}x, control "
+                f"{r['control_spread']:.2f})"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--routing", choices=routing.MODES, default="measure")
@@ -321,7 +392,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few cases, small, any device")
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th")
     parser.add_argument("--resume", default="", help="a JSON of results: its cases are kept")
+    parser.add_argument("--report", nargs="+", default=[], help="saved runs: print their table")
     args = parser.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("ATTNBIAS_ROUTING_CACHE", "off")  # measure afresh in this run
     routing.set_routing(args.routing)

@@ -7,6 +7,7 @@ query heads), and the ALiBi slopes' gradient."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,11 +37,12 @@ from .common import (
     _tile_ptrs,
 )
 from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config
-from .launch import launcher
+from .forward import check_identity, identity_of
+from .launch import PreparedLaunch, empty_contiguous, empty_rows
 from .masks import doc_stride, late_cols_first, late_rows_first, mask_args
 from .program import MaskProgram
 
-__all__ = ["attention_backward"]
+__all__ = ["BackwardPlan", "attention_backward", "plan_backward"]
 
 
 @triton.jit
@@ -764,6 +766,190 @@ def _attn_bwd_dq(
     )
 
 
+@dataclass(frozen=True, eq=False)
+class BackwardPlan:
+    """The backward of one call identity, worked out once: :meth:`launch` only allocates the
+    gradients and launches the dQ then the dK/dV kernel with the call's tensors.
+
+    Made by :func:`plan_backward` for the shapes, dtypes and devices of ``q``, ``k``, ``v``
+    (checked on each launch unless the caller has), the mask arguments (whose tensors it
+    holds and the kernels read at each launch: they must not be written in place while the
+    plan is used) and which gradients are wanted: the log-sum-exp's (``has_dlse``), the ALiBi
+    slopes' and those of generated score functions' tensors. Strides and the data pointers'
+    alignment may change from call to call (each combination gets its compiled kernel).
+    """
+
+    identity: tuple[object, ...]
+    slopes: Tensor | None  # the program's ALiBi slopes, where their gradient is wanted
+    # row_lo, row_hi, slopes (dQ's mask tensors before its slope-gradient buffer), then kv_start,
+    # kv_end, the key-block lists (after it)
+    dq_tensors: tuple[Tensor | None, ...]
+    dq_tail: tuple[Tensor | None, ...]
+    dq_scalars: tuple[Any, ...]  # after the strides
+    dq_blocks: int  # dQ's programs along the query rows (the slope-gradient parts)
+    # col_lo, col_hi, slopes, kv_start, kv_end, the query-block lists
+    dkdv_tensors: tuple[Tensor | None, ...]
+    dkdv_scalars: tuple[Any, ...]
+    mod_grads: tuple[Tensor, ...]  # the float tensors score functions read, gradient wanted
+    has_dlse: bool
+    kernels: tuple[PreparedLaunch, PreparedLaunch] | None  # None: an empty call
+
+    def launch(
+        self,
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        grad_lse: Tensor | None = None,
+        checked: bool = True,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor] | None]:
+        """``(dq, dk, dv, dslopes, dmods)`` as :func:`attention_backward` returns them. No host
+        synchronisation. ``grad_lse`` is given exactly where the plan has ``has_dlse``."""
+        if checked:
+            check_identity("backward", self.identity, q, k, v)
+        if (grad_lse is not None) != self.has_dlse:
+            raise ValueError(
+                f"this backward plan was made {'with' if self.has_dlse else 'without'} a "
+                "log-sum-exp gradient; make a new plan for this call"
+            )
+        dq, dk, dv = empty_contiguous(q), empty_contiguous(k), empty_contiguous(v)
+        dmods = (
+            [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in self.mod_grads]
+            if self.mod_grads
+            else None
+        )
+        slopes = self.slopes
+        if self.kernels is None:  # nothing depends on anything
+            dslopes = None if slopes is None else torch.zeros_like(slopes)
+            return dq.zero_(), dk.zero_(), dv.zero_(), dslopes, dmods
+        dq_kernel, dkdv_kernel = self.kernels
+        lse = lse.to(torch.float32).contiguous()
+        if grad_lse is not None:
+            grad_lse = grad_lse.to(torch.float32).contiguous()
+        delta = empty_rows(q)  # (B, Hq, L)
+        dslope_parts = None
+        if slopes is not None:
+            dslope_parts = q.new_empty((*q.shape[:2], self.dq_blocks), dtype=torch.float32)
+        q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+        o_stride, do_stride = out.stride(), grad_out.stride()
+        # What the compiled kernels are specialised on beyond the plan: the strides (the
+        # gradients and row terms are fresh and contiguous: theirs are fixed by the shapes),
+        # and each tensor's 16-byte alignment, spelled out only when some tensor lacks it.
+        key: tuple[object, ...] | None = None
+        if dq_kernel.direct():
+            key = (q_stride, k_stride, v_stride, o_stride, do_stride)
+            own = (q, k, v, out, grad_out, lse, grad_lse, dq, dk, dv, delta, dslope_parts)
+            if any(t.data_ptr() % 16 for t in own if t is not None):
+                key += tuple(t is None or t.data_ptr() % 16 == 0 for t in own)
+        dq_kernel(
+            key, q, k, v, out, grad_out, lse, grad_lse, delta, dq, *self.dq_tensors,
+            dslope_parts, *self.dq_tail, *q_stride, *k_stride, *v_stride, *o_stride,
+            *do_stride, *dq.stride(), *self.dq_scalars, *(dmods or []),
+        )  # fmt: skip
+        dkdv_kernel(
+            key, q, k, v, grad_out, lse, delta, dk, dv, *self.dkdv_tensors, *q_stride,
+            *k_stride, *v_stride, *do_stride, *dk.stride(), *dv.stride(), *self.dkdv_scalars,
+        )  # fmt: skip
+        dslopes = None
+        if dslope_parts is not None and slopes is not None:
+            dslopes = _reduce_to(dslope_parts.sum(-1), slopes)
+        return dq, dk, dv, dslopes, dmods
+
+
+def plan_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    program: MaskProgram,
+    *,
+    scale: float,
+    has_dlse: bool = False,
+    slopes_grad: bool = False,
+    mod_grads: bool = False,
+) -> BackwardPlan:
+    """The :class:`BackwardPlan` of :func:`attention_backward` with these arguments; ``q``,
+    ``k``, ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    batch, num_heads, seq_q, head_dim = q.shape
+    num_kv_heads, seq_k = k.shape[1], k.shape[2]
+    identity = identity_of(q, k, v)
+    alibi_slopes = program.alibi_slopes
+    slopes = alibi_slopes if slopes_grad and alibi_slopes is not None else None
+    mods = program.mods
+    float_params: tuple[Tensor, ...] = ()
+    if mod_grads and mods is not None and mods.has_score:
+        float_params = tuple(t for t in mods.traced.params if t.is_floating_point())
+    if batch * num_heads * seq_q * seq_k * head_dim == 0:
+        return BackwardPlan(
+            identity, slopes, (), (), (), 0, (), (), float_params, has_dlse, None
+        )  # fmt: skip
+    mask = mask_args(q, k, program, scale=scale, rows=True, cols=True)
+    block_e = padded_head_dim(head_dim)
+    group_size = num_heads // num_kv_heads
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_E=block_e,
+        **mask.flags(q),
+        **mask.list_flags(),
+        **mask.mod_options(backward=True),
+    )
+    scalars = (
+        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
+        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
+    )  # fmt: skip
+
+    # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
+    cfg = pick_config(DQ_CONFIGS, q, block_e)
+    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
+    dq_grid = (triton.cdiv(seq_q, block_m), num_heads, batch)
+    dq_kernel = PreparedLaunch(
+        mask.kernel(_attn_bwd_dq, len(float_params), param_grads=bool(float_params)),
+        dq_grid,
+        dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            REVERSE=late_rows_first(seq_q, seq_k, mask),
+            HAS_DLSE=has_dlse,
+            EVEN_N=seq_k % block_n == 0,
+            HAS_DSLOPE=slopes is not None,
+            **mask.param_grad_option(),
+            num_warps=cfg.num_warps,
+            num_stages=mask.stages(cfg.num_stages),
+            **common,
+        ),
+    )
+    cfg = pick_config(DKDV_CONFIGS, q, block_e)
+    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
+    dkdv_kernel = PreparedLaunch(
+        mask.kernel(_attn_bwd_dkdv),
+        (triton.cdiv(seq_k, block_n), num_kv_heads, batch),
+        dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            REVERSE=late_cols_first(seq_q, seq_k, mask),
+            EVEN_M=seq_q % block_m == 0,
+            num_warps=cfg.num_warps,
+            num_stages=mask.stages(cfg.num_stages),
+            **common,
+        ),
+    )
+    return BackwardPlan(
+        identity,
+        slopes,
+        (mask.row_lo, mask.row_hi, mask.slopes),
+        (mask.kv_start, mask.kv_end, mask.kv_lists),
+        (doc_stride(mask, seq_q), mask.stride_sb, mask.stride_sh, *scalars),
+        dq_grid[0],
+        (mask.col_lo, mask.col_hi, mask.slopes, mask.kv_start, mask.kv_end, mask.q_lists),
+        (doc_stride(mask, seq_k), mask.stride_sb, mask.stride_sh, *scalars),
+        float_params,
+        has_dlse,
+        (dq_kernel, dkdv_kernel),
+    )
+
+
 def attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -779,7 +965,7 @@ def attention_backward(
     mod_grads: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor] | None]:
     """Gradients ``(dq, dk, dv, dslopes)`` of :func:`attention_forward`, in the inputs' dtypes
-    and shapes.
+    and shapes: :func:`plan_backward`, then its launch.
 
     ``out`` and ``lse`` are the forward's outputs, ``grad_out`` ``(B, Hq, L, E)`` any strides;
     ``grad_lse`` ``(B, Hq, L)``, optional, is the gradient of ``lse`` when it was used.
@@ -790,106 +976,11 @@ def attention_backward(
     Rows that kept no key contribute nothing; keys that no row keeps get zero gradients, and
     keys and values outside a row's key range ``[kv_start[b], kv_end[b])`` are never read.
     """
-    batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    alibi_slopes = program.alibi_slopes
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    slopes_grad = slopes_grad and alibi_slopes is not None
-    dslopes = None
-    mods = program.mods
-    dmods = (
-        [
-            torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-            for t in mods.traced.params
-            if t.is_floating_point()
-        ]
-        if mod_grads and mods is not None and mods.has_score
-        else None
-    )
-    if batch * num_heads * seq_q * seq_k * head_dim == 0:  # nothing depends on anything
-        if slopes_grad and alibi_slopes is not None:
-            dslopes = torch.zeros_like(alibi_slopes)
-        return dq.zero_(), dk.zero_(), dv.zero_(), dslopes, dmods
-    mask = mask_args(q, k, program, scale=scale, rows=True, cols=True)
-    lse = lse.to(torch.float32).contiguous()
-    block_e = padded_head_dim(head_dim)
-    group_size = num_heads // num_kv_heads
-    common: dict[str, Any] = dict(
-        HEAD_DIM=head_dim,
-        BLOCK_E=block_e,
-        **mask.flags(q),
-        **mask.list_flags(),
-        **mask.mod_options(backward=True),
-    )
-
-    delta = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(torch.float32).contiguous()
-
-    # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
-    cfg = pick_config(DQ_CONFIGS, q, block_e)
-    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
-    grid = (triton.cdiv(seq_q, block_m), num_heads, batch)
-    dslope_parts = (
-        torch.empty((batch, num_heads, grid[0]), dtype=torch.float32, device=q.device)
-        if slopes_grad
-        else None
-    )
-    extra = dmods or []
-    launcher(mask.kernel(_attn_bwd_dq, len(extra), param_grads=dmods is not None))[grid](
-        q, k, v, out, grad_out, lse, grad_lse, delta, dq,
-        mask.row_lo, mask.row_hi, mask.slopes, dslope_parts, mask.kv_start, mask.kv_end,
-        mask.kv_lists,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        *grad_out.stride(),
-        *dq.stride(),
-        doc_stride(mask, seq_q),
-        mask.stride_sb, mask.stride_sh,
-        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(), *extra,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        REVERSE=late_rows_first(seq_q, seq_k, mask),
-        HAS_DLSE=grad_lse is not None,
-        EVEN_N=seq_k % block_n == 0,
-        HAS_DSLOPE=dslope_parts is not None,
-        **mask.param_grad_option(),
-        num_warps=cfg.num_warps,
-        num_stages=mask.stages(cfg.num_stages),
-        **common,
+    plan = plan_backward(
+        q, k, v, program, scale=scale, has_dlse=grad_lse is not None, slopes_grad=slopes_grad,
+        mod_grads=mod_grads,
     )  # fmt: skip
-    if dslope_parts is not None and alibi_slopes is not None:
-        dslopes = _reduce_to(dslope_parts.sum(-1), alibi_slopes)
-    cfg = pick_config(DKDV_CONFIGS, q, block_e)
-    block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
-    grid = (triton.cdiv(seq_k, block_n), num_kv_heads, batch)
-    launcher(mask.kernel(_attn_bwd_dkdv))[grid](
-        q, k, v, grad_out, lse, delta, dk, dv, mask.col_lo, mask.col_hi, mask.slopes,
-        mask.kv_start, mask.kv_end, mask.q_lists,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *grad_out.stride(),
-        *dk.stride(),
-        *dv.stride(),
-        doc_stride(mask, seq_k),
-        mask.stride_sb, mask.stride_sh,
-        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        REVERSE=late_cols_first(seq_q, seq_k, mask),
-        EVEN_M=seq_q % block_m == 0,
-        num_warps=cfg.num_warps,
-        num_stages=mask.stages(cfg.num_stages),
-        **common,
-    )  # fmt: skip
-    return dq, dk, dv, dslopes, dmods
+    return plan.launch(grad_out, q, k, v, out, lse, grad_lse=grad_lse, checked=False)
 
 
 def _reduce_to(grad: Tensor, like: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
-from .backward import attention_backward
+from .backward import BackwardPlan, attention_backward
 from .decode import decode_forward
 from .forward import ForwardPlan, attention_forward
 from .launch import traceable_launches
@@ -155,6 +155,16 @@ def _backward_both(
     through them raises.
     """
     q, k, v, out, lse, *tensors = ctx.saved_tensors
+    planned = getattr(ctx, "backward_plan", None)
+    if (
+        planned is not None
+        and grad_lse is None
+        and not slopes_grad
+        and not mod_grads
+        and not torch.is_grad_enabled()
+    ):
+        # the plan made once for this call identity (no gradient of a gradient wanted)
+        return planned.launch(grad_out, q, k, v, out, lse, checked=False)
     program = MaskProgram.unpack(tensors, ctx.ints, ctx.floats)
 
     def compute() -> tuple[Any, ...]:
@@ -227,6 +237,7 @@ class _EagerAttention(torch.autograd.Function):
         program: MaskProgram,
         scale: float,
         plan: ForwardPlan | None,
+        backward_plan: BackwardPlan | None,
         *mod_tensors: Tensor,
     ) -> Tensor:
         if plan is None:
@@ -234,22 +245,27 @@ class _EagerAttention(torch.autograd.Function):
         else:
             out, lse = plan.launch(q, k, v, checked=False)
         _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
+        ctx.backward_plan = backward_plan
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         slopes_grad = bool(ctx.needs_input_grad[3])
-        wanted = ctx.needs_input_grad[7:]
+        wanted = ctx.needs_input_grad[8:]
         dq, dk, dv, dslopes, dmods = _backward_both(
             ctx, grad_out, None, slopes_grad, mod_grads=any(wanted)
         )
-        tensors = _mod_tensors(MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats))
-        mod_out = [
-            grad.to(t.dtype) if want and grad is not None else None
-            for want, grad, t in zip(wanted, dmods or [None] * len(wanted), tensors, strict=True)
-        ]
+        mod_out: list[Tensor | None] = [None] * len(wanted)
+        if any(wanted):
+            tensors = _mod_tensors(MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats))
+            mod_out = [
+                grad.to(t.dtype) if want and grad is not None else None
+                for want, grad, t in zip(
+                    wanted, dmods or [None] * len(wanted), tensors, strict=True
+                )
+            ]
         # no gradient for the program (a tensor of it that needs one is an input of its own)
-        return dq, dk, dv, dslopes if slopes_grad else None, None, None, None, *mod_out
+        return dq, dk, dv, dslopes if slopes_grad else None, None, None, None, None, *mod_out
 
 
 def block_sparse_attention(
@@ -260,6 +276,7 @@ def block_sparse_attention(
     *,
     scale: float,
     forward_plan: ForwardPlan | None = None,
+    backward_plan: BackwardPlan | None = None,
 ) -> Tensor:
     """Attention over the pairs a mask program keeps (:class:`~.program.MaskProgram`: a band,
     packed documents, per-row key ranges, ALiBi, soft-cap, block lists).
@@ -277,6 +294,9 @@ def block_sparse_attention(
     ``forward_plan``: the forward planned once for calls of these tensors' shapes, dtypes and
     devices with this program and scale (:func:`~.forward.plan_forward`), launched instead of
     planning the forward again (the caller guarantees the match; not under torch.compile).
+    ``backward_plan``: likewise the backward (:func:`~.backward.plan_backward` without
+    slope, score-function or log-sum-exp gradients), used where the backward wants none of
+    those and is not itself differentiated.
 
     Inputs are not validated here; the ``attnbias`` front-end does that.
     """
@@ -297,6 +317,7 @@ def block_sparse_attention(
             with_mod_lists(q, k, program),
             scale,
             forward_plan,
+            backward_plan,
             *_mod_tensors(program),
         )
     out, _ = torch.ops.attnbias.attention_fwd(q, k, v, *program.pack(), scale)

@@ -1,6 +1,6 @@
-"""Prepared launches: a repeated call runs the forward planned for its identity (the training
-and the decode kernel), gives what a fresh call gives, and never runs a plan made for other
-inputs."""
+"""Prepared launches: a repeated call runs the forward (and, in training, the backward) planned
+for its identity (the training and the decode kernel), gives what a fresh call gives, and never
+runs a plan made for other inputs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from attnbias import (
     causal_lower_right,
     plan_cache,
 )
-from attnbias.kernels import decode, forward, launch
+from attnbias.kernels import backward, decode, forward, launch
 from attnbias.kernels.ops import block_sparse_attention
 from attnbias.kernels.program import MaskProgram
 from tests.oracle import assert_close_to_oracle, attention, run_with_grads
@@ -105,10 +105,11 @@ def test_a_prepared_plan_gives_what_a_fresh_call_gives(
 
 
 @pytest.mark.parametrize("bias_name", ["causal", "window", "alibi", "softcap", "documents"])
-def test_a_training_call_reuses_its_forward_plan(
+def test_a_training_call_reuses_its_forward_and_backward_plans(
     monkeypatch: pytest.MonkeyPatch, bias_name: str
 ) -> None:
     made = counted_plans(monkeypatch, forward, "plan_forward")
+    made_backward = counted_plans(monkeypatch, backward, "plan_backward")
     q, k, v = inputs(24)
     bias = biases(24, k.shape[2])[bias_name]
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -119,6 +120,7 @@ def test_a_training_call_reuses_its_forward_plan(
     with attnbias.use_backends("triton"):
         runs = [run_with_grads(call, (q, k, v), grad_out) for _ in range(3)]
     assert len(made) == 1  # planned with the call's decision, then launched
+    assert len(made_backward) == 1  # the backward too (a fresh one each call would count 4)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
     oracle = run_with_grads(lambda *t: attention(*t, bias), (q, k, v), grad_out)

@@ -193,24 +193,28 @@ class TritonKernel(Backend):
     def prepare(self, spec: Spec) -> Prepared:
         """The forward planned once (:func:`plan_forward`) and launched with each call's
         tensors: without gradients recording no autograd node, with them through the
-        kernels' autograd function."""
+        kernels' autograd function, whose backward is planned once too (:func:`plan_backward`;
+        it serves the calls that want no gradient of the ALiBi slopes)."""
         if spec.compiling or spec.program.mods is not None:
             # ModBias calls: the block lists follow in-place changes of what they read, which
             # a plan made once would not see
             return super().prepare(spec)
         from attnbias.kernels import block_sparse_attention
+        from attnbias.kernels.backward import plan_backward
         from attnbias.kernels.forward import plan_forward
 
-        # The plan holds the lowered bias's device tensors; the plan-cache entry that holds
+        # The plans hold the lowered bias's device tensors; the plan-cache entry that holds
         # this function keeps the bias, and biases are not written in place.
         program, scale = spec.program, spec.resolved_scale
         plan = plan_forward(spec.query, spec.key, spec.value, program, scale=scale)
         if spec.needs_grad:
+            backward = plan_backward(spec.query, spec.key, spec.value, program, scale=scale)
 
             def run_training(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
                 return block_sparse_attention(
-                    query, key, value, program, scale=scale, forward_plan=plan
-                )
+                    query, key, value, program, scale=scale, forward_plan=plan,
+                    backward_plan=backward,
+                )  # fmt: skip
 
             return run_training
         launch = plan.launch
