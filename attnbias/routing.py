@@ -5,9 +5,12 @@ one grid of shapes; off it they can pick a slower backend. Here, after the plann
 a call of a *call class* met on a CUDA device for the second time (a call met once may never
 come back, and timing it could compile kernels for nothing) times every backend that can run
 it exactly, as the user would see it (forward alone, or forward and backward where gradients
-flow; a few repetitions, interleaved), and keeps the fastest, unless the planner's choice is
-within :data:`MARGIN` of it (so that noise does not flip decisions). Decisions are kept in
-memory and in a file per user (:func:`cache_path`), so that a job measures a class once.
+flow: after each candidate's first call, which compiles where it must, one timed call estimates
+it; those past :data:`PRUNE` times the fastest estimate are dropped and the rest timed in
+interleaved rounds within :data:`BUDGET_S` seconds), and keeps the fastest, unless the
+planner's choice is within :data:`MARGIN` of it (so that noise does not flip decisions).
+Decisions are kept in memory and in a file per user (:func:`cache_path`), so that a job
+measures a class once.
 
 A call class is what decides the speed of a call: the lowered mask's form (its kind, the band's
 width, documents, key ranges, ALiBi, soft-cap, the structure of ``ModBias`` functions), dtype,
