@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import _split, assert_close_to_oracle, attention, run_with_grads
-from strategies import Garbage, Problem, garbage, problems, unattended_keys
 
 import attnbias
 from attnbias import (
@@ -45,6 +43,8 @@ from attnbias.reference import (
 )
 from attnbias.spec import lower
 from attnbias.terms import Call
+from attnbias.testing.oracle import _split, assert_close_to_oracle, attention, run_with_grads
+from attnbias.testing.strategies import Garbage, Problem, garbage, problems, unattended_keys
 
 ROUTES = ("fallback", "reference", "sdpa+mask")
 SETTINGS = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, attention, run_with_grads
-from strategies import document_bias
 
 import attnbias
 from attnbias import (
@@ -38,6 +36,8 @@ from attnbias import (
     sdpa,
 )
 from attnbias.biases import parts_of
+from attnbias.testing.oracle import assert_close_to_oracle, attention, run_with_grads
+from attnbias.testing.strategies import document_bias
 
 # The unpatched function, taken before any test patches it.
 STOCK = F.scaled_dot_product_attention

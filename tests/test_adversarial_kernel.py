@@ -5,8 +5,8 @@ raises rather than fall back), interpreted on CPU. Categories: any finite scale;
 where a row does not look (masked keys and values, queries and output gradients of rows that
 keep nothing, memory past the ends of the tensors) and where it does (it must propagate, as in
 stock SDPA); gradients of ALiBi slopes; double backward; degenerate and empty shapes; calls the
-kernel refuses. The expected values are the oracle's (``tests/oracle.py``), on the same inputs
-with the positions that must not matter replaced by zeros.
+kernel refuses. The expected values are the oracle's (``attnbias.testing.oracle``), on the
+same inputs with the positions that must not matter replaced by zeros.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, attention, run_with_grads
-from strategies import Problem, finite_scales, kernel_problems
 from torch import Tensor
 
 import attnbias
@@ -36,6 +34,8 @@ from attnbias import (
 )
 from attnbias.biases import parts_of
 from attnbias.kernels.program import MaskProgram
+from attnbias.testing.oracle import assert_close_to_oracle, attention, run_with_grads
+from attnbias.testing.strategies import Problem, finite_scales, kernel_problems
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dq", "dk", "dv")

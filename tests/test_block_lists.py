@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, attention, flash_rounding, run_with_grads
 from torch import Tensor
 
 import attnbias
@@ -42,6 +41,12 @@ from attnbias.kernels.blocks import (
 )
 from attnbias.kernels.program import MaskProgram
 from attnbias.spec import lower
+from attnbias.testing.oracle import (
+    assert_close_to_oracle,
+    attention,
+    flash_rounding,
+    run_with_grads,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # list blocks: multiples of the 16 x 16 tiles of the interpreter, and of the GPU's tiles at 128

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import attention
 from torch import Tensor
 
 import attnbias
@@ -32,6 +31,7 @@ from attnbias import (
     causal_lower_right,
     causal_upper_left,
 )
+from attnbias.testing.oracle import attention
 
 
 def causal_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:

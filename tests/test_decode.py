@@ -2,7 +2,7 @@
 
 The kernel is called with the arguments a bias lowers to (``attnbias.spec.lower``), or with raw
 bands whose oracle bias is the keep-mask written from the definition, and held to the one error
-budget of ``tests/oracle.py``. Every ``torch.empty`` is poisoned with NaN, so an output or
+budget of ``attnbias.testing.oracle``. Every ``torch.empty`` is poisoned with NaN, so an output or
 partial buffer that the kernel leaves unwritten fails. Without CUDA the kernels run under
 Triton's interpreter with 16-key blocks and tiles of at most 16 packed rows, on a fixed
 4-multiprocessor machine: the shapes are small but span several key blocks, row tiles and
@@ -20,8 +20,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from oracle import _split, assert_close_to_oracle, attention, flash_rounding
-from strategies import DTYPES, finite_scales, kernel_bias
 from torch import Tensor
 
 import attnbias
@@ -46,6 +44,8 @@ from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.kernels.program import MaskProgram
 from attnbias.planner import plan
 from attnbias.spec import lower, make_spec
+from attnbias.testing.oracle import _split, assert_close_to_oracle, attention, flash_rounding
+from attnbias.testing.strategies import DTYPES, finite_scales, kernel_bias
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32

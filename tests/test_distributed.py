@@ -7,7 +7,7 @@ expected values are built here from the layouts' definitions (rank ``r`` holds c
 
 Attention over a sharded sequence (``distributed.sdpa``) is checked, for every bias kind, sums
 and ``ModBias`` parts, against single-process ``attnbias.sdpa`` in float64 (output and every
-gradient, the bias's tensors' included) and against the fp64 oracle (``tests/oracle.py``) in
+gradient, the bias's tensors' included) and against the fp64 oracle (``attnbias.testing.oracle``) in
 float32 and bfloat16 with the oracle's error budget.
 """
 
@@ -25,14 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from oracle import (
-    assert_close_to_oracle,
-    assert_shard_pair_close,
-    attention,
-    run_with_grads,
-    shard_pair,
-    whole_call,
-)
 from torch import Tensor
 
 import attnbias
@@ -53,6 +45,14 @@ from attnbias import (
 from attnbias.biases.band import BandBias
 from attnbias.distributed import blocks, exchange
 from attnbias.distributed.layouts import check_dim
+from attnbias.testing.oracle import (
+    assert_close_to_oracle,
+    assert_shard_pair_close,
+    attention,
+    run_with_grads,
+    shard_pair,
+    whole_call,
+)
 
 TIMEOUT_S = 120
 

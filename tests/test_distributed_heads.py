@@ -10,7 +10,7 @@ sequence (zigzag and contiguous layouts, cut here with ``Layout.take``): in floa
 single-process ``attnbias.sdpa`` on the whole tensors (output, dq, dk, dv and the bias's
 tensors' gradients summed over the ranks), for every bias kind, sums, ``ModBias`` parts that
 read the head, a user's materializing biases, GQA with whole and with shared (replicated)
-key/value heads; in bfloat16 against the fp64 oracle (``tests/oracle.py``).
+key/value heads; in bfloat16 against the fp64 oracle (``attnbias.testing.oracle``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import assert_close_to_oracle, attention
 from torch import Tensor
 
 import attnbias
@@ -43,6 +42,7 @@ from attnbias import (
 from attnbias.distributed.heads import heads_reasons, heads_sdpa
 from attnbias.distributed.layouts import Layout
 from attnbias.terms import Call
+from attnbias.testing.oracle import assert_close_to_oracle, attention
 
 # isort: split
 from test_distributed import RELATIVE, PrefixLM, RelativeTable, Strided, spawn

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, attention, run_with_grads
 
 import attnbias
 from attnbias import DocumentBias, causal_upper_left, use_backends
+from attnbias.testing.oracle import assert_close_to_oracle, attention, run_with_grads
 
 
 def _call(bias: object, route: str, seed: int) -> None:

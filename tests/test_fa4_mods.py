@@ -17,7 +17,6 @@ import cute_standin
 import pytest
 import torch
 from cute_standin import SSA
-from oracle import assert_call_close, attention, grid_mask, grid_score
 from test_planner import fake_gpu, qkv, spec_of
 from torch import Tensor
 
@@ -38,6 +37,7 @@ from attnbias.backends import BACKENDS, fa4_mods
 from attnbias.kernels.blocks import tile_states
 from attnbias.kernels.masks import mod_block_lists
 from attnbias.planner import plan
+from attnbias.testing.oracle import assert_call_close, attention, grid_mask, grid_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from chunked_local import ChunkedLocal

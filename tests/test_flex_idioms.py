@@ -1,7 +1,7 @@
 """FlexAttention's own mask helpers (``and_masks``, ``or_masks``, ``noop_mask``), the
 one-value constructors they use (``new_ones``, ``new_zeros``, ``ones_like``, ...), the exp / log
 family (``exp2`` as attention-gym's ALiBi uses it, ``log1p``, ...) and powers in a ModBias:
-each against the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly), on the
+each against the fp64 oracle (``attnbias.testing.oracle``, which runs the functions eagerly), on the
 exact path and on the Triton kernel (interpreted on the CPU)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import assert_call_close
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 import attnbias
 from attnbias import ModBias, use_backends
+from attnbias.testing.oracle import assert_call_close
 
 SHAPE = (1, 2, 16, 16)  # B, H, L = S, E
 

@@ -8,13 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import (
-    assert_call_close,
-    assert_shard_pair_close,
-    flash_rounding,
-    run_with_grads,
-    whole_call,
-)
 
 import attnbias
 from attnbias import (
@@ -30,6 +23,13 @@ from attnbias import (
 )
 from attnbias.backends.fa4 import _installed as fa4_installed
 from attnbias.biases import parts_of
+from attnbias.testing.oracle import (
+    assert_call_close,
+    assert_shard_pair_close,
+    flash_rounding,
+    run_with_grads,
+    whole_call,
+)
 
 pytestmark = pytest.mark.gpu
 KERNEL_ROUTES = ("triton", "sdpa(is_causal=True)", "fa4")

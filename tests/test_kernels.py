@@ -26,11 +26,11 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
-from oracle import flash_rounding_sizes
 from torch import Tensor
 
 from attnbias.kernels import attention_backward, attention_forward, block_sparse_attention
 from attnbias.kernels.program import MaskProgram
+from attnbias.testing.oracle import flash_rounding_sizes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32

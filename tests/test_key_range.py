@@ -2,7 +2,7 @@
 ``attnbias.sdpa`` on every route that takes them: the Triton kernel (interpreted on CPU), stock
 SDPA with the materialized mask and the exact eager path.
 
-Every result is held to the fp64 oracle's budget (``tests/oracle.py``). Keys outside a row's
+Every result is held to the fp64 oracle's budget (``attnbias.testing.oracle``). Keys outside a row's
 range must reach nothing at all, forward or backward, on every route: with NaN and Inf written
 into every key and value outside the ranges, each output and gradient must equal, bit for bit,
 that of the same call with zeros there.
@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from oracle import assert_close_to_oracle, attention, flash_rounding, run_with_grads
-from strategies import draw_inputs
 from torch import Tensor
 
 import attnbias
@@ -34,6 +32,13 @@ from attnbias import (
 from attnbias.backends import triton as triton_backend
 from attnbias.biases import parts_of
 from attnbias.spec import lower, make_spec
+from attnbias.testing.oracle import (
+    assert_close_to_oracle,
+    attention,
+    flash_rounding,
+    run_with_grads,
+)
+from attnbias.testing.strategies import draw_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("out", "dq", "dk", "dv")

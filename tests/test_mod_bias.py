@@ -1,6 +1,6 @@
 """``ModBias``: mask and score functions with FlexAttention's signatures (``mask_mod``,
-``score_mod``) through ``attnbias.sdpa``, against the fp64 oracle (``tests/oracle.py``), which
-evaluates each function itself on broadcast index grids.
+``score_mod``) through ``attnbias.sdpa``, against the fp64 oracle (``attnbias.testing.oracle``),
+which evaluates each function itself on broadcast index grids.
 
 Routes: the Triton kernel (``use_backends("triton")``, interpreted on CPU tensors with 16 x 16
 tiles, so the shapes here are small but span full, partial and empty tiles), the exact eager
@@ -25,18 +25,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import (
-    assert_close_to_oracle,
-    attention,
-    flash_rounding,
-    grid_mask,
-    grid_score,
-    index_grids,
-    is_mod_bias,
-    mod_functions,
-    pointwise,
-)
-from strategies import DTYPES, Problem, draw_inputs
 from torch import Tensor
 
 import attnbias
@@ -56,6 +44,18 @@ from attnbias import (
 from attnbias.backends import triton as triton_backend
 from attnbias.biases import parts_of
 from attnbias.kernels import modfn
+from attnbias.testing.oracle import (
+    assert_close_to_oracle,
+    attention,
+    flash_rounding,
+    grid_mask,
+    grid_score,
+    index_grids,
+    is_mod_bias,
+    mod_functions,
+    pointwise,
+)
+from attnbias.testing.strategies import DTYPES, Problem, draw_inputs
 
 ModBias: Any = getattr(attnbias, "ModBias", None)
 pytestmark = [

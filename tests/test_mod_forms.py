@@ -19,14 +19,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import assert_call_close, flash_rounding
-from strategies import draw_inputs
 from torch import Tensor
 
 import attnbias
 from attnbias import KeyRangeBias, ModBias, SoftcapBias, explain, sdpa, use_backends
 from attnbias.kernels.modforms import BuiltinForm
 from attnbias.terms import Block, Call
+from attnbias.testing.oracle import assert_call_close, flash_rounding
+from attnbias.testing.strategies import draw_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

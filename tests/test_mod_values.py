@@ -2,13 +2,13 @@
 
 A number in a closure, a field of a (non-frozen) dataclass, an attribute set in ``__init__``, a
 module global and a tensor a closure is rebound to, each changed five times between calls:
-every call agrees with the fp64 oracle (``tests/oracle.py``, which runs the functions eagerly
-with the values of the moment), on the exact path and on the Triton kernel (interpreted on the
-CPU, compiled on a GPU). Counted: such a change traces nothing and generates no new source (the
-trace takes these numbers as runtime arguments, written anew where they change); an unchanged
-call traces nothing. A number the function computes with on the Python side, or one that a
-helper function reads as well, traces the functions once per change and still generates no
-new source. A Python branch on a closure value gives the other function's graph.
+every call agrees with the fp64 oracle (``attnbias.testing.oracle``, which runs the functions
+eagerly with the values of the moment), on the exact path and on the Triton kernel (interpreted
+on the CPU, compiled on a GPU). Counted: such a change traces nothing and generates no new
+source (the trace takes these numbers as runtime arguments, written anew where they change); an
+unchanged call traces nothing. A number the function computes with on the Python side, or one
+that a helper function reads as well, traces the functions once per change and still generates
+no new source. A Python branch on a closure value gives the other function's graph.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import assert_call_close
 from torch import Tensor
 
 import attnbias
 from attnbias import ModBias, use_backends
 from attnbias.kernels import modfn
+from attnbias.testing.oracle import assert_call_close
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

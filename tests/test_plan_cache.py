@@ -28,7 +28,7 @@ from attnbias import (
     use_backends,
 )
 from attnbias.backends import triton as triton_backend
-from tests.oracle import assert_close_to_oracle, attention, run_with_grads
+from attnbias.testing.oracle import assert_close_to_oracle, attention, run_with_grads
 
 
 @pytest.fixture(autouse=True)

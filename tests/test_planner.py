@@ -20,14 +20,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import (
-    assert_close_to_oracle,
-    assert_shard_pair_close,
-    attention,
-    run_with_grads,
-    whole_call,
-)
-from strategies import Problem
 from torch import Tensor
 
 import attnbias
@@ -54,6 +46,14 @@ from attnbias.backends.documents import documents_layout
 from attnbias.planner import PRIORITY, kept_pairs, plan
 from attnbias.policy import Cost
 from attnbias.spec import Spec, make_spec
+from attnbias.testing.oracle import (
+    assert_close_to_oracle,
+    assert_shard_pair_close,
+    attention,
+    run_with_grads,
+    whole_call,
+)
+from attnbias.testing.strategies import Problem
 
 NAMES = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 # The backends a priority list leaves out are tried after it, in this order; FlashAttention 4

@@ -24,7 +24,7 @@ from attnbias import (
 from attnbias.kernels import backward, decode, forward, launch
 from attnbias.kernels.ops import block_sparse_attention
 from attnbias.kernels.program import MaskProgram
-from tests.oracle import assert_close_to_oracle, attention, run_with_grads
+from attnbias.testing.oracle import assert_close_to_oracle, attention, run_with_grads
 
 # the kernels run on the GPU where there is one, under the interpreter otherwise
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,14 +6,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import (
-    assert_call_close,
-    assert_close_to_oracle,
-    attention,
-    flash_rounding,
-    run_with_grads,
-)
-from strategies import Problem, problems
 
 import attnbias
 from attnbias import (
@@ -27,6 +19,14 @@ from attnbias import (
     sdpa,
 )
 from attnbias.backends import triton as triton_backend
+from attnbias.testing.oracle import (
+    assert_call_close,
+    assert_close_to_oracle,
+    attention,
+    flash_rounding,
+    run_with_grads,
+)
+from attnbias.testing.strategies import Problem, problems
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

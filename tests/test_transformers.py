@@ -6,7 +6,7 @@ Gemma 3, each in three copies with the same weights:
 
 - ``ours``: float32, ``attn_implementation="attnbias"``;
 - ``oracle``: float64, transformers' own boolean masks (``sdpa_mask``) and the attention of
-  ``tests/oracle.py`` (fp64 stock SDPA on the materialised mask, fp64 eager soft-cap),
+  ``attnbias.testing.oracle`` (fp64 stock SDPA on the materialised mask, fp64 eager soft-cap),
   registered here as an attention implementation of its own;
 - ``stock``: float32, transformers' ``eager`` attention.
 
@@ -30,7 +30,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from oracle import assert_close_to_oracle, attention
 
 from attnbias import (
     CausalBias,
@@ -41,6 +40,7 @@ from attnbias import (
     TensorBias,
 )
 from attnbias.biases import parts_of
+from attnbias.testing.oracle import assert_close_to_oracle, attention
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, AutoModelForCausalLM, masking_utils  # noqa: E402

@@ -1,4 +1,17 @@
-"""Hypothesis strategies that build valid attention problems (never filter them)."""
+"""Hypothesis strategies that build valid attention problems (never filter them): call
+shapes (GQA, both memory layouts), dtypes, document ids and sequence lengths, padding masks,
+each built-in bias and sums of them.
+
+Needs ``hypothesis`` (``pip install "attnbias[test]"``). A test of your own bias against every
+built-in it may be summed with::
+
+    from hypothesis import given
+    from attnbias.testing import check_bias, strategies
+
+    @given(other=strategies.builtin_biases())
+    def test_my_bias(other):
+        check_bias(MyBias() + other)
+"""
 
 from __future__ import annotations
 
@@ -6,7 +19,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as missing:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "attnbias.testing.strategies needs hypothesis: pip install 'attnbias[test]' "
+        "(or pip install hypothesis); attnbias.testing.check_bias works without it"
+    ) from missing
 
 from attnbias import (
     AlibiBias,
@@ -113,11 +133,11 @@ def key_range_bias(draw: st.DrawFn, batch: int, length_kv: int) -> KeyRangeBias:
     end = [hi for _, hi in bounds]
     form = draw(st.sampled_from(["start", "end", "both", "padding_mask"]))
     if form == "start":
-        return KeyRangeBias(start=start)
+        return KeyRangeBias(start=torch.tensor(start))
     if form == "end":
-        return KeyRangeBias(end=end)
+        return KeyRangeBias(end=torch.tensor(end))
     if form == "both":
-        return KeyRangeBias(start=start, end=end)
+        return KeyRangeBias(start=torch.tensor(start), end=torch.tensor(end))
     positions = torch.arange(length_kv)[None, :]
     mask = (positions >= torch.tensor(start)[:, None]) & (positions < torch.tensor(end)[:, None])
     return KeyRangeBias.from_padding_mask(mask.expand(batch, -1))
@@ -245,7 +265,7 @@ def unattended_keys(draw: st.DrawFn) -> tuple[AttnBias, int, int, list[int]]:
     elif kind == "keys":  # padding before a range shared by the batch, unused slots after it
         start = draw(st.integers(0, extra))
         end = draw(st.integers(start, length_kv - 1))
-        bias = KeyRangeBias(start=[start], end=[end])
+        bias = KeyRangeBias(start=torch.tensor([start]), end=torch.tensor([end]))
         keys = [*range(0, start), *range(end, length_kv)]
     else:
         keep = torch.ones(length_q, length_kv, dtype=torch.bool)
@@ -348,3 +368,106 @@ def kernel_problems(
         is_causal=draw(st.booleans()),
         scale=draw(scales if scales is not None else st.sampled_from([None, 0.3])),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# For testing a bias of your own (``attnbias.testing.check_bias``)
+
+
+def shapes(
+    *, max_batch: int = 2, max_heads_kv: int = 2, max_group: int = 2, max_len: int = 32,
+    head_dims: tuple[int, ...] = (16, 32),
+) -> st.SearchStrategy[tuple[int, int, int, int, int, int]]:  # fmt: skip
+    """``(B, Hq, Hkv, L, S, E)`` call shapes as :func:`~attnbias.testing.check_bias` takes
+    them: ``Hq`` a multiple of ``Hkv`` (GQA groups up to ``max_group``), L and S from 1 to
+    ``max_len`` independently (L < S, L = S, L > S)."""
+
+    @st.composite
+    def draw_shape(draw: st.DrawFn) -> tuple[int, int, int, int, int, int]:
+        heads_kv = draw(st.integers(1, max_heads_kv))
+        return (
+            draw(st.integers(1, max_batch)),
+            heads_kv * draw(st.integers(1, max_group)),
+            heads_kv,
+            draw(st.integers(1, max_len)),
+            draw(st.integers(1, max_len)),
+            draw(st.sampled_from(head_dims)),
+        )
+
+    return draw_shape()
+
+
+def dtypes() -> st.SearchStrategy[torch.dtype]:
+    """The dtypes a call may have: float32, float16 and bfloat16 (on the CPU as on CUDA)."""
+    return st.sampled_from(DTYPES)
+
+
+@st.composite
+def padding_masks(draw: st.DrawFn, batch: int, length_kv: int) -> torch.Tensor:
+    """A ``(B, S)`` bool padding mask (``True`` = a real token): each row one contiguous run
+    of real tokens, left or right padded, possibly empty or whole (what
+    :meth:`attnbias.KeyRangeBias.from_padding_mask` takes)."""
+    positions = torch.arange(length_kv)[None, :]
+    rows = []
+    for _ in range(batch):
+        start, end = sorted(draw(st.lists(st.integers(0, length_kv), min_size=2, max_size=2)))
+        rows.append((positions >= start) & (positions < end))
+    return torch.cat(rows)
+
+
+@st.composite
+def builtin_biases(
+    draw: st.DrawFn,
+    length_q: int | None = None,
+    length_kv: int | None = None,
+    *,
+    batch: int | None = None,
+    heads_q: int | None = None,
+    max_parts: int = 3,
+) -> AttnBias:
+    """A built-in bias, or a sum of up to ``max_parts`` of them, valid for a call with these
+    lengths (and ``batch``, ``heads_q`` where given).
+
+    With no lengths only biases that fit any call are drawn: causal (either corner), sliding
+    windows and soft-cap, and ALiBi with the paper's slopes where ``heads_q`` is given. With
+    ``length_q`` and ``length_kv`` also documents, key ranges (``batch`` rows, or one shared)
+    and a tensor bias. So ``@given(other=builtin_biases())`` sums with a bias of your own for
+    any shape you check it on::
+
+        @given(other=strategies.builtin_biases())
+        def test_my_bias(other):
+            check_bias(MyBias() + other)
+    """
+    sized = length_q is not None and length_kv is not None
+    kinds = ["causal", "window", "softcap"]
+    if heads_q is not None:
+        kinds.append("alibi")
+    if sized:
+        kinds += ["docs", "keys", "tensor"]
+    chosen = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=max_parts, unique=True))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    reach = 2 * max(length_q or 16, length_kv or 16)
+    parts: list[AttnBias] = []
+    for kind in chosen:
+        if kind == "causal":
+            parts.append(CausalBias(draw(st.sampled_from(list(CausalVariant)))))
+        elif kind == "window":
+            side = st.one_of(st.none(), st.integers(0, reach))
+            left, right = draw(side), draw(side)
+            if left is None and right is None:
+                left = draw(st.integers(0, reach))
+            parts.append(SlidingWindowBias(left, right))
+        elif kind == "softcap":
+            parts.append(SoftcapBias(draw(st.sampled_from([0.5, 5.0, 30.0]))))
+        elif kind == "alibi" and heads_q is not None:
+            parts.append(AlibiBias(num_heads=heads_q))
+        elif kind == "docs" and length_q is not None and length_kv is not None:
+            parts.append(draw(document_bias(batch or 1, length_q, length_kv)))
+        elif kind == "keys" and length_kv is not None:
+            parts.append(draw(key_range_bias(batch or 1, length_kv)))
+        elif kind == "tensor" and length_q is not None and length_kv is not None:
+            parts.append(TensorBias(torch.randn(length_q, length_kv, generator=generator)))
+    bias = parts[0]
+    for part in parts[1:]:
+        bias = bias + part
+    return bias

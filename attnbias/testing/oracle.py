@@ -1,4 +1,5 @@
-"""The one oracle of the test-suite, and the error budget.
+"""The one oracle of attnbias's tests (and of :func:`attnbias.testing.check_bias`), and the
+error budget.
 
 The oracle is float64 stock PyTorch SDPA on ``bias.materialize(...)``; soft-cap, which has no
 materialized form, uses a float64 eager softmax written here (independent of the library's own
@@ -125,7 +126,8 @@ def grid_score(bias: Any, score: Tensor) -> Tensor:
     _, score_mod = mod_functions(bias)
     if score_mod is None:
         return score
-    grids = index_grids(*score.shape, device=score.device)
+    batch, heads, length_q, length_kv = score.shape
+    grids = index_grids(batch, heads, length_q, length_kv, device=score.device)
     result = torch.as_tensor(score_mod(score, *grids), device=score.device)
     # in low precision the modified score is rounded to the inputs' dtype, as a materialized
     # bias is: the stock error the budget scales with
@@ -254,7 +256,7 @@ def shard_pair(
     pair_lse = torch.logsumexp(pair_scores, dim=-1).detach()
     dq, dk, dv, *rest = (None if g is None else g.detach() for g in grads)
     assert dq is not None and dk is not None and dv is not None
-    return [pair_out, pair_lse, dq, dk[..., keys, :], dv[..., keys, :], *rest]  # type: ignore[list-item]
+    return [pair_out, pair_lse, dq, dk[..., keys, :], dv[..., keys, :], *rest]
 
 
 def whole_call(query: Tensor, key: Tensor, value: Tensor, bias: AttnBias) -> tuple[Tensor, Tensor]:
@@ -434,14 +436,8 @@ def flash_rounding(
     length_kv = k.shape[-2]
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     group = heads // k.shape[1]
-    if has_mod_bias(bias):
-        s, keep = _mod_scores(
-            q,
-            k.repeat_interleave(group, dim=1),
-            bias,
-            scale,
-            torch.float64,  # type: ignore[arg-type]
-        )
+    if bias is not None and has_mod_bias(bias):
+        s, keep = _mod_scores(q, k.repeat_interleave(group, dim=1), bias, scale, torch.float64)
     else:
         cap, rest = _split(bias)
         s = (q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
@@ -518,6 +514,33 @@ def max_error(result: Tensor, reference: Tensor) -> float:
     return (result.double() - reference.double()).abs().max().item() if result.numel() else 0.0
 
 
+def oracle_errors(
+    results: Sequence[Tensor],
+    oracles: Sequence[Tensor],
+    stock_low: Sequence[Tensor],
+    dtype: torch.dtype,
+    names: Sequence[str] = ("out",),
+    rounding: Sequence[float] | None = None,
+) -> list[tuple[str, float, float, float]]:
+    """``(name, error, budget, stock error)`` of each result: its largest error against the
+    oracle (NaN where the result holds a NaN), and the budget of
+    :func:`assert_close_to_oracle`."""
+    extra = list(rounding) if rounding is not None else [0.0] * len(names)
+    found = []
+    for name, result, oracle, stock, own in zip(
+        names, results, oracles, stock_low, extra, strict=True
+    ):
+        error = math.nan if torch.isnan(result).any() else max_error(result, oracle)
+        # stock low precision can itself fail (NaN, e.g. fp16 with scale 0 on CUDA): the
+        # floor alone then
+        stock_error = max_error(stock, oracle)
+        stock_error = 0.0 if math.isnan(stock_error) else stock_error
+        scale = max(1.0, oracle.abs().max().item()) if oracle.numel() else 1.0
+        budget = 2 * stock_error + floor(dtype) * scale + own
+        found.append((name, error, budget, stock_error))
+    return found
+
+
 def assert_close_to_oracle(
     results: Sequence[Tensor],
     oracles: Sequence[Tensor],
@@ -529,17 +552,10 @@ def assert_close_to_oracle(
     """Each result's error vs the oracle is at most 2x stock low precision's, plus a floor,
     plus (for a flash-attention kernel) what its own rounding is relative to (``rounding``,
     from :func:`flash_rounding`)."""
-    extra = list(rounding) if rounding is not None else [0.0] * len(names)
-    for name, result, oracle, stock, own in zip(
-        names, results, oracles, stock_low, extra, strict=True
+    for name, error, budget, stock_error in oracle_errors(
+        results, oracles, stock_low, dtype, names, rounding
     ):
-        assert not torch.isnan(result).any(), f"{name}: NaN in result"
-        error = max_error(result, oracle)
-        # stock low precision can itself fail (NaN, e.g. fp16 with scale 0 on CUDA): the
-        # floor alone then
-        stock_error = max_error(stock, oracle)
-        stock_error = 0.0 if math.isnan(stock_error) else stock_error
-        budget = 2 * stock_error + floor(dtype) * max(1.0, oracle.abs().max().item()) + own
+        assert not math.isnan(error), f"{name}: NaN in result"
         assert error <= budget, (
             f"{name}: max error {error:.3g} vs fp64 oracle exceeds budget {budget:.3g} "
             f"(stock {dtype} error {stock_error:.3g})"
@@ -575,12 +591,12 @@ def assert_call_close(
     dtype = q.dtype
     got = run_with_grads(call, inputs, grad_out)
     expected = run_with_grads(
-        lambda *t: attention(*t, bias, scale=scale, enable_gqa=enable_gqa),
+        lambda q, k, v: attention(q, k, v, bias, scale=scale, enable_gqa=enable_gqa),
         (q.double(), k.double(), v.double()),
         grad_out.double(),
     )
     low = run_with_grads(
-        lambda *t: attention(*t, bias, scale=scale, enable_gqa=enable_gqa, dtype=dtype),
+        lambda q, k, v: attention(q, k, v, bias, scale=scale, enable_gqa=enable_gqa, dtype=dtype),
         inputs,
         grad_out,
     )
@@ -605,6 +621,7 @@ __all__ = [
     "is_mod_bias",
     "max_error",
     "mod_functions",
+    "oracle_errors",
     "pointwise",
     "run_with_grads",
     "shard_pair",
