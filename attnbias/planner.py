@@ -78,8 +78,8 @@ _NO_POLICY = _Policy()
 # Per thread, and a threading.local rather than a ContextVar: torch.compile traces reads of
 # the former, not of the latter.
 _STATE = threading.local()
-# Set for the importing thread: reading a missing attribute with a default costs ~0.6 µs more
-# per call (another thread reads the default until it sets one).
+# Set for the importing thread: reading a missing attribute with a default costs more per
+# call than reading a set one (another thread reads the default until it sets one).
 _STATE.policy = _NO_POLICY
 
 

@@ -65,22 +65,18 @@ _HOPPER: dict[str, Order] = {
     "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
     # ModBias functions: FlashAttention 4 with generated callbacks and block sparsity where it
-    # takes them (on capability 9 only), the Triton kernels otherwise. Measured on an H100 at
-    # S=16384 (benchmarks/NOTES.md, "ModBias on FlashAttention 4"): training FA4 first (1.25-
-    # 1.9x the Triton kernel on five of seven examples). Without gradients, masks alone ("mod
-    # mask") FA4 first (prefix-LM 1.56x, 2-D neighbourhood 1.51x; the masks where it was
-    # slower, chunked local 0.64x and a sliding window 0.90x, now run as the built-ins they
-    # are), score functions ("mod") the Triton kernel first (FA4 0.64-0.78x on T5, the
-    # FlexAttention port and prefix + window + soft-cap).
+    # takes them (on capability 9 only), the Triton kernels otherwise. In training FA4 first
+    # (faster on most examples); without gradients masks alone ("mod mask") FA4 first, score
+    # functions ("mod") the Triton kernel first, where FA4 was slower (the figures:
+    # benchmarks/NOTES.md, "Figures behind the code's choices").
     "mod mask": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     "mod": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
 # ModBias masks without gradients take FlashAttention 4 first (the "mod mask" order above) only
 # where their block lists visit at least this many keys per block of query rows; below, the
-# Triton kernel first (the "mod" order). Measured on an H100 at S=16384 without gradients, FA4
-# over the Triton kernel: prefix-LM (~8300 keys per row block) 1.56x, the 2-D neighbourhood
-# (~2000) 1.51x; as functions, a causal window of 1024 (~1150) 0.65x and chunks of 1024
-# (~580) 0.62x.
+# Triton kernel first (the "mod" order): FA4 wins on long lists and loses on short ones, and the
+# threshold sits between the two groups measured (benchmarks/NOTES.md, "Figures behind the
+# code's choices").
 MOD_MASK_FA4_MIN_KEYS = 1536
 # Blackwell follows Hopper, unmeasured, but for ModBias functions, whose FlashAttention 4 form
 # is laid out for Hopper's kernels.

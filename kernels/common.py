@@ -41,7 +41,7 @@ rows past ``L`` or ``S`` (or head dims past ``E``) are never loaded. Within a pa
 the zero weights of masked pairs still multiply their rows of values (forward), keys (dQ),
 queries and output gradients (dK/dV): a NaN or Inf there reaches the rows of that tile, as
 in the other fused kernels (stock SDPA's, FlashAttention 4). Zeroing those rows first cost
-13-31% on windows and documents on the H100 (``benchmarks/NOTES.md``). A NaN in a kept
+more than a tenth of the time on windows and documents (``benchmarks/NOTES.md``). A NaN in a kept
 position propagates to what depends on it, as in stock SDPA.
 
 Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads (``Hq % Hkv == 0``;

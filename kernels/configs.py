@@ -96,10 +96,9 @@ DQ_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
 }
 # The forward where block lists drive it and partial tiles evaluate generated mask functions,
 # where it differs from the table above (keyed like it). Smaller tiles keep more programs in
-# flight over short, uneven lists and halve a partial tile's mask work per row: on an H100
-# (bf16, head dim 128, S = 8192 and 16384) chunked local attention, a 2-D neighbourhood and a
-# window as a mask function ran 6-25% faster, prefix-LM the same. The backward's tiles for
-# these lists were timed too (dQ 128 x 128, dK/dV 64 x 128) and gained nothing.
+# flight over short, uneven lists and halve a partial tile's mask work per row; the backward's
+# tiles for these lists gained nothing from the same change (benchmarks/NOTES.md, "Figures
+# behind the code's choices").
 LISTED_MASK_FORWARD_CONFIGS: dict[tuple[int, int, int], KernelConfig] = {
     (9, 128, 2): _C(64, 64, 4, 3),
 }

@@ -449,9 +449,8 @@ _GPU_CONFIGS = {
 # A tile of at most 16 packed rows (a query or a few per group of heads) computes little per
 # key it reads: on a key range of up to SMALL_TILE_MAX_KEYS, longer key blocks, more of them
 # in flight, and one program per tile even when only half of the multiprocessors get one keep
-# the memory as busy without the merge (H100, E=128, B=8, Hkv=8, bf16: a 4096-key window at
-# L=1 in 49.8 µs against 51.2 with the general tiles; 8192 to 65536 keys within 1%). Longer
-# ranges keep the general tiles (131072 keys: 1361 µs against 1384). Taken where the stages'
+# the memory as busy without the merge; longer ranges keep the general tiles, which are faster
+# there (benchmarks/NOTES.md, "Figures behind the code's choices"). Taken where the stages'
 # key and value blocks fit the device's shared memory.
 _GPU_SMALL_TILE_CONFIGS = {
     128: DecodeConfig(block_n=128, max_rows=MIN_ROWS, num_warps=4, num_stages=3, full_enough=0.45),

@@ -90,8 +90,8 @@ class CachedLaunch:
     compiled kernel, and a length that changes on every call (a growing cache) or a number of a
     ModBias needs no new key when its parameter is marked. A
     launch through the jit function binds and specializes every argument and builds its own
-    cache key on each call: on an H100 host that took ~60 µs per launch of the forward
-    kernel, against ~20 µs for the compiled kernel's own launcher. Only the first call with a
+    cache key on each call, several times what the compiled kernel's own launcher takes
+    (``benchmarks/NOTES.md``, "Figures behind the code's choices"). Only the first call with a
     new key goes through the jit function (which compiles if needed). The kernel's
     ``tl.constexpr`` parameters must come last and be passed by keyword (checked).
     """

@@ -50,3 +50,12 @@ def generated_mods(monkeypatch: pytest.MonkeyPatch) -> None:
     from attnbias import ModBias
 
     monkeypatch.setattr(ModBias, "run_as_builtin", False)
+
+
+@pytest.fixture
+def lists_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner sees its priority lists alone: small calls would otherwise be weighed by
+    predicted host time (the weighing's own tests set the costs they need)."""
+    from attnbias import planner
+
+    monkeypatch.setattr(planner, "COSTS", {})

@@ -17,7 +17,7 @@ import cute_standin
 import pytest
 import torch
 from cute_standin import SSA
-from test_planner import fake_gpu, qkv, spec_of
+from planning import fake_gpu, qkv, spec_of
 from torch import Tensor
 
 import attnbias

@@ -128,8 +128,8 @@ def _softcap_score_mods(cap: float) -> tuple[Callable[..., Any], Callable[..., A
     """``(score_mod, score_mod_bwd)`` for ``cap * tanh(s / cap)``.
 
     FlashAttention 4's own ``softcap=`` divides every score by the cap; multiplying by its
-    reciprocal instead made the H100 forward 1.6x and forward + backward 1.3x faster (S=16384,
-    bf16), with the same error. One pair per cap, so the compiled kernels are reused.
+    reciprocal instead is faster with the same error (benchmarks/NOTES.md, "Figures behind the
+    code's choices"). One pair per cap, so the compiled kernels are reused.
     """
     import cutlass.cute as cute
 

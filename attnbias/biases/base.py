@@ -18,7 +18,7 @@ A bias kind is one module of this package. It defines a frozen dataclass derivin
   with that many heads (the head-parallel mode of context parallelism runs each rank's heads
   so).
 
-The sum of biases (:class:`~attnbias.biases.composite.CompositeBias`) merges its parts' terms
+The sum of biases (:class:`~attnbias.biases.base.CompositeBias`) merges its parts' terms
 and masked forms without knowing their kinds.
 
 Shape legend used throughout:
@@ -350,13 +350,13 @@ class AttnBias(ABC):
 
 
 # The library's dispatcher, which runs a bias that lowers into the kernels' terms. Set by
-# ``attnbias.dispatch`` when it is imported: the biases sit below the dispatcher and do not
+# ``attnbias.functional`` when it is imported: the biases sit below the dispatcher and do not
 # import it (``import attnbias`` imports both).
 _router: list[Callable[..., Tensor]] = []
 
 
 def set_router(route: Callable[..., Tensor]) -> None:
-    """Install the function :meth:`KernelBias.dispatch` calls (``attnbias.dispatch.route``)."""
+    """Install the function :meth:`KernelBias.dispatch` calls (``attnbias.functional._route``)."""
     _router[:] = [route]
 
 

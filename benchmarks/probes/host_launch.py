@@ -11,14 +11,16 @@ L=128; B=1, H=1, S=128, E=64, bf16, no grad), µs per call of:
 - ``sdpa``: ``attnbias.sdpa``, a repeated call (through the plan cache), and its overhead
   over ``bare``.
 
-Run: ``python benchmarks/probe_host_launch.py`` (CPU tensors; the Triton backends are told
+Run: ``python benchmarks/probes/host_launch.py`` (CPU tensors; the Triton backends are told
 they may take them).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +34,8 @@ from attnbias.backends import triton as triton_backend
 from attnbias.kernels import decode, forward, launch
 
 # isort: split
-# A sibling, found through the folder of this script on sys.path.
+# benchmarks/measure.py, the folder above this script's
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measure import host_us
 
 B, H, S, E = 1, 1, 128, 64
@@ -60,6 +63,9 @@ class _FakeJit:
 
 def fake_launches() -> None:
     launch.current_device = lambda: 0
+    # a CPU build's CUDA queries: never capturing, one stream
+    torch._C._cuda_isCurrentStreamCapturing = lambda: False
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
     triton_backend._interpreting = lambda: True  # the backends take CPU tensors
     for kernel in (forward._attn_fwd, decode._decode_fwd):
         launch.CACHED_LAUNCHES[kernel] = launch.CachedLaunch(_FakeJit(kernel))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
+from pathlib import Path
 
 import torch
 from flash_attn.cute import flash_attn_func
@@ -15,7 +17,8 @@ import attnbias
 from attnbias import SlidingWindowBias
 
 # isort: split
-# A sibling, found through the folder of this script on sys.path.
+# benchmarks/measure.py, the folder above this script's
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from measure import host_us
 
 
