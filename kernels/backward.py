@@ -841,8 +841,14 @@ class BackwardPlan:
         key: tuple[object, ...] | None = None
         if dq_kernel.direct():
             key = (q_stride, k_stride, v_stride, o_stride, do_stride)
-            own = (q, k, v, out, grad_out, lse, grad_lse, dq, dk, dv, delta, dslope_parts)
-            if any(t.data_ptr() % 16 for t in own if t is not None):
+            pointers = (
+                q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | grad_out.data_ptr()
+                | lse.data_ptr() | dq.data_ptr() | dk.data_ptr() | dv.data_ptr()
+                | delta.data_ptr()
+            )  # fmt: skip
+            others = (grad_lse, dslope_parts)
+            if pointers % 16 or any(t is not None and t.data_ptr() % 16 for t in others):
+                own = (q, k, v, out, grad_out, lse, grad_lse, dq, dk, dv, delta, dslope_parts)
                 key += tuple(t is None or t.data_ptr() % 16 == 0 for t in own)
         dq_kernel(
             key, q, k, v, out, grad_out, lse, grad_lse, delta, dq, *self.dq_tensors,

@@ -127,7 +127,8 @@ def _save(
     traceable: bool,
 ) -> None:
     """What both backwards need: the tensors saved for backward, the program's other parts
-    kept packed beside them."""
+    kept packed beside them (:func:`_program_of` gives the program back)."""
+    ctx.program = None
     tensors, ints, floats = program.pack()
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.ints = ints
@@ -165,7 +166,7 @@ def _backward_both(
     ):
         # the plan made once for this call identity (no gradient of a gradient wanted)
         return planned.launch(grad_out, q, k, v, out, lse, checked=False)
-    program = MaskProgram.unpack(tensors, ctx.ints, ctx.floats)
+    program = _program_of(ctx)
 
     def compute() -> tuple[Any, ...]:
         if ctx.traceable:
@@ -188,6 +189,15 @@ def _backward_both(
         dq, dk, dv, dslopes, *dmods = _FirstOrderGradients.apply(lambda: _flat(compute()), *sources)
         return dq, dk, dv, dslopes, dmods if mod_grads else None
     return compute()
+
+
+def _program_of(ctx: Any) -> MaskProgram:
+    """The program a forward saved: kept as it is (a planned eager call), or unpacked from
+    the saved tensors and the packed scalars."""
+    program = getattr(ctx, "program", None)
+    if program is not None:
+        return program
+    return MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats)
 
 
 def _flat(grads: tuple[Any, ...]) -> tuple[Tensor | None, ...]:
@@ -244,8 +254,12 @@ class _EagerAttention(torch.autograd.Function):
             out, lse = attention_forward(q, k, v, program, scale=scale)
         else:
             out, lse = plan.launch(q, k, v, checked=False)
-        _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
         ctx.backward_plan = backward_plan
+        if backward_plan is None:
+            _save(ctx, q, k, v, program, scale, out, lse, traceable=False)
+        else:  # planned: the program is kept as it is (packing it is host time per call)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.program, ctx.scale, ctx.traceable = program, scale, False
         return out
 
     @staticmethod
@@ -257,7 +271,7 @@ class _EagerAttention(torch.autograd.Function):
         )
         mod_out: list[Tensor | None] = [None] * len(wanted)
         if any(wanted):
-            tensors = _mod_tensors(MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats))
+            tensors = _mod_tensors(_program_of(ctx))
             mod_out = [
                 grad.to(t.dtype) if want and grad is not None else None
                 for want, grad, t in zip(

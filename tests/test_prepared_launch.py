@@ -262,3 +262,26 @@ def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
     assert fake.compiled_grids and set(fake.compiled_grids) == {(1, 1, 1)}
     with launch.traceable_launches():
         assert not prepared.direct()
+
+
+def test_a_planned_backward_under_create_graph_is_first_order_only() -> None:
+    """A repeated training call (its backward planned) differentiated with ``create_graph``:
+    the first-order gradients are the oracle's, and a second backward through them raises."""
+    q, k, v = inputs(12)
+    bias = causal_lower_right() + SlidingWindowBias(4)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with attnbias.use_backends("triton"):
+        for _ in range(2):  # the second call runs the kept plan
+            out = attnbias.sdpa(*leaves, attn_mask=bias)
+        grads = torch.autograd.grad(out, leaves, grad_out, create_graph=True)
+    oracle = run_with_grads(lambda *t: attention(*t, bias), (q, k, v), grad_out)
+    stock = run_with_grads(
+        lambda *t: attention(*t, bias, dtype=q.dtype), (q.clone(), k.clone(), v.clone()), grad_out
+    )
+    assert_close_to_oracle(
+        [out.detach(), *(g.detach() for g in grads)], oracle, stock, q.dtype,
+        names=("out", "dq", "dk", "dv"),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError):
+        torch.autograd.grad(grads[0].sum(), leaves[0])
