@@ -56,6 +56,46 @@ __all__ = [
 ]
 
 
+def check_policy() -> None:
+    """Check the policy tables against the names they refer to, so that a mistyped kind, form
+    or backend is an error at import rather than an empty backend order: every kind keying a
+    priority table is a :data:`~attnbias.terms.KINDS` value, every form of
+    :data:`FORM_ROUTES` and of each backend's ``forms`` is a :data:`~attnbias.spec.FORMS`
+    value, and every backend named in an order, the fallback, the routes of the forms and the
+    costs is a registered one."""
+    from attnbias.spec import FORMS
+    from attnbias.terms import KINDS
+
+    problems = []
+    for gen, table in PRIORITY.items():
+        for kind, order in table.items():
+            if kind not in KINDS:
+                problems.append(f"PRIORITY[{gen!r}] has the kind {kind!r}, not one of {KINDS}")
+            for name in (*order.inference, *(order.training or ())):
+                if name not in BACKENDS:
+                    problems.append(f"PRIORITY[{gen!r}][{kind!r}] names the backend {name!r}")
+    problems += [f"FALLBACK names the backend {n!r}" for n in FALLBACK if n not in BACKENDS]
+    problems += [
+        f"CAPTURED_FA4_FIRST has the kind {k!r}" for k in CAPTURED_FA4_FIRST.kinds
+        if k not in KINDS
+    ]  # fmt: skip
+    for form, route in FORM_ROUTES.items():
+        if form not in FORMS:
+            problems.append(f"FORM_ROUTES has the form {form!r}, not one of {FORMS}")
+        if route not in ROUTES:
+            problems.append(f"FORM_ROUTES[{form!r}] names the route {route!r}")
+    for gen, costs in COSTS.items():
+        problems += [f"COSTS[{gen!r}] names the backend {n!r}" for n in costs if n not in BACKENDS]
+    for name, backend in ROUTES.items():
+        problems += [
+            f"the backend {name!r} declares the form {f!r}, not one of {FORMS}"
+            for f in backend.forms
+            if f not in FORMS
+        ]
+    if problems:
+        raise ValueError("attnbias's routing policy is inconsistent: " + "; ".join(problems))
+
+
 def generation(device: torch.device) -> str:
     """``hopper`` (capability 9), ``blackwell`` (10), ``cuda`` (other GPUs) or ``cpu``."""
     if device.type != "cuda":
@@ -426,3 +466,6 @@ def plan(spec: Spec) -> Plan:
         f"{spec.shape} in {spec.dtype} ({heading}). {detail}. Allow more backends in "
         f"use_backends(...)"
     )
+
+
+check_policy()  # the tables as imported

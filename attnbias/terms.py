@@ -26,7 +26,12 @@ from torch import Tensor
 
 from attnbias.kernels.program import MaskProgram
 
-__all__ = ["Block", "Call", "Terms"]
+__all__ = ["KINDS", "Block", "Call", "Terms"]
+
+
+#: Every value of :attr:`Terms.kind`, the keys of the priority tables (``attnbias.policy``).
+KINDS = ("none", "causal", "band", "documents", "softcap", "alibi", "mod mask", "mod",
+         "materialized")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -335,7 +340,8 @@ class Terms:
 
     @property
     def kind(self) -> str:
-        """The one word the priority tables are keyed by: the costliest feature present.
+        """The one word the priority tables are keyed by (one of :data:`KINDS`): the
+        costliest feature present.
 
         A key range adds no kind of its own: it only narrows the key loop of the kernel that
         runs the other features (fewer blocks, bounded loads in the blocks at its ends), so

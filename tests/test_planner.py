@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -945,3 +946,25 @@ def test_triton_refuses_trainable_slopes_while_compiling(monkeypatch: pytest.Mon
     traced = dataclasses.replace(spec, compiling=True)
     (reason,) = BACKENDS["triton"].not_supported_reasons(traced)
     assert "ALiBi slopes that require grad while torch.compile traces" in reason
+
+
+def test_the_policy_tables_name_only_real_kinds_forms_and_backends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mistyped name in the tables is an error at import, not an empty backend order."""
+    from attnbias import policy
+    from attnbias.terms import KINDS
+
+    planner.check_policy()  # the tables as they are
+    assert {spec_of(make()).terms.kind for make in KIND_BIASES.values()} == set(KINDS)
+    mistyped_kind = {**PRIORITY["hopper"], "casual": policy.Order(("fa4",))}
+    typos = [
+        ("PRIORITY", {**PRIORITY, "hopper": mistyped_kind}, "'casual'"),
+        ("FALLBACK", ("triton", "sdpa+msk"), "'sdpa+msk'"),
+        ("FORM_ROUTES", {**policy.FORM_ROUTES, "nomask": "sdpa"}, "'nomask'"),
+    ]
+    for name, value, named in typos:
+        with monkeypatch.context() as patch:
+            patch.setattr(planner, name, value)
+            with pytest.raises(ValueError, match=re.escape(named)):
+                planner.check_policy()
