@@ -192,43 +192,32 @@ def _step(
     return run
 
 
+def _seconds_per_call(step: Callable[[], None], device: str, calls: int) -> float:
+    """Seconds per call of ``calls`` calls of ``step`` back to back, synchronised before and
+    after (once: as a model's loop runs them)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - began) / calls
+
+
 def _calls(step: Callable[[], None], device: str) -> int:
     """How many calls back to back fill ~2 ms (at most 20): one count for every contender of
     a case, so that each is timed alike (one call per synchronisation serialises the host's
     work and the GPU's, several overlap them)."""
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    times = []
-    for _ in range(3):
-        sync()
-        began = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - began)
-    return max(1, min(20, int(2e-3 / max(min(times), 1e-6))))
+    fastest = min(_seconds_per_call(step, device, 1) for _ in range(3))
+    return max(1, min(20, int(2e-3 / max(fastest, 1e-6))))
 
 
 def _time(step: Callable[[], None], device: str, repeats: int, calls: int) -> float:
     """Milliseconds per call: the median of ``repeats`` timings of ``calls`` calls back to
-    back (one synchronisation at the end, as a model's loop runs them)."""
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    def timed() -> float:
-        sync()
-        began = time.perf_counter()
-        for _ in range(calls):
-            step()
-        sync()
-        return (time.perf_counter() - began) / calls
-
+    back."""
     step()
-    return 1e3 * statistics.median(timed() for _ in range(repeats))
+    return 1e3 * statistics.median(_seconds_per_call(step, device, calls) for _ in range(repeats))
 
 
 def bench(case: Case, device: str, repeats: int) -> Result:

@@ -218,7 +218,7 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Any,
     """The registered op's backward: gradients of ``(q, k, v, tensors, ints, floats,
     scale)``; those of the packed tensors are ``None`` (the ALiBi slopes' gradient, at
     ``MaskProgram.tensor_slot("alibi_slopes")``, is computed on the eager path only)."""
-    slopes = MaskProgram.unpack(ctx.saved_tensors[5:], ctx.ints, ctx.floats).alibi_slopes
+    slopes = _program_of(ctx).alibi_slopes
     if slopes is not None and slopes.requires_grad:
         raise NotImplementedError(
             "attnbias: gradients of ALiBi slopes through the Triton kernel are computed "

@@ -53,6 +53,19 @@ def measuring(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     routing.clear_routing(file=False)
 
 
+def _counted_measure(monkeypatch: pytest.MonkeyPatch, *, reference_s: float) -> list[int]:
+    """``routing.measure`` replaced by timings given here (the exact path ``reference_s``
+    seconds, every other candidate 2); returns the list its calls append to."""
+    calls: list[int] = []
+
+    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
+        calls.append(1)
+        return {name: (reference_s if name == "reference" else 2.0) for name in candidates}
+
+    monkeypatch.setattr(routing, "measure", fake)
+    return calls
+
+
 def test_the_call_class_keeps_apart_what_decides_speed() -> None:
     q, k, v = _qkv()
     base = routing.call_class(_spec(q, k, v))
@@ -128,13 +141,7 @@ def test_the_planners_choice_stays_within_the_margin(
 def test_no_measuring_while_compiling_but_the_kept_decision_is_used(
     measuring: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[int] = []
-
-    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
-        calls.append(1)
-        return {name: (1.0 if name == "reference" else 2.0) for name in candidates}
-
-    monkeypatch.setattr(routing, "measure", fake)
+    calls = _counted_measure(monkeypatch, reference_s=1.0)
     spec = _spec(*_qkv())
     traced = dataclasses.replace(spec, compiling=True)
     for _ in range(3):
@@ -313,13 +320,7 @@ def test_forgetting_decisions_drops_the_plans_that_hold_them(
 ) -> None:
     """A call served from the plan cache never reaches routing: after ``clear_routing`` (or a
     change of mode) the next calls plan, and measure, again."""
-    calls: list[int] = []
-
-    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
-        calls.append(1)
-        return {name: (0.5 if name == "reference" else 2.0) for name in candidates}
-
-    monkeypatch.setattr(routing, "measure", fake)
+    calls = _counted_measure(monkeypatch, reference_s=0.5)
     q, k, v = _qkv()
     bias = causal_lower_right() + SlidingWindowBias(7)
     for _ in range(3):
@@ -342,13 +343,7 @@ def test_no_measuring_while_captured_but_the_kept_decision_is_used(
 ) -> None:
     """A call being captured in a CUDA graph (or with dropout) is never timed; once its class
     is decided, the capture runs on the kept decision."""
-    calls: list[int] = []
-
-    def fake(spec: Any, candidates: list[str]) -> dict[str, float]:
-        calls.append(1)
-        return {name: (1.0 if name == "reference" else 2.0) for name in candidates}
-
-    monkeypatch.setattr(routing, "measure", fake)
+    calls = _counted_measure(monkeypatch, reference_s=1.0)
     spec = _spec(*_qkv())
     captured = dataclasses.replace(spec, capturing=True)
     dropping = dataclasses.replace(spec, dropout_p=0.1)

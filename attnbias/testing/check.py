@@ -16,7 +16,6 @@ from attnbias.testing.oracle import (
     attention,
     flash_rounding,
     has_mod_bias,
-    mod_functions,
     oracle_errors,
 )
 
@@ -147,9 +146,11 @@ def check_bias(
         gqa = shape[1] != shape[2]
         for dtype in dtypes:
             inputs = _inputs(shape, dtype, device, seed)
-            routes = _routes(made, inputs[:3], gqa, grads, refused)
+            pinned, routes = _routes(made, inputs[:3], gqa, grads, refused)
             for name, forward_only in routes.items():
-                _check_route(report, name, forward_only, made, shape, dtype, inputs, grads, gqa)
+                _check_route(
+                    report, name, forward_only, pinned, made, shape, dtype, inputs, grads, gqa
+                )
     for name, reasons in refused.items():
         if name not in report.routes:
             report.skipped[name] = "; ".join(dict.fromkeys(reasons))
@@ -164,9 +165,10 @@ def _routes(
     gqa: bool,
     grads: bool,
     refused: dict[str, list[str]],
-) -> dict[str, bool]:
-    """The routes that can take the call, each with whether it takes the forward only; the
-    reasons of those that cannot go into ``refused``."""
+) -> tuple[bool, dict[str, bool]]:
+    """Whether the call's routes are chosen by ``use_backends`` (a bias that lowers; the
+    other forms have one route each), and the routes that can take it, each with whether it
+    takes the forward only; the reasons of those that cannot go into ``refused``."""
     from attnbias.backends import BACKENDS
     from attnbias.spec import call_form, make_spec
 
@@ -174,7 +176,7 @@ def _routes(
     attnbias.explain(query, key, value, attn_mask=bias, enable_gqa=gqa)  # one that does not fit
     form = call_form(query, bias)
     if form != "bias":  # one route: the class's own dispatch, or the materialized mask
-        return {"dispatch" if form == "dispatch" else "sdpa+mask": False}
+        return False, {"dispatch" if form == "dispatch" else "sdpa+mask": False}
     extra = {"materialize": False} if _own_materialize(bias) else {}
     q, k, v = (t.detach().requires_grad_(grads) for t in qkv)
     wanting = make_spec(q, k, v, bias, False, None, 0.0, gqa)
@@ -189,7 +191,7 @@ def _routes(
             routes[name] = True  # a forward-only route (the decode kernel): its forward
         else:
             refused.setdefault(name, reasons)
-    return {**routes, **extra}
+    return True, {**routes, **extra}
 
 
 def _own_materialize(bias: AttnBias) -> bool:
@@ -245,22 +247,12 @@ def _inputs(
 
 
 def _parameters(bias: AttnBias) -> list[Tensor]:
-    """The bias's tensors that require grad: its :meth:`parameters`, and for ``ModBias``
-    parts the tensors their functions' closures hold."""
-    found: list[Tensor] = [t for t in bias.parameters() if t.requires_grad]
-    parts = bias.parts if isinstance(bias, CompositeBias) else (bias,)
-    for part in parts:
-        for function in mod_functions(part) if has_mod_bias(part) else ():
-            for cell in getattr(function, "__closure__", None) or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if isinstance(value, Tensor) and value.requires_grad:
-                    found.append(value)
+    """The bias's tensors that require grad, once each: its :meth:`parameters` (for a
+    ``ModBias`` every tensor its functions read, from fields, closures or globals)."""
     unique: dict[int, Tensor] = {}
-    for t in found:
-        unique.setdefault(id(t), t)
+    for t in bias.parameters():
+        if t.requires_grad:
+            unique.setdefault(id(t), t)
     return list(unique.values())
 
 
@@ -289,6 +281,7 @@ def _check_route(
     report: CheckReport,
     name: str,
     forward_only: bool,
+    pinned: bool,
     bias: AttnBias,
     shape: tuple[int, ...],
     dtype: torch.dtype,
@@ -296,15 +289,12 @@ def _check_route(
     grads: bool,
     gqa: bool,
 ) -> None:
-    from attnbias.spec import call_form
-
     q, k, v, grad_out = inputs
     grads = grads and not forward_only
     params = _parameters(bias) if grads else []
     names = ["out", "dq", "dk", "dv"][: 4 if grads else 1] + [
         f"d(bias tensor {n}, shape {tuple(p.shape)})" for n, p in enumerate(params)
     ]
-    pinned = call_form(q, bias) == "bias"  # other forms have one route, not pinnable
 
     def routed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if name == "materialize":

@@ -143,6 +143,45 @@ def key_range_bias(draw: st.DrawFn, batch: int, length_kv: int) -> KeyRangeBias:
     return KeyRangeBias.from_padding_mask(mask.expand(batch, -1))
 
 
+def _builtin_part(
+    draw: st.DrawFn,
+    kind: str,
+    batch: int,
+    heads_q: int | None,
+    length_q: int | None,
+    length_kv: int | None,
+    reach: int,
+    generator: torch.Generator,
+) -> AttnBias:
+    """One built-in bias of ``kind`` valid for the call: causal in either corner, a sliding
+    window with sides up to ``reach`` (either open), documents, key ranges, ALiBi (the
+    paper's slopes or drawn ones, per head or per batch row), soft-cap, a tensor bias. The
+    lengths (and ``heads_q`` for ALiBi) must be given for the kinds that need them."""
+    if kind == "causal":
+        return CausalBias(draw(st.sampled_from(list(CausalVariant))))
+    if kind == "window":
+        left = draw(st.one_of(st.none(), st.integers(0, reach)))
+        right = draw(st.one_of(st.none(), st.integers(0, reach)))
+        return SlidingWindowBias(left, right)
+    if kind == "softcap":
+        return SoftcapBias(draw(st.sampled_from([0.5, 2.0, 20.0])))
+    if kind == "alibi" and heads_q is not None:
+        if draw(st.booleans()):
+            return AlibiBias(num_heads=heads_q)
+        rows = draw(st.sampled_from([None, 1, batch]))
+        shape = (heads_q,) if rows is None else (rows, heads_q)
+        return AlibiBias(slopes=torch.rand(shape, generator=generator) * 0.5)
+    if length_q is None or length_kv is None:
+        raise ValueError(f"a {kind!r} bias needs the call's lengths")
+    if kind == "docs":
+        return draw(document_bias(batch, length_q, length_kv))
+    if kind == "keys":
+        return draw(key_range_bias(batch, length_kv))
+    if kind == "tensor":
+        return TensorBias(torch.randn(length_q, length_kv, generator=generator))
+    raise ValueError(f"no built-in bias of kind {kind!r}")
+
+
 @st.composite
 def problems(
     draw: st.DrawFn,
@@ -167,27 +206,10 @@ def problems(
         )
     )
     for kind in kinds:
-        if kind == "causal":
-            parts.append(CausalBias(draw(st.sampled_from(list(CausalVariant)))))
-        elif kind == "window":
-            left = draw(st.one_of(st.none(), st.integers(0, max_len)))
-            right = draw(st.one_of(st.none(), st.integers(0, max_len)))
-            parts.append(SlidingWindowBias(left, right))
-        elif kind == "docs":
-            parts.append(draw(document_bias(batch, length_q, length_kv)))
-        elif kind == "keys":
-            parts.append(draw(key_range_bias(batch, length_kv)))
-        elif kind == "alibi":
-            if draw(st.booleans()):
-                parts.append(AlibiBias(num_heads=heads_q))
-            else:
-                rows = draw(st.sampled_from([None, 1, batch]))
-                shape = (heads_q,) if rows is None else (rows, heads_q)
-                parts.append(AlibiBias(slopes=torch.rand(shape, generator=generator) * 0.5))
-        elif kind == "softcap":
-            parts.append(SoftcapBias(draw(st.sampled_from([0.5, 2.0, 20.0]))))
-        elif kind == "tensor" and allow_tensor_bias:
-            parts.append(TensorBias(torch.randn(length_q, length_kv, generator=generator)))
+        if kind != "tensor" or allow_tensor_bias:
+            parts.append(
+                _builtin_part(draw, kind, batch, heads_q, length_q, length_kv, max_len, generator)
+            )
     bias: AttnBias | None = None
     for part in parts:
         bias = part if bias is None else bias + part
@@ -429,7 +451,8 @@ def builtin_biases(
     lengths (and ``batch``, ``heads_q`` where given).
 
     With no lengths only biases that fit any call are drawn: causal (either corner), sliding
-    windows and soft-cap, and ALiBi with the paper's slopes where ``heads_q`` is given. With
+    windows and soft-cap, and ALiBi (the paper's slopes or drawn ones) where ``heads_q`` is
+    given. With
     ``length_q`` and ``length_kv`` also documents, key ranges (``batch`` rows, or one shared)
     and a tensor bias. So ``@given(other=builtin_biases())`` sums with a bias of your own for
     any shape you check it on::
@@ -447,26 +470,10 @@ def builtin_biases(
     chosen = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=max_parts, unique=True))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     reach = 2 * max(length_q or 16, length_kv or 16)
-    parts: list[AttnBias] = []
-    for kind in chosen:
-        if kind == "causal":
-            parts.append(CausalBias(draw(st.sampled_from(list(CausalVariant)))))
-        elif kind == "window":
-            side = st.one_of(st.none(), st.integers(0, reach))
-            left, right = draw(side), draw(side)
-            if left is None and right is None:
-                left = draw(st.integers(0, reach))
-            parts.append(SlidingWindowBias(left, right))
-        elif kind == "softcap":
-            parts.append(SoftcapBias(draw(st.sampled_from([0.5, 5.0, 30.0]))))
-        elif kind == "alibi" and heads_q is not None:
-            parts.append(AlibiBias(num_heads=heads_q))
-        elif kind == "docs" and length_q is not None and length_kv is not None:
-            parts.append(draw(document_bias(batch or 1, length_q, length_kv)))
-        elif kind == "keys" and length_kv is not None:
-            parts.append(draw(key_range_bias(batch or 1, length_kv)))
-        elif kind == "tensor" and length_q is not None and length_kv is not None:
-            parts.append(TensorBias(torch.randn(length_q, length_kv, generator=generator)))
+    parts = [
+        _builtin_part(draw, kind, batch or 1, heads_q, length_q, length_kv, reach, generator)
+        for kind in chosen
+    ]
     bias = parts[0]
     for part in parts[1:]:
         bias = bias + part
