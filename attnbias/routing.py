@@ -60,10 +60,10 @@ MIN_REPEATS = 1
 BUDGET_S = 0.5
 #: A candidate whose estimate is this many times the fastest one's is not timed further.
 PRUNE = 2.0
-#: Calls back to back per timing (one synchronisation for them all, as in a model), at most
-#: :data:`CALLS` and as many as fit in :data:`CALL_SPAN_S` seconds (one for slow calls).
-CALLS = 3
-CALL_SPAN_S = 1e-3
+#: Calls back to back per timing (queued behind one untimed call, as in a model's loop), at
+#: most :data:`CALLS` and as many as fit in :data:`CALL_SPAN_S` seconds (one for slow calls).
+CALLS = 8
+CALL_SPAN_S = 2e-3
 #: How many times a class is met before it is measured.
 MEASURE_AT = 2
 
@@ -416,26 +416,44 @@ def _runner(spec: Any, backend: Any) -> Callable[[], None]:
     return step
 
 
-def _timed(step: Callable[[], None], device: torch.device, calls: int) -> float:
-    """Seconds per call of ``calls`` calls of ``step`` back to back."""
+def _warm(step: Callable[[], None], device: torch.device) -> None:
+    """One untimed call of ``step``, waited for (it compiles there where it needs to)."""
+    step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    began = time.perf_counter()
+
+
+def _timed(step: Callable[[], None], device: torch.device, calls: int) -> float:
+    """Seconds per call of ``calls`` calls of ``step`` back to back, as a model's loop runs
+    them. On a GPU one untimed call goes first and CUDA events time the rest on the GPU: the
+    timed calls are issued while work is in flight, so a backend's host time per call counts
+    only where it is longer than its GPU time (as in a loop), not once in full as it would
+    after a synchronisation. Elsewhere, the wall clock."""
+    if device.type != "cuda":
+        began = time.perf_counter()
+        for _ in range(calls):
+            step()
+        return (time.perf_counter() - began) / calls
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    step()  # in flight while the timed calls are issued
+    start.record()
     for _ in range(calls):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - began) / calls
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
     """Median seconds per call of each of ``candidates`` on ``spec``; a backend that runs out
     of memory or fails is left out. The gradients of the bias's tensors are restored.
 
-    Each candidate first runs once untimed (it compiles there where it needs to), then once
-    timed, which estimates it; a candidate more than :data:`PRUNE` times slower than the
-    fastest estimate cannot win and is not timed further. The rest are timed in interleaved
-    repetitions (:data:`CALLS` calls each, fewer for slow calls) while another round fits in
+    Each candidate first runs once untimed and waited for (it compiles there where it needs
+    to), then is timed on one call (behind an untimed one, see :func:`_timed`), which estimates
+    it; a candidate more than :data:`PRUNE` times slower than the fastest estimate cannot win
+    and is not timed further. The rest are timed in interleaved repetitions (:data:`CALLS`
+    calls each, fewer for slow calls) while another round fits in
     :data:`BUDGET_S` seconds of timing, at least :data:`MIN_REPEATS` times. The seconds spent are
     kept in :data:`LAST_COST` (``warm_up_s``: the untimed calls, compilation included;
     ``timing_s``: the rest)."""
@@ -456,7 +474,7 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
             began = time.perf_counter()
             try:
                 step = _runner(spec, BACKENDS[name])
-                _timed(step, device, 1)  # warm-up (compiles where needed)
+                _warm(step, device)
                 warm_up += time.perf_counter() - began
                 began = time.perf_counter()
                 estimate = _timed(step, device, 1)
@@ -469,7 +487,7 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
             fastest = min(found[0] for found in times.values())
             steps = {name: s for name, s in steps.items() if times[name][0] <= PRUNE * fastest}
             calls = max(1, min(CALLS, int(CALL_SPAN_S / max(fastest, 1e-9))))
-            round_s = calls * sum(times[name][0] for name in steps)
+            round_s = (calls + 1) * sum(times[name][0] for name in steps)
             began = time.perf_counter()
             for repeat in range(REPEATS):
                 spent = timing + time.perf_counter() - began
