@@ -270,3 +270,55 @@ def test_a_report_names_the_worst_quantity() -> None:
         assert found["calls"] == 1 and 0.0 <= found["worst"] <= 1.0
         assert found["where"].split(",")[0] in ("out", "dq", "dk", "dv")
     assert math.isfinite(sum(f["worst"] for f in report.routes.values()))
+
+
+def _fa4_installed() -> bool:
+    from attnbias.backends import fa4
+
+    return fa4._installed()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_on_the_gpu_every_builtin_passes_on_the_compiled_kernels(name: str) -> None:
+    """On CUDA at the default shapes and dtype: the compiled Triton kernels, and FlashAttention
+    4 where it is installed, against the oracle."""
+    shapes = [(2, 4, 2, 64, 200, 64), (1, 4, 4, 130, 130, 128)]
+    report = check_bias(BUILTINS[name], shapes=shapes, device="cuda")
+    assert report.routes and all(found["worst"] <= 1.0 for found in report.routes.values())
+    if name == "tensor":
+        return
+    assert "triton" in report.routes, report
+    if _fa4_installed() and name in ("causal lower-right", "window", "alibi + causal"):
+        assert "fa4" in report.routes, report
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_examples_custom_biases_pass_and_a_wrong_route_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from custom_bias import PrefixLM
+    from t5_bias import BUCKETS, T5Bias
+
+    table = 0.1 * torch.randn(4, BUCKETS, device="cuda").requires_grad_()
+    shapes = [(2, 4, 2, 96, 96, 64)]
+    for bias in (PrefixLM(prefix=30), T5Bias(table) + causal_lower_right()):
+        report = check_bias(bias, shapes=shapes, device="cuda")
+        assert "triton" in report.routes, report
+        if _fa4_installed():
+            assert "fa4" in report.routes or "fa4" in report.skipped, report
+    # a planted fault on the compiled route (its output 3% off): caught, naming it
+    from attnbias.backends.triton import TritonKernel
+
+    window = SlidingWindowBias(8)
+    check_bias(window, shapes=shapes, device="cuda")
+    original = TritonKernel.prepare
+
+    def off(self: Any, spec: Any) -> Any:
+        prepared = original(self, spec)
+        return lambda q, k, v: prepared(q, k, v) * 1.03
+
+    monkeypatch.setattr(TritonKernel, "prepare", off)
+    attnbias.plan_cache.clear()
+    with pytest.raises(AssertionError, match=r"route 'triton'"):
+        check_bias(window, shapes=shapes, device="cuda")
