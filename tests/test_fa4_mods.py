@@ -524,3 +524,33 @@ def test_an_int64_tensor_outside_int32_is_refused_when_handed_over() -> None:
         fa4_mods.aux_tensors(bias._traced())
     ids[2] = 2
     assert fa4_mods.aux_tensors(bias._traced())[0].tolist() == [0, 1, 2]  # type: ignore[index]
+
+
+def _standard_strides(t: torch.Tensor) -> tuple[int, ...]:
+    return torch.empty(t.shape).stride()
+
+
+def test_handed_over_tensors_have_standard_strides_on_dims_of_size_one() -> None:
+    """FlashAttention 4 checks the innermost stride even where the dim has size 1, which
+    ``Tensor.contiguous`` leaves as it was: one query block (L <= 128) gave counts of shape
+    ``(1, 1, 1)`` with an innermost stride of 4. Every field and every aux tensor has the
+    standard strides, and a one-element parameter sliced out of a larger tensor is still a
+    view (in-place changes seen)."""
+    bias = PrefixLM(4)
+    q = torch.zeros(1, 2, 96, 16)
+    spec = spec_of(bias, length_q=96, length_kv=96, heads_q=2, heads_kv=2, batch=1)
+    lists = mod_block_lists(q, q, spec.program, 128, 128)
+    for fields in fa4_mods.block_sparse_fields(lists.kv_lists, lists.q_lists):
+        for name, t in fields.items():
+            assert t.stride() == _standard_strides(t), (name, t.shape, t.stride())
+    table = torch.arange(12.0).reshape(3, 4)
+    one = table[1:2, 2:3]
+    column = table[:, 3:4].reshape(-1)[:1]
+    assert column.stride() == (4,)
+    made = ModBias(score_mod=lambda s, b, h, q, kv: s + column[0] + one[0, 0])
+    aux = fa4_mods.aux_tensors(made._traced())
+    assert aux is not None
+    for t in aux:
+        assert t.stride() == _standard_strides(t), (t.shape, t.stride())
+    table[0, 3] = 100.0  # column's element, written in place: seen through the aux view
+    assert 100.0 in [float(t[0]) for t in aux]

@@ -744,8 +744,22 @@ def aux_tensors(traced: TracedMods) -> list[Tensor] | None:
                     )
                 _CHECKED[param] = param._version
             flat = flat.to(torch.int32)
-        converted.append(flat.contiguous())
+        converted.append(dense(flat))
     return converted
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t`` contiguous with the standard strides on its dims of size 1 too, which
+    FlashAttention 4 checks and ``Tensor.contiguous`` leaves as they were (e.g. ``x[..., 0]``
+    of a ``(1, 1, 1, 4)`` tensor); a view where ``t`` is contiguous, so in-place changes are
+    seen."""
+    t = t.contiguous()
+    strides: list[int] = []
+    step = 1
+    for n in reversed(t.shape):
+        strides.insert(0, step)
+        step *= max(n, 1)
+    return t if t.stride() == tuple(strides) else t.as_strided(t.shape, strides)
 
 
 def block_size(head_dim: int) -> tuple[int, int]:
@@ -771,10 +785,10 @@ def block_sparse_fields(kv_lists: Tensor, q_lists: Tensor) -> tuple[dict[str, Te
     for lists in (kv_lists, q_lists):
         fields.append(
             {
-                "mask_block_cnt": lists[..., 0, 0].contiguous(),
-                "mask_block_idx": lists[..., 0, 1:].contiguous(),
-                "full_block_cnt": lists[..., 1, 0].contiguous(),
-                "full_block_idx": lists[..., 1, 1:].contiguous(),
+                "mask_block_cnt": dense(lists[..., 0, 0]),
+                "mask_block_idx": dense(lists[..., 0, 1:]),
+                "full_block_cnt": dense(lists[..., 1, 0]),
+                "full_block_idx": dense(lists[..., 1, 1:]),
             }
         )
     return fields[0], fields[1]
