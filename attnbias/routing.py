@@ -64,6 +64,10 @@ PRUNE = 2.0
 #: most :data:`CALLS` and as many as fit in :data:`CALL_SPAN_S` seconds (one for slow calls).
 CALLS = 8
 CALL_SPAN_S = 2e-3
+#: Calls estimated below this many seconds are timed behind an untimed call in flight (their
+#: host time would weigh, timed after a synchronisation); longer ones are not (priming would
+#: double their cost for a host time of ~1% of theirs).
+PRIMED_BELOW_S = 10e-3
 #: How many times a class is met before it is measured.
 MEASURE_AT = 2
 
@@ -423,12 +427,16 @@ def _warm(step: Callable[[], None], device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step: Callable[[], None], device: torch.device, calls: int) -> float:
+def _timed(
+    step: Callable[[], None], device: torch.device, calls: int, primed: bool = True
+) -> float:
     """Seconds per call of ``calls`` calls of ``step`` back to back, as a model's loop runs
-    them. On a GPU one untimed call goes first and CUDA events time the rest on the GPU: the
-    timed calls are issued while work is in flight, so a backend's host time per call counts
-    only where it is longer than its GPU time (as in a loop), not once in full as it would
-    after a synchronisation. Elsewhere, the wall clock."""
+    them. On a GPU, ``primed``: one untimed call goes first and CUDA events time the rest on
+    the GPU, so the timed calls are issued while work is in flight and a backend's host time
+    per call counts only where it is longer than its GPU time (as in a loop), not once in full
+    as it would after a synchronisation; not ``primed``: the first call's host time counts too
+    (for calls too long for it to matter, which priming would time twice). Elsewhere, the wall
+    clock."""
     if device.type != "cuda":
         began = time.perf_counter()
         for _ in range(calls):
@@ -436,7 +444,10 @@ def _timed(step: Callable[[], None], device: torch.device, calls: int) -> float:
         return (time.perf_counter() - began) / calls
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
-    step()  # in flight while the timed calls are issued
+    if primed:
+        step()  # in flight while the timed calls are issued
+    else:
+        torch.cuda.synchronize(device)
     start.record()
     for _ in range(calls):
         step()
@@ -450,10 +461,11 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
     of memory or fails is left out. The gradients of the bias's tensors are restored.
 
     Each candidate first runs once untimed and waited for (it compiles there where it needs
-    to), then is timed on one call (behind an untimed one, see :func:`_timed`), which estimates
-    it; a candidate more than :data:`PRUNE` times slower than the fastest estimate cannot win
-    and is not timed further. The rest are timed in interleaved repetitions (:data:`CALLS`
-    calls each, fewer for slow calls) while another round fits in
+    to), then is timed on one call (again behind an untimed one where it is shorter than
+    :data:`PRIMED_BELOW_S`, see :func:`_timed`), which estimates it; a candidate more than
+    :data:`PRUNE` times slower than the fastest estimate cannot win and is not timed further.
+    The rest are timed in interleaved repetitions (:data:`CALLS` calls each, fewer for slow
+    calls) while another round fits in
     :data:`BUDGET_S` seconds of timing, at least :data:`MIN_REPEATS` times. The seconds spent are
     kept in :data:`LAST_COST` (``warm_up_s``: the untimed calls, compilation included;
     ``timing_s``: the rest)."""
@@ -477,7 +489,9 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
                 _warm(step, device)
                 warm_up += time.perf_counter() - began
                 began = time.perf_counter()
-                estimate = _timed(step, device, 1)
+                estimate = _timed(step, device, 1, primed=False)
+                if estimate < PRIMED_BELOW_S:  # host time may weigh: timed as a loop sees it
+                    estimate = _timed(step, device, 1)
             except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError):
                 warm_up += time.perf_counter() - began
                 continue
@@ -487,14 +501,15 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
             fastest = min(found[0] for found in times.values())
             steps = {name: s for name, s in steps.items() if times[name][0] <= PRUNE * fastest}
             calls = max(1, min(CALLS, int(CALL_SPAN_S / max(fastest, 1e-9))))
-            round_s = (calls + 1) * sum(times[name][0] for name in steps)
+            primed = {name: times[name][0] < PRIMED_BELOW_S for name in steps}
+            round_s = sum((calls + primed[name]) * times[name][0] for name in steps)
             began = time.perf_counter()
             for repeat in range(REPEATS):
                 spent = timing + time.perf_counter() - began
                 if repeat >= MIN_REPEATS and spent + round_s > BUDGET_S:
                     break
                 for name, step in steps.items():
-                    times[name].append(_timed(step, device, calls))
+                    times[name].append(_timed(step, device, calls, primed[name]))
             timing += time.perf_counter() - began
     finally:
         for p, grad in saved:
