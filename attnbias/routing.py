@@ -391,26 +391,52 @@ def _fits(spec: Any, name: str, candidates: Sequence[str] = ()) -> bool:
     return 3 * _mask_bytes(spec) < free // 2
 
 
+def _copy(t: Tensor, requires_grad: bool) -> Tensor:
+    """A copy of ``t`` with its strides (a view of one projection keeps its gaps: kernels run
+    differently on it than on a contiguous tensor); a tensor whose elements overlap (an
+    expanded one) is copied contiguous."""
+    t = t.detach()
+    try:
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        copy.copy_(t)
+    except RuntimeError:
+        copy = t.clone(memory_format=torch.contiguous_format)
+    return copy.requires_grad_(requires_grad)
+
+
 def _runner(spec: Any, backend: Any) -> Callable[[], None]:
     """One call of ``backend``'s prepared run (as a repeated call runs it, from the plan
-    cache) on copies of ``spec``'s inputs, as the user's would run: forward without
-    gradients, or forward and backward."""
-    copies = [
-        t.detach().clone().requires_grad_(spec.needs_grad and t.requires_grad)
-        for t in (spec.query, spec.key, spec.value)
+    cache) on copies of ``spec``'s inputs with their strides, as the user's would run:
+    forward without gradients, or forward and backward. Each call also works out the plan
+    cache's key first, as the user's call does: the same host time for every candidate,
+    which decides between them where the host is the bottleneck."""
+    from attnbias import plan_cache
+    from attnbias.planner import current_policy
+
+    query, key, value = copies = [
+        _copy(t, spec.needs_grad and t.requires_grad) for t in (spec.query, spec.key, spec.value)
     ]
     prepared = backend.prepare(spec)
+    policy = current_policy()
+
+    def call() -> Tensor:
+        plan_cache.call_key(
+            query, key, value, spec.bias, spec.dropout_p, False, spec.scale, spec.enable_gqa,
+            policy,
+        )  # fmt: skip
+        return prepared(query, key, value)
+
     if not spec.needs_grad:
 
         def forward() -> None:
             with torch.no_grad():
-                prepared(*copies)
+                call()
 
         return forward
     grad: list[Tensor] = []
 
     def step() -> None:
-        out = prepared(*copies)
+        out = call()
         if not grad:
             grad.append(torch.ones_like(out))  # (no random numbers drawn)
         out.backward(grad[0])

