@@ -25,7 +25,7 @@ from torch import Tensor
 from attnbias import plan_cache, routing
 from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import from_torch, set_router
-from attnbias.kernels import modfn
+from attnbias.mods import eager as mod_reads
 from attnbias.planner import current_policy, plan
 from attnbias.spec import call_form, capturing, make_spec
 from attnbias.terms import Call
@@ -287,7 +287,7 @@ def sdpa(
         >>> sdpa(q, k, v, attn_mask=bias).shape
         torch.Size([1, 2, 8, 16])
     """
-    if modfn.pending_checks() and not torch.compiler.is_compiling() and not capturing(query):
+    if mod_reads.pending_checks() and not torch.compiler.is_compiling() and not capturing(query):
         check_errors()  # an earlier call's reads, checked on the device
     attn_mask = from_torch(attn_mask) or attn_mask  # PyTorch's own causal bias, as ours
     call = plan_cache.call_key(
@@ -494,7 +494,7 @@ def check_errors() -> None:
         >>> attnbias.check_errors()  # nothing pending: returns at once
     """
     try:
-        modfn.check_errors()
+        mod_reads.check_errors()
     except IndexError:
         plan_cache.clear()  # the calls of that bias validate again (and raise at once)
         raise

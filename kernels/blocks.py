@@ -118,7 +118,7 @@ def _classify_blocks(
     ``heads`` plus head): :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`, in ``ROWS``-row
     slices. A block cut by ``L`` or ``S`` is at most partial.
 
-    ``TILE_FN`` (the masks' bounds over a block, see ``modfn._tile_function``) settles a block
+    ``TILE_FN`` (the masks' bounds over a block, see ``modtiles.tile_function``) settles a block
     without evaluating its pairs where the masks drop all of them, or, with no other mask term,
     keep all of them."""
     pid_m = tl.program_id(0)

@@ -528,7 +528,7 @@ def _list_row(
     return Lists + ((lb * heads + lh) * num_rows + row).to(tl.int64) * (2 * width)
 
 
-# -- generated mask and score functions (``modfn.py``) ---------------------------------------
+# -- generated mask and score functions (``modemit.py``) ---------------------------------------
 # They see FlexAttention's indices: the batch row, the query head, and each pair's query and
 # key positions, clamped into the sequences (rows and columns past L or S in a tile's padding
 # are masked anyway, and must not index a parameter out of its range). Scores go in and out in
@@ -600,7 +600,7 @@ def _mod_score(
 ):  # fmt: skip
     """Base-2 scores ``s2`` through the generated score functions. ``TILED``: a tile of one
     batch row and head (``MODC``'s ``b`` and ``h`` scalars), whose score functions may take
-    one value over the tile where they have one (see ``modfn._score_cut``)."""
+    one value over the tile where they have one (see ``modemit._score_cut``)."""
     q_idx, kv_idx = _mod_indices(offs_m, offs_n, MODC, TRANSPOSED)
     return SCORE_FN(s2 * LN2_K, MODC[0], MODC[1], q_idx, kv_idx, MODC[4], TILED) * LOG2E_K
 

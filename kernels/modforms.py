@@ -1,6 +1,6 @@
 """Mask functions that are built-in masks written as functions: their band and documents.
 
-A traced ``mask_mod`` (:class:`~attnbias.kernels.modfn.TracedMods`) that is a conjunction of
+A traced ``mask_mod`` (:class:`~attnbias.kernels.modgraph.TracedMods`) that is a conjunction of
 
 - comparisons of ``kv_idx - q_idx`` (up to a constant, on either side, either sign) with a
   constant: a diagonal band ``lo <= j - i <= hi``, for example a causal sliding window
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnbias.kernels.modfn import Node, TracedMods
+from attnbias.kernels.modgraph import Node, TracedMods
 
 __all__ = ["BuiltinForm", "builtin_form"]
 

@@ -43,7 +43,9 @@ from attnbias import (
 )
 from attnbias.backends import triton as triton_backend
 from attnbias.biases import parts_of
-from attnbias.kernels import modfn
+from attnbias.kernels import modemit
+from attnbias.mods import eager as mod_reads
+from attnbias.mods.trace import trace_mods
 from attnbias.testing.oracle import (
     assert_close_to_oracle,
     attention,
@@ -238,7 +240,7 @@ CASES: dict[str, Callable[[], Case]] = {
         (1, 4, 2, 40, 72), FP32, (random_table(4, 0),),
     ),
     # keys up to 160 back: the tiles past MAX_DISTANCE read the last bucket only, and the
-    # kernels add it once per tile (modfn._score_cut); the tiles across bucket edges per pair
+    # kernels add it once per tile (modemit._score_cut); the tiles across bucket edges per pair
     "t5_far": lambda: Case(
         lambda table: T5Bias(table) + causal_lower_right(),
         (1, 2, 2, 48, 160), FP32, (random_table(2, 1),),
@@ -624,8 +626,8 @@ def test_a_table_read_through_a_bucket_is_checked_for_one_value_per_tile() -> No
     """A table read at a bucket of the positions is checked per tile for one bucket (the
     T5 case); a score that reads a position as a number (ALiBi's distance) never is."""
     table = random_table(2, 0)
-    traced = modfn.trace_mods([], [T5Bias(table).score_mod])
-    cut = modfn._score_cut(traced)
+    traced = trace_mods([], [T5Bias(table).score_mod])
+    cut = modemit._score_cut(traced)
     assert cut is not None and len(cut) == 1
     (node,) = (traced.nodes[i] for i in cut)
     assert node.kind == "int" and node.op == "where", node  # t5_bucket's last step
@@ -633,8 +635,8 @@ def test_a_table_read_through_a_bucket_is_checked_for_one_value_per_tile() -> No
     def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score - 0.5 * (q_idx - kv_idx).abs()
 
-    assert modfn._score_cut(modfn.trace_mods([], [alibi])) is None
-    source = modfn._generate(traced)
+    assert modemit._score_cut(trace_mods([], [alibi])) is None
+    source = modemit.generate(traced)
     assert "if UNIFORM:" in source and "TILED: tl.constexpr = False" in source
 
 
@@ -1145,16 +1147,16 @@ def test_a_read_that_cannot_be_proven_is_refused_naming_the_fix() -> None:
         return score + table[(score * 2).long()]
 
     with pytest.raises(ValueError, match=r"depends on the score.*\.clamp\(0, 7\)"):
-        ModBias(score_mod=of_score)._traced().check_reads(1, 1, 16, 16)
+        mod_reads.check_reads(ModBias(score_mod=of_score)._traced(), 1, 1, 16, 16)
     weights = torch.rand(5000)
 
     def of_floats(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + table[(weights[q_idx] + weights[kv_idx]).long()]
 
     traced = ModBias(score_mod=of_floats)._traced()
-    traced.check_reads(1, 1, 64, 64)  # evaluated: sums of two values in [0, 1)
+    mod_reads.check_reads(traced, 1, 1, 64, 64)  # evaluated: sums of two values in [0, 1)
     with pytest.raises(ValueError, match="25000000 positions"):
-        traced.check_reads(1, 1, 5000, 5000)
+        mod_reads.check_reads(traced, 1, 1, 5000, 5000)
 
 
 def test_under_torch_compile_a_read_is_proven_by_bounds_alone() -> None:
@@ -1195,8 +1197,8 @@ def test_a_read_past_the_host_limit_is_checked_on_the_device_and_raised_at_the_n
     kept); out of range, the next call (or ``attnbias.check_errors()``) raises the
     ``IndexError`` naming the earlier call, and the same call after it raises at once. Here
     on the CPU with a limit of 100 positions."""
-    monkeypatch.setattr(modfn, "EXACT_LIMIT", 100)
-    monkeypatch.setattr(modfn, "_defers", lambda device: True)
+    monkeypatch.setattr(mod_reads, "EXACT_LIMIT", 100)
+    monkeypatch.setattr(mod_reads, "_defers", lambda device: True)
     table = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     weights = torch.rand(40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 
@@ -1207,19 +1209,19 @@ def test_a_read_past_the_host_limit_is_checked_on_the_device_and_raised_at_the_n
     with use_backends(route):
         check(case, FP32, fused=route == "triton", param_grads=False)
         attnbias.check_errors()  # in range: nothing raised, and nothing left pending
-        assert not modfn.pending_checks()
+        assert not mod_reads.pending_checks()
         weights.mul_(6.0)  # sums now reach 11: outside the table of 8
         q, k, v, _ = tensors(case.shape, FP32)
         bias = case.make()
         if route == "triton":
             sdpa(q, k, v, attn_mask=bias, enable_gqa=True)  # runs; its check is left on the device
-            assert modfn.pending_checks()
+            assert mod_reads.pending_checks()
             with pytest.raises(IndexError, match=r"an earlier call .* reaching \[0, 1[01]\]"):
                 sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
             # the same call again: known out of range, raised at once
             with pytest.raises(IndexError, match=r"reaching \[0, 1[01]\]"):
                 sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
-            assert not modfn.pending_checks()
+            assert not mod_reads.pending_checks()
             other = torch.randn(1, 2, 24, 8)  # another shape: checked on the device again
             sdpa(other, other[:, :1], other[:, :1], attn_mask=bias, enable_gqa=True)
             with pytest.raises(IndexError, match="an earlier call"):
@@ -1246,7 +1248,7 @@ def test_a_read_past_the_host_limit_on_the_gpu() -> None:
     q = torch.randn(1, 1, 8192, 64, device="cuda", dtype=torch.bfloat16)
     with use_backends("triton"):
         sdpa(q, q, q, attn_mask=bias)
-        assert modfn.pending_checks()
+        assert mod_reads.pending_checks()
         sdpa(q, q, q, attn_mask=bias)  # reads the first call's check: in range
         weights.mul_(6.0)
         sdpa(q, q, q, attn_mask=bias)

@@ -25,6 +25,7 @@ from torch import Tensor
 import attnbias
 from attnbias import ModBias, use_backends
 from attnbias.kernels import modfn
+from attnbias.mods import trace
 from attnbias.testing.oracle import assert_call_close
 
 DEVICES = [
@@ -39,13 +40,13 @@ SHAPE = (1, 2, 16, 16)  # B, H, L = S, E: one tile of the interpreted kernel
 def traces(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The number of times functions were traced so far (one element, updated)."""
     count = [0]
-    original = modfn.trace_mods
+    original = trace.trace_mods
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(modfn, "trace_mods", counting)
+    monkeypatch.setattr(trace, "trace_mods", counting)
     yield count
 
 

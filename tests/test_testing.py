@@ -178,9 +178,9 @@ def test_a_route_that_clamps_an_index_fails(monkeypatch: pytest.MonkeyPatch) -> 
     shapes = [(1, 2, 2, length, length, 16)]
     check_bias(bias, shapes=shapes)  # as eager PyTorch: passes
 
-    from attnbias.kernels import modfn
+    from attnbias.mods import eager
 
-    original = modfn._eval_load
+    original = eager._eval_load
 
     def clamping(traced: Any, node: Any, cache: dict[int, Any]) -> Tensor:
         cache = dict(cache)
@@ -189,7 +189,7 @@ def test_a_route_that_clamps_an_index_fails(monkeypatch: pytest.MonkeyPatch) -> 
             cache[arg] = torch.as_tensor(cache[arg]).clamp(0, int(tensor.shape[dim]) - 1)
         return original(traced, node, cache)
 
-    monkeypatch.setitem(modfn._TORCH_EVAL, "load", clamping)
+    monkeypatch.setitem(eager._TORCH_EVAL, "load", clamping)
     attnbias.plan_cache.clear()
     with pytest.raises(AssertionError, match=r"route '(sdpa\+mask|reference)'"):
         check_bias(ModBias(score_mod=lambda s, b, h, q, kv: s + table[h, kv - q]), shapes=shapes)

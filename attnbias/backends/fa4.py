@@ -42,7 +42,7 @@ from attnbias.spec import Spec
 from attnbias.terms import Terms
 
 if TYPE_CHECKING:
-    from attnbias.kernels.modfn import TracedMods
+    from attnbias.kernels.modgraph import TracedMods
 
 __all__ = ["FlashAttention4", "window_size"]
 

@@ -1,5 +1,5 @@
 """FlashAttention 4's form of generated mask and score functions (``ModBias``): the traced graph
-(:class:`~attnbias.kernels.modfn.TracedMods`) written as CuTe DSL source for FlashAttention 4's
+(:class:`~attnbias.kernels.modgraph.TracedMods`) written as CuTe DSL source for FlashAttention 4's
 callbacks, and the block lists of the mask functions as its block sparsity.
 
 The callbacks, with FlashAttention 4's signatures (``b_idx``, ``h_idx``, ``q_idx``, ``kv_idx``
@@ -24,7 +24,7 @@ The graph's numbers (and the band, the soft-cap, the parameters' sizes) are Flas
 (float32, or int32 for integers and booleans) and indexed by the index expressions as the
 Triton kernels index them: a negative index counts from the end (as in eager PyTorch), then it
 is clamped into its dimension, only a guard for the memory (every read at a valid position was
-proven in range on the host, :meth:`~attnbias.kernels.modfn.TracedMods.check_reads`). The
+proven in range on the host, :func:`~attnbias.mods.check_reads`). The
 source is generated once per graph structure and options, and compiled once per source
 (:func:`callbacks`).
 
@@ -46,7 +46,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from attnbias.kernels.modfn import INDEX_NAMES, Node, TracedMods, _node_inputs, jit_from_source
+from attnbias.kernels.modfn import jit_from_source
+from attnbias.kernels.modgraph import INDEX_NAMES, Node, TracedMods, node_inputs
 
 __all__ = [
     "MAX_NUMBER_SETS",
@@ -130,7 +131,7 @@ def _score_path(traced: TracedMods) -> set[int]:
     score = traced.inputs["score"]
     found = {score}
     for node_id, node in enumerate(traced.nodes):
-        if any(arg in found for arg in _node_inputs(node)):
+        if any(arg in found for arg in node_inputs(node)):
             found.add(node_id)
     return found
 
@@ -210,16 +211,16 @@ def _int64_problems(traced: TracedMods, needed: set[int]) -> list[str]:
     numbers, positions up to ``2**31``, 64-bit tensors read as int32). The callbacks compute
     integers in 32 bits, where such a value wraps; eager PyTorch, and the Triton kernels, in
     64."""
-    from attnbias.kernels.modfn import _INT32, _value_ranges
+    from attnbias.kernels.modgraph import INT32, value_ranges
 
-    ranges = _value_ranges(_as_int32(traced))
+    ranges = value_ranges(_as_int32(traced))
     functions = []
     for node_id in sorted(needed):
         node = traced.nodes[node_id]
         if node.kind != "int" or node.op in ("input", "load"):
             continue
         low, high, _ = ranges[node_id]
-        if not (low >= _INT32[0] and high <= _INT32[1]):
+        if not (low >= INT32[0] and high <= INT32[1]):
             functions.append(traced.function_of(node_id))
     return [
         f"{name} computes 64-bit integers: values that may not fit 32 bits (e.g. a product "
@@ -460,7 +461,7 @@ class _Emitter:
         """One element of a flattened tensor parameter per pair (the callbacks see one pair at a
         time where they read tensors: FlashAttention 4's vector size is 1 with aux tensors).
         A negative index counts from the end where one may be negative
-        (:meth:`~attnbias.kernels.modfn.TracedMods.wrapped_reads`); the clamp after it only
+        (:meth:`~attnbias.kernels.modgraph.TracedMods.wrapped_reads`); the clamp after it only
         guards the memory (the host proved every read at a valid position in range)."""
         slot, *indices = node.args
         base = self.slots.params[slot]
@@ -519,7 +520,7 @@ class _Emitter:
         op, args = node.op, node.args
         if op == "cast":
             return self.tangent(args[0], path)
-        t = [self.tangent(a, path) for a in _node_inputs(node)]
+        t = [self.tangent(a, path) for a in node_inputs(node)]
         if op in ("add", "sub"):
             if t[1] is None:
                 return t[0]

@@ -18,8 +18,9 @@ from torch import Tensor
 from attnbias.biases.base import Device, KernelBias, Shape, check_head_range, resolve_lengths
 from attnbias.biases.documents import DocumentBias
 from attnbias.biases.mod_values import cell_value, renumbered, seen, unchanged, with_slots
-from attnbias.kernels.modfn import ModTraceError
 from attnbias.materialize import MaskedBias, compute_dtype
+from attnbias.mods import eager as graph_eval
+from attnbias.mods.symbols import ModTraceError
 from attnbias.terms import Block, Call, Terms
 
 __all__ = ["ModBias", "compiled_mods"]
@@ -76,7 +77,7 @@ class ModBias(KernelBias):
     traces them again where something changed (tens of µs; the same structure generates the
     same source, so nothing compiles). Under ``torch.compile`` and CUDA-graph replay the
     values are those of the last call outside them. What the compiler takes: see
-    :data:`attnbias.kernels.modfn.SUPPORTED`; anything else (a Python ``if`` on an index, an
+    :data:`attnbias.mods.SUPPORTED`; anything else (a Python ``if`` on an index, an
     unknown operator) is refused at the first call, naming the function and the operator.
 
     Functions that are built-ins written as functions run as those built-ins: a conjunction of
@@ -184,7 +185,7 @@ class ModBias(KernelBias):
             renewed = renumbered(found, probes, self.__dict__.get("_value_slots"))
             if renewed is not None:
                 return self._keep_trace(renewed[0], renewed[1], self.__dict__["_value_slots"])
-        from attnbias.kernels.modfn import trace_mods
+        from attnbias.mods.trace import trace_mods
 
         _refuse_inside_compile(self)
         functions = self.functions()
@@ -278,7 +279,7 @@ class ModBias(KernelBias):
                     f"{self!r} reads a tensor of shape {tuple(tensor.shape)} on {tensor.device}, "
                     f"but the inputs are on {call.device}; move it with .to({str(call.device)!r})"
                 )
-        traced.check_reads(call.batch, call.heads, call.length_q, call.length_kv)
+        graph_eval.check_reads(traced, call.batch, call.heads, call.length_q, call.length_kv)
 
     def lower(self, call: Call) -> Terms:
         form = self.builtin_form()
@@ -379,7 +380,7 @@ class ModBias(KernelBias):
             (kv_node, "kv_idx", call.length_kv),
         ):
             positions = torch.arange(length, device=call.device)[None, :]
-            value = traced.evaluate(node, b=b, **{name: positions})
+            value = graph_eval.evaluate(traced, node, b=b, **{name: positions})
             ids.append(
                 value.to(device=call.device, dtype=torch.long).expand(rows, length).contiguous()
             )
@@ -451,17 +452,17 @@ class ModBias(KernelBias):
         ``[q_start, q_start + L)`` of a larger call (bool, the shape the functions read;
         ``None`` without masks): a slice of rows without functions traced anew."""
         b, h, q_idx, kv_idx = _grid(device, shape, type(self).__name__)
-        return self._traced().mask_grid(b, h, q_idx + q_start, kv_idx)
+        return graph_eval.mask_grid(self._traced(), b, h, q_idx + q_start, kv_idx)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         traced = self._traced()
         grid = _grid(device, shape, type(self).__name__)
-        keep = traced.mask_grid(*grid)
+        keep = graph_eval.mask_grid(traced, *grid)
         if not traced.scores:
             return MaskedBias(keep, None)
 
         def score_fn(scores: Tensor) -> Tensor:
-            return traced.score_grid(scores, *grid)
+            return graph_eval.score_grid(traced, scores, *grid)
 
         return MaskedBias(keep, None, score_fns=(score_fn,))
 
@@ -480,8 +481,8 @@ class ModBias(KernelBias):
         grid = _grid(device, shape, type(self).__name__)
         compute = compute_dtype(dtype)
         zeros = torch.zeros((), dtype=compute, device=grid[2].device)
-        additive = traced.score_grid(zeros, *grid) if traced.scores else zeros
-        keep = traced.mask_grid(*grid)
+        additive = graph_eval.score_grid(traced, zeros, *grid) if traced.scores else zeros
+        keep = graph_eval.mask_grid(traced, *grid)
         if keep is not None:
             additive = torch.where(keep, additive, torch.tensor(-math.inf, dtype=compute))
         b, h, q_idx, kv_idx = grid
@@ -497,8 +498,8 @@ class ModBias(KernelBias):
         traced = self._traced()
         values = self.__dict__["_values_key"]
         # the tensors' shapes and the versions of those indices are read from: a call after
-        # a resize or a write there proves its reads again (:meth:`TracedMods.check_reads`)
-        reads = traced.read_versions()
+        # a resize or a write there proves its reads again (:func:`attnbias.mods.check_reads`)
+        reads = graph_eval.read_versions(traced)
         if reads is None:
             return None
         shapes = tuple(tuple(t.shape) for t in traced.params)
@@ -654,7 +655,8 @@ def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
     sum is built, and again where the values a part's functions read changed (the same
     structure generates the same source: nothing compiles again); inside ``torch.compile``
     only the kept form is read."""
-    from attnbias.kernels.modfn import CompiledMods, trace_mods
+    from attnbias.kernels.modfn import CompiledMods
+    from attnbias.mods.trace import trace_mods
 
     first = parts[0]
     # each part's values as they are now (a part whose values changed drops its forms)

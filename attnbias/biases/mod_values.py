@@ -230,7 +230,7 @@ def with_slots(
     only where every place the walk of :func:`seen` met it was replaced: a helper function
     reading the same cell or global, or the bias reached from elsewhere than its own
     methods, would still read the number itself."""
-    from attnbias.kernels import modfn
+    from attnbias.mods import trace
 
     masks, scores = functions
     bound = {
@@ -260,10 +260,10 @@ def with_slots(
         return [rebuilt(f) for f in masks], [rebuilt(f) for f in scores]
 
     try:
-        traced = modfn.trace_mods(masks, scores, bind=bind)
+        traced = trace.trace_mods(masks, scores, bind=bind)
     except Exception:  # the plain trace is what the calls use; this one only saves work
         return None
-    if not replaced or not modfn.same_graph(traced, plain):
+    if not replaced or not trace.same_graph(traced, plain):
         return None
     counts: dict[tuple[int, int, Any], int] = {}
     for how, container, key, _ in probes:
