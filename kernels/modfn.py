@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from attnbias.kernels.modemit import generate
 from attnbias.kernels.modgraph import TracedMods
 
@@ -117,8 +119,14 @@ class CompiledMods:
         key = (self.source, tuple(type(c) for c in self.traced.consts))
         number = _REGISTERED.get(key)
         if number is None:
+            # the template holds the graph and the code, not the tensors it was made with:
+            # each call hands in its own (:meth:`unpack_from`)
+            stand_ins = [_STAND_IN] * len(self.traced.params)
+            template = dataclasses.replace(
+                self, traced=dataclasses.replace(self.traced, params=stand_ins)
+            )
             number = _REGISTERED[key] = len(_TEMPLATES)
-            _TEMPLATES.append(self)
+            _TEMPLATES.append(template)
         return number
 
     def pack_into(self, tensors: list[Any], ints: list[int], floats: list[float]) -> None:
@@ -145,8 +153,11 @@ class CompiledMods:
         return dataclasses.replace(template, traced=traced)
 
 
+#: The registry of generated forms: one entry per generated source and kinds of numbers (as
+#: many as the Triton compilations they cost), holding no tensor of the user's.
 _REGISTERED: dict[tuple[str, tuple[type, ...]], int] = {}
 _TEMPLATES: list[CompiledMods] = []
+_STAND_IN = torch.empty(0, device="meta")
 
 
 _WRAPPERS: dict[tuple[Any, ...], Any] = {}

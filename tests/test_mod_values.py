@@ -326,3 +326,35 @@ def test_under_torch_compile_a_changed_value_is_never_used_stale() -> None:
                 whole(*inputs)
             attnbias.sdpa(*inputs, attn_mask=bias)  # once outside: the next compiled call is right
             assert_call_close(whole, bias, inputs, grad)
+
+
+def test_the_registry_of_generated_forms_keeps_no_tensor_of_the_user() -> None:
+    """The registered ops carry a form's number; the registry's template must not keep the
+    tensors of the first bias of that form alive after the bias is gone."""
+    import gc
+    import weakref
+
+    from attnbias.kernels.modfn import CompiledMods
+
+    def made() -> tuple[CompiledMods, Any]:
+        table = torch.randn(4, 8)
+        traced = trace.trace_mods([], [lambda s, b, h, q, kv: s + table[h, kv % 8]])
+        return CompiledMods.of(traced), weakref.ref(table)
+
+    compiled, gone = made()
+    number = compiled.register()
+    assert compiled.traced.params[0] is gone()  # the form in use holds it
+    del compiled
+    gc.collect()
+    assert gone() is None
+    # a call of the same form hands its own tensors to the registered form
+    other = torch.randn(4, 8)
+    again = CompiledMods.of(trace.trace_mods([], [lambda s, b, h, q, kv: s + other[h, kv % 8]]))
+    assert again.register() == number
+    tensors: list[Any] = []
+    ints: list[int] = []
+    floats: list[float] = []
+    again.pack_into(tensors, ints, floats)
+    unpacked = CompiledMods.unpack_from(number, iter(tensors), iter(ints), iter(floats))
+    assert len(unpacked.traced.params) == 1 and unpacked.traced.params[0] is other
+    assert unpacked.traced.consts == again.traced.consts
