@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnbias.kernels.modgraph import INDEX_NAMES, Node, TracedMods, node_inputs
-from attnbias.kernels.modtiles import TileEmitter, function_source, tile_function
+from .modgraph import INDEX_NAMES, Node, TracedMods, node_inputs
+from .modtiles import TileEmitter, function_source, tile_function
 
 __all__ = ["generate"]
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from attnbias.kernels.modemit import generate
-from attnbias.kernels.modgraph import TracedMods
+from .modemit import generate
+from .modgraph import TracedMods
 
 __all__ = ["CompiledMods", "jit_from_source", "with_flat_mods"]
 

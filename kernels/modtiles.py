@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnbias.kernels.modgraph import Node, TracedMods, node_inputs
+from .modgraph import Node, TracedMods, node_inputs
 
 __all__ = ["TileEmitter", "function_source", "tile_function"]
 
