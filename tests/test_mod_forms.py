@@ -1,7 +1,7 @@
 """``ModBias`` functions that are built-in biases written as functions: a band (``kv_idx -
 q_idx`` compared with numbers), equal chunks (``q_idx // C == kv_idx // C``) and document ids
 (``docs[b, q_idx] == docs[b, kv_idx]``) run as the built-in band and documents, and a score
-function ``cap * tanh(score / cap)`` as the built-in soft-cap (``attnbias.kernels.modforms``).
+function ``cap * tanh(score / cap)`` as the built-in soft-cap (``attnbias.mods.forms``).
 
 The forms found are checked against the functions themselves called on real index tensors (not
 through the tracer), over drawn conjunctions; look-alikes that are no such form are left to the
@@ -23,7 +23,7 @@ from torch import Tensor
 
 import attnbias
 from attnbias import KeyRangeBias, ModBias, SoftcapBias, explain, sdpa, use_backends
-from attnbias.kernels.modforms import BuiltinForm
+from attnbias.mods.forms import BuiltinForm
 from attnbias.terms import Block, Call
 from attnbias.testing.oracle import assert_call_close, flash_rounding
 from attnbias.testing.strategies import draw_inputs

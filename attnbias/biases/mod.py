@@ -88,7 +88,7 @@ class ModBias(KernelBias):
     score function ``cap * tanh(score / cap)`` as the soft-cap (where the sum has no ALiBi,
     tensor bias, other soft-cap or earlier score function, which would apply before it). The
     same pairs and scores, with the built-ins' analytic tile ranges on every backend that
-    takes them (:func:`attnbias.kernels.modforms.builtin_form`; ``explain`` says so). Set the
+    takes them (:func:`attnbias.mods.forms.builtin_form`; ``explain`` says so). Set the
     class attribute ``run_as_builtin = False`` on a subclass to run its functions as they are.
 
     Copies (``copy.copy``, ``copy.deepcopy``, ``pickle``) hold the fields and functions and
@@ -304,7 +304,7 @@ class ModBias(KernelBias):
 
     def builtin_form(self) -> Any:
         """The band, documents and soft-cap this bias's functions are
-        (:class:`~attnbias.kernels.modforms.BuiltinForm`), or ``None`` where they are
+        (:class:`~attnbias.mods.forms.BuiltinForm`), or ``None`` where they are
         something else or the class sets ``run_as_builtin = False``. Document ids read from
         the indices (``docs[b, q_idx] == docs[b, kv_idx]``) are documents only where they do
         not decrease along a row: each call checks that (:meth:`lower`)."""
@@ -312,7 +312,7 @@ class ModBias(KernelBias):
             return None
         found = self.__dict__.get("_builtin_form", _UNSET)
         if found is _UNSET:
-            from attnbias.kernels.modforms import builtin_form
+            from attnbias.mods.forms import builtin_form
 
             found = builtin_form(self._traced())
             object.__setattr__(self, "_builtin_form", found)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .modgraph import Node, TracedMods
+from attnbias.kernels.modgraph import Node, TracedMods
 
 __all__ = ["BuiltinForm", "builtin_form"]
 
