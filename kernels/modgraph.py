@@ -140,15 +140,18 @@ class TracedMods:
                 return function.name
         return "a ModBias function"
 
+    def used_nodes(self) -> set[int]:
+        """The nodes some mask or score function's result is computed from."""
+        results = [f.result for f in (*self.masks, *self.scores)]
+        return set().union(*(self.ancestors(r) for r in results)) if results else set()
+
     def read_list(self) -> list[tuple[int, int]]:
         """``(load node, dimension)`` of every read the functions make, in node order."""
         found = self.__dict__.get("_read_list")
         if found is None:
-            results = [f.result for f in (*self.masks, *self.scores)]
-            needed = set().union(*(self.ancestors(r) for r in results)) if results else set()
             found = [
                 (node_id, dim)
-                for node_id in sorted(needed)
+                for node_id in sorted(self.used_nodes())
                 if self.nodes[node_id].op == "load"
                 for dim in range(len(self.nodes[node_id].args) - 1)
             ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from attnbias.kernels.modgraph import INDEX_NAMES, Node, TracedMods, node_inputs
 
 __all__ = [
-    "DIFFERENTIABLE", "WRITTEN", "Options", "backward_problems", "generate", "needed_nodes",
+    "DIFFERENTIABLE", "WRITTEN", "Options", "backward_problems", "generate",
     "score_path",
 ]  # fmt: skip
 
@@ -61,11 +61,6 @@ def score_path(traced: TracedMods) -> set[int]:
         if any(arg in found for arg in node_inputs(node)):
             found.add(node_id)
     return found
-
-
-def needed_nodes(traced: TracedMods) -> set[int]:
-    results = [f.result for f in (*traced.masks, *traced.scores)]
-    return set().union(*(traced.ancestors(r) for r in results)) if results else set()
 
 
 class _Scalars:

@@ -51,7 +51,6 @@ from attnbias.backends.fa4_cute import (
     Options,
     backward_problems,
     generate,
-    needed_nodes,
 )
 from attnbias.kernels.modfn import jit_from_source
 from attnbias.kernels.modgraph import TracedMods
@@ -115,7 +114,7 @@ def reasons(traced: TracedMods, *, needs_grad: bool, grouped: bool) -> list[str]
     may require grad: FlashAttention 4 gives none for it); ``grouped``: Hq != Hkv (its SM90
     backward hands score callbacks packed query indices and heads under GQA)."""
     found: list[str] = []
-    needed = needed_nodes(traced)
+    needed = traced.used_nodes()
     nodes = traced.nodes
     for node_id in sorted(needed):
         node = nodes[node_id]
