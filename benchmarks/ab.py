@@ -91,7 +91,7 @@ def mod_biases(lib: Any, seq_len: int, table: torch.Tensor) -> dict[str, Any]:
     )
 
     def t5(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return score + table[h, t5_bucket(q_idx - kv_idx)]
+        return score + table[h, t5_bucket(q_idx - kv_idx).clamp(0, 31)]
 
     made = {
         "prefix-LM": lib.ModBias(mask_mod=PrefixLM(seq_len // 8).mask_mod),
