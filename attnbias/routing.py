@@ -60,6 +60,10 @@ MIN_REPEATS = 1
 BUDGET_S = 0.5
 #: A candidate whose estimate is this many times the fastest one's is not timed further.
 PRUNE = 2.0
+#: A short call's estimate is the fastest of this many timings of one call: a single call's
+#: host time can read several times its usual (a collection, an allocation, a first use),
+#: which would prune the fastest candidate before its repetitions are timed.
+ESTIMATES = 3
 #: Calls back to back per timing (queued behind one untimed call, as in a model's loop), at
 #: most :data:`CALLS` and as many as fit in :data:`CALL_SPAN_S` seconds (one for slow calls).
 CALLS = 8
@@ -487,8 +491,9 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
     of memory or fails is left out. The gradients of the bias's tensors are restored.
 
     Each candidate first runs once untimed and waited for (it compiles there where it needs
-    to), then is timed on one call (again behind an untimed one where it is shorter than
-    :data:`PRIMED_BELOW_S`, see :func:`_timed`), which estimates it; a candidate more than
+    to), then is timed on one call (where it is shorter than :data:`PRIMED_BELOW_S`, again
+    :data:`ESTIMATES` times behind an untimed one, see :func:`_timed`, and the fastest of those
+    kept), which estimates it; a candidate more than
     :data:`PRUNE` times slower than the fastest estimate cannot win and is not timed further.
     The rest are timed in interleaved repetitions (:data:`CALLS` calls each, fewer for slow
     calls) while another round fits in
@@ -517,7 +522,7 @@ def measure(spec: Any, candidates: list[str]) -> dict[str, float]:
                 began = time.perf_counter()
                 estimate = _timed(step, device, 1, primed=False)
                 if estimate < PRIMED_BELOW_S:  # host time may weigh: timed as a loop sees it
-                    estimate = _timed(step, device, 1)
+                    estimate = min(_timed(step, device, 1) for _ in range(ESTIMATES))
             except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError):
                 warm_up += time.perf_counter() - began
                 continue
