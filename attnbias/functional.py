@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Hashable
@@ -25,9 +26,10 @@ from torch import Tensor
 from attnbias import plan_cache, routing
 from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import from_torch, set_router
+from attnbias.kinds import Form
 from attnbias.mods import eager as mod_reads
-from attnbias.planner import current_policy, plan
-from attnbias.spec import call_form, capturing, make_spec
+from attnbias.planner import Plan, current_policy, needs_reach, plan
+from attnbias.spec import Spec, call_form, capturing, make_spec, with_mask_reach
 from attnbias.terms import Call
 
 __all__ = ["check_errors", "explain", "patch_sdpa", "sdpa"]
@@ -186,15 +188,15 @@ def _decide(
     routes where the route depends on being captured in a CUDA graph).
     """
     form = call_form(query, attn_mask)
-    if form in ("no mask", "tensor") and _planned(query, is_causal, scale):
+    if form in (Form.NO_MASK, Form.TENSOR) and _planned(query, is_causal, scale):
         # planned as a bias: a mask tensor as TensorBias, no mask as the empty sum
         if isinstance(attn_mask, Tensor):
             attn_mask = TensorBias(attn_mask)
             form = call_form(query, attn_mask)
         else:
-            form = "bias"
+            form = Form.BIAS
     chosen = routing.decide(
-        plan(
+        plan_spec(
             make_spec(
                 query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, form=form
             )
@@ -206,6 +208,13 @@ def _decide(
         if entry is not None:
             return chosen.explain, partial(entry.run, query, key, value)
     return chosen.explain, chosen.run
+
+
+def plan_spec(spec: Spec) -> Plan:
+    """The planner's decision for ``spec``, with the per-shape facts of the lowering that
+    planning reads worked out first (on the device: the reach of a ModBias mask,
+    :func:`~attnbias.spec.with_mask_reach`); planning itself launches nothing."""
+    return plan(with_mask_reach(spec) if needs_reach(spec) else spec)
 
 
 def _planned(query: Tensor, is_causal: bool, scale: float | None) -> bool:
@@ -230,7 +239,8 @@ def _route(
 ) -> Tensor:
     """The ``dispatch`` of the built-in biases (``KernelBias.dispatch``): the dispatcher's
     decision for the call, run."""
-    return plan(make_spec(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)).run()
+    spec = make_spec(query, key, value, attn_bias, causal, scale, dropout_p, enable_gqa)
+    return plan_spec(spec).run()
 
 
 set_router(_route)
@@ -290,6 +300,12 @@ def sdpa(
     if mod_reads.pending_checks() and not torch.compiler.is_compiling() and not capturing(query):
         check_errors()  # an earlier call's reads, checked on the device
     attn_mask = from_torch(attn_mask) or attn_mask  # PyTorch's own causal bias, as ours
+    if isinstance(attn_mask, AttnBias) and attn_mask.holds_pages:
+        from attnbias.paged import paged_sdpa  # key and value are page pools
+
+        return paged_sdpa(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )  # fmt: skip
     call = plan_cache.call_key(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, current_policy()
     )
@@ -342,6 +358,10 @@ def explain(
           sdpa+mask: soft-cap has no materialized form
     """
     attn_mask = from_torch(attn_mask) or attn_mask
+    if isinstance(attn_mask, AttnBias) and attn_mask.holds_pages:
+        from attnbias.paged import paged_explain
+
+        return paged_explain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dropout_p, scale = _validate(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
@@ -486,7 +506,9 @@ def check_errors() -> None:
     the next eager call of :func:`sdpa` reads that check first and raises the ``IndexError``
     there, naming the tensor and the range reached (the earlier call's output is wrong).
     Call this to read the checks now, e.g. at the end of a step. Nothing is pending (and
-    nothing synchronises) otherwise.
+    nothing synchronises) otherwise. Likewise the checks of a paged cache's tables
+    (:class:`~attnbias.biases.paged.PagedKV`: a page outside the pools, a length beyond a row's
+    pages, more queries than tokens), raised as ``ValueError``.
 
     Example::
 
@@ -498,3 +520,5 @@ def check_errors() -> None:
     except IndexError:
         plan_cache.clear()  # the calls of that bias validate again (and raise at once)
         raise
+    if "attnbias.paged" in sys.modules:
+        sys.modules["attnbias.paged"].check_pending(wait=True)

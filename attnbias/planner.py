@@ -26,6 +26,7 @@ import torch
 from attnbias.backends import BACKENDS, ROUTES, Backend
 from attnbias.backends.documents import document_part, documents_layout
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
+from attnbias.kinds import Form, Kind
 from attnbias.policy import (
     CAPTURED_FA4_FIRST,
     COSTS,
@@ -50,6 +51,7 @@ __all__ = [
     "current_policy",
     "generation",
     "kept_pairs",
+    "needs_reach",
     "plan",
     "predict",
     "use_backends",
@@ -266,7 +268,7 @@ def capture_alternative(spec: Spec) -> Plan | None:
     """The plan of ``spec`` in the other capture state (captured in a CUDA graph, or not)
     where it may choose another backend (:func:`captured_fa4_first`), else ``None``."""
     if (
-        spec.form != "bias"
+        spec.form != Form.BIAS
         or spec.compiling
         or not capturable(spec.query)
         or not captured_fa4_first(generation(spec.device), spec)
@@ -276,7 +278,7 @@ def capture_alternative(spec: Spec) -> Plan | None:
 
 
 def _order(
-    gen: str, kind: str, needs_grad: bool, policy: _Policy, fa4_first: bool = False
+    gen: str, kind: Kind | Form, needs_grad: bool, policy: _Policy, fa4_first: bool = False
 ) -> tuple[tuple[str, ...], str]:
     """The backends to try, in order, and what decided it (for ``explain``); ``fa4_first``
     moves FlashAttention 4 before the decode kernel (:func:`captured_fa4_first`)."""
@@ -284,7 +286,8 @@ def _order(
         order = policy.only
         heading = "pinned by use_backends"
     else:
-        preferred = PRIORITY[gen].get(kind, Order(())).pick(needs_grad)
+        found = PRIORITY[gen].get(kind) if isinstance(kind, Kind) else None  # a form: none
+        preferred = (found or Order(())).pick(needs_grad)
         order = tuple(dict.fromkeys(preferred + FALLBACK))
         heading = f"{gen}, {kind}, {'training' if needs_grad else 'inference'}"
         if fa4_first and "fa4" in order:
@@ -365,25 +368,32 @@ def predict(spec: Spec, cost: Cost, pairs: int) -> tuple[float, float]:
     return (0.0 if spec.capturing else host), gpu
 
 
-def _short_reach(gen: str, spec: Spec, policy: _Policy) -> float | None:
-    """For a call of ModBias masks without gradients that FlashAttention 4 would take first
-    (``"mod mask"``), the keys its mask visits per block of query rows where that is below
-    :data:`~attnbias.policy.MOD_MASK_FA4_MIN_KEYS` (the call then takes the order of score
-    functions, the Triton kernel first), else ``None``. Reads the mask's block lists (built
-    once, the kernels' own) with one host synchronisation, so not while a CUDA graph is
-    captured; a decode's short queries go to the decode kernel first anyway."""
+def needs_reach(spec: Spec) -> bool:
+    """Whether planning ``spec`` reads :attr:`~attnbias.spec.Spec.mask_reach`: a call of
+    ModBias masks without gradients that FlashAttention 4 would take first (``"mod mask"``),
+    neither captured nor traced nor pinned, longer than a decode (whose short queries go to the
+    decode kernel first anyway). Arithmetic only: the dispatcher works the reach out on the
+    device (:func:`~attnbias.spec.with_mask_reach`) before it plans."""
     if (
-        spec.kind != "mod mask"
+        spec.kind != Kind.MOD_MASK
         or spec.needs_grad
         or spec.capturing
-        or policy.only is not None
-        or "mod mask" not in PRIORITY[gen]
+        or spec.compiling
         or spec.shape[2] <= MAX_DECODE_QUERIES
+        or current_policy().only is not None
     ):
-        return None
-    from attnbias.kernels.masks import visited_keys_per_row
+        return False
+    return Kind.MOD_MASK in PRIORITY[generation(spec.device)]
 
-    keys = visited_keys_per_row(spec.query, spec.key, spec.program)
+
+def _short_reach(spec: Spec) -> float | None:
+    """The reach of ``spec``'s ModBias mask where it is below
+    :data:`~attnbias.policy.MOD_MASK_FA4_MIN_KEYS` and planning reads it (the call then takes
+    the order of score functions, the Triton kernel first), else ``None`` (unknown: the order
+    of masks stands)."""
+    keys = spec.mask_reach
+    if keys is None or not needs_reach(spec):
+        return None
     return keys if keys < MOD_MASK_FA4_MIN_KEYS else None
 
 
@@ -409,11 +419,13 @@ def _weigh(
 
 def plan(spec: Spec) -> Plan:
     """Walk the priority list for ``spec`` and take the first backend with no reason against it
-    (a call of a form with one route takes that route, :data:`FORM_ROUTES`)."""
+    (a call of a form with one route takes that route, :data:`FORM_ROUTES`). Arithmetic on the
+    spec and the tables: nothing is launched (what needs the device is a fact of the spec,
+    worked out before planning: :func:`needs_reach`)."""
     fixed = FORM_ROUTES.get(spec.form)
     policy = current_policy()
     # a bias that materializes goes where its mask can go, unless backends are pinned
-    if fixed is not None and not (spec.form == "materialize" and policy.only is not None):
+    if fixed is not None and not (spec.form == Form.MATERIALIZE and policy.only is not None):
         return Plan(spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False, fixed=True)
     kind = spec.kind
     if spec.compiling:
@@ -425,11 +437,11 @@ def plan(spec: Spec) -> Plan:
     else:
         gen = generation(spec.device)
         fa4_first = spec.capturing and captured_fa4_first(gen, spec)
-        reach = _short_reach(gen, spec, policy)
+        reach = _short_reach(spec)
         if reach is None:
             order, heading = _cached_order(gen, kind, spec.needs_grad, policy, fa4_first)
         else:
-            order, heading = _cached_order(gen, "mod", spec.needs_grad, policy, fa4_first)
+            order, heading = _cached_order(gen, Kind.MOD, spec.needs_grad, policy, fa4_first)
             heading = (
                 f"{gen}, {kind}, inference; its mask visits {reach:.0f} keys per block of query "
                 f"rows, below {MOD_MASK_FA4_MIN_KEYS}: the order of score functions"

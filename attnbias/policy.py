@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attnbias.kinds import Form, Kind
+
 __all__ = [
     "CAPTURED_FA4_FIRST",
     "COSTS",
@@ -41,7 +43,7 @@ class CapturedFa4First:
     masks of these ``kinds``, without gradients, with at least ``min_rows`` packed rows
     (``Hq / Hkv * L``) whose queries keep keys from a range of at most ``max_keys``."""
 
-    kinds: frozenset[str]
+    kinds: frozenset[Kind]
     min_rows: int
     max_keys: int
 
@@ -51,26 +53,28 @@ class CapturedFa4First:
 # takes but ALiBi without gradients (the Triton kernel is as fast there); the decode kernel
 # comes first because it takes only short queries without gradients, where it is fastest
 # when called eagerly (FlashAttention 4's host time is far above their GPU time).
-_HOPPER: dict[str, Order] = {
-    "none": Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
-    "causal": Order(("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")),
-    "band": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+_HOPPER: dict[Kind, Order] = {
+    Kind.NONE: Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
+    Kind.CAUSAL: Order(
+        ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
+    ),
+    Kind.BAND: Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
     # Stock SDPA takes documents only where they are of one length (chunked attention), as
     # separate sequences: faster than FlashAttention 4 where its host time shows, slower where
     # the GPU's time decides, so the weighing below picks (benchmarks/NOTES.md, "Documents of
     # one length on stock SDPA").
-    "documents": Order(
+    Kind.DOCUMENTS: Order(
         ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
     ),
-    "softcap": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    "alibi": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
+    Kind.SOFTCAP: Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    Kind.ALIBI: Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
     # ModBias functions: FlashAttention 4 with generated callbacks and block sparsity where it
     # takes them (on capability 9 only), the Triton kernels otherwise. In training FA4 first
     # (faster on most examples); without gradients masks alone ("mod mask") FA4 first, score
     # functions ("mod") the Triton kernel first, where FA4 was slower (the figures:
     # benchmarks/NOTES.md, "Figures behind the code's choices").
-    "mod mask": Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    "mod": Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
+    Kind.MOD_MASK: Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    Kind.MOD: Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
 }
 # ModBias masks without gradients take FlashAttention 4 first (the "mod mask" order above) only
 # where their block lists visit at least this many keys per block of query rows; below, the
@@ -80,17 +84,17 @@ _HOPPER: dict[str, Order] = {
 MOD_MASK_FA4_MIN_KEYS = 1536
 # Blackwell follows Hopper, unmeasured, but for ModBias functions, whose FlashAttention 4 form
 # is laid out for Hopper's kernels.
-_BLACKWELL: dict[str, Order] = {
-    kind: order for kind, order in _HOPPER.items() if kind not in ("mod", "mod mask")
+_BLACKWELL: dict[Kind, Order] = {
+    kind: order for kind, order in _HOPPER.items() if kind not in (Kind.MOD, Kind.MOD_MASK)
 }
 # Other GPUs and the CPU: stock SDPA where it fuses the mask, then the library's kernels.
-_DEFAULT: dict[str, Order] = {
-    "none": Order(("sdpa",)),
-    "causal": Order(("sdpa", "triton-decode", "triton")),
-    "documents": Order(("sdpa", "triton-decode", "triton")),  # equal documents only, as above
+_DEFAULT: dict[Kind, Order] = {
+    Kind.NONE: Order(("sdpa",)),
+    Kind.CAUSAL: Order(("sdpa", "triton-decode", "triton")),
+    Kind.DOCUMENTS: Order(("sdpa", "triton-decode", "triton")),  # equal documents only, as above
 }
 # Per GPU generation (``planner.generation``).
-PRIORITY: dict[str, dict[str, Order]] = {
+PRIORITY: dict[str, dict[Kind, Order]] = {
     "hopper": _HOPPER,
     "blackwell": _BLACKWELL,
     "cuda": _DEFAULT,
@@ -101,7 +105,7 @@ FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
 # A call captured in a CUDA graph pays its host time once, at capture: on these decodes
 # FlashAttention 4's GPU time was lower than the decode kernel's in CUDA-graph replays.
 CAPTURED_FA4_FIRST = CapturedFa4First(
-    kinds=frozenset({"causal", "band"}), min_rows=16, max_keys=8192
+    kinds=frozenset({Kind.CAUSAL, Kind.BAND}), min_rows=16, max_keys=8192
 )
 
 
@@ -141,10 +145,10 @@ SWITCH_FACTOR = 1.5
 # mask go to stock SDPA unchanged, a bias that needs materialization to stock SDPA with its
 # mask, a bias class with its own dispatch to that dispatch, and a call with no output element
 # to no kernel at all.
-FORM_ROUTES: dict[str, str] = {
-    "empty": "empty",
-    "tensor": "sdpa",
-    "no mask": "sdpa",
-    "materialize": "sdpa+mask",
-    "dispatch": "dispatch",
+FORM_ROUTES: dict[Form, str] = {
+    Form.EMPTY: "empty",
+    Form.TENSOR: "sdpa",
+    Form.NO_MASK: "sdpa",
+    Form.MATERIALIZE: "sdpa+mask",
+    Form.DISPATCH: "dispatch",
 }

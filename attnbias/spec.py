@@ -7,6 +7,7 @@ E head dim, Ev value head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,9 @@ import torch
 from torch import Tensor
 
 from attnbias.biases import AttnBias, CausalBias, CausalVariant, KernelBias
+from attnbias.biases.mod_state import compiled_mods
 from attnbias.kernels.program import MaskProgram
+from attnbias.kinds import Form, Kind
 from attnbias.terms import Call, Terms
 
 __all__ = [
@@ -36,22 +39,22 @@ __all__ = [
 #   materialize  a bias whose needs_materialization() is True: its materialized mask
 #   dispatch     a bias class with its own dispatch()
 #   bias         a bias that lowers into the kernels' terms (the built-ins, their sums)
-FORMS = ("empty", "tensor", "no mask", "materialize", "dispatch", "bias")
+FORMS = tuple(Form)
 
 
-def call_form(query: Tensor, attn_mask: AttnBias | Tensor | None) -> str:
+def call_form(query: Tensor, attn_mask: AttnBias | Tensor | None) -> Form:
     """The form of a call (see :data:`FORMS`)."""
     if query.shape[0] * query.shape[1] * query.shape[2] == 0:
-        return "empty"
+        return Form.EMPTY
     if attn_mask is None:
-        return "no mask"
+        return Form.NO_MASK
     if isinstance(attn_mask, Tensor):
-        return "tensor"
+        return Form.TENSOR
     if attn_mask.needs_materialization():
-        return "materialize"
+        return Form.MATERIALIZE
     if type(attn_mask).dispatch is not KernelBias.dispatch:
-        return "dispatch"
-    return "bias"
+        return Form.DISPATCH
+    return Form.BIAS
 
 
 def lower(
@@ -66,9 +69,14 @@ def lower(
     """The terms of ``bias`` for a call with ``(B, L, S)``, each part lowering itself and the
     sum merging them; without ``batch``, key ranges keep their own rows (1 or B)."""
     if bias is None:
-        return Terms()
+        return Terms().finish(length_q, length_kv)
     call = Call(batch, heads, length_q, length_kv, device)
-    return bias.lower(call).finish(length_q, length_kv)
+    terms = bias.lower(call)
+    return terms.finish(length_q, length_kv, compiled_mods(terms.mods) if len(terms.mods) else None)
+
+
+# the terms of a call whose form has none (a plain tensor mask, a bias's own dispatch)
+_NO_TERMS = Terms().finish(0, 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,23 +101,29 @@ class Spec:
     # being captured in a CUDA graph: its host time is paid once, at capture, so only the
     # GPU time of its route counts (``planner.plan``)
     capturing: bool = False
-    form: str = "bias"
+    form: Form = Form.BIAS
     mask: Tensor | None = None  # the attn_mask of a "tensor" call
     is_causal: bool = False  # the flag as passed (folded into ``bias`` for bias objects)
     # a shard pair of context parallelism: the backend must give the log-sum-exp
     # (``Backend.returns_lse``)
     needs_lse: bool = False
+    # A per-shape fact of the lowering the planner reads where its rule needs it
+    # (:func:`with_mask_reach`): the keys a ModBias mask's block lists visit per block of
+    # query rows; None where not worked out.
+    mask_reach: float | None = None
 
     @property
     def program(self) -> MaskProgram:
         """The mask program the Triton kernels' launchers take, unchanged."""
-        return self.terms.program
+        program = self.terms.program
+        assert program is not None, "a spec's terms are finished (spec.lower)"
+        return program
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind | Form:
         """What the priority tables are keyed by: the terms' kind for a "bias" call, the
         form otherwise."""
-        return self.terms.kind if self.form == "bias" else self.form
+        return self.terms.kind if self.form == Form.BIAS else self.form
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -152,7 +166,7 @@ def make_spec(
     dropout_p: float,
     enable_gqa: bool,
     *,
-    form: str = "bias",
+    form: Form = Form.BIAS,
     needs_lse: bool = False,
 ) -> Spec:
     """Lower a validated call once; everything the planner and the backends need.
@@ -162,11 +176,11 @@ def make_spec(
     give the log-sum-exp may run it (context parallelism's shard pairs)."""
     mask = attn_mask if isinstance(attn_mask, Tensor) else None
     bias = None if isinstance(attn_mask, Tensor) else attn_mask
-    if form in ("bias", "materialize"):
+    if form in (Form.BIAS, Form.MATERIALIZE):
         bias = with_causal(bias, causal)
-    terms = Terms()
+    terms = _NO_TERMS
     tensors = [query, key, value]
-    if form in ("bias", "materialize"):
+    if form in (Form.BIAS, Form.MATERIALIZE):
         terms = lower(bias, query.shape[-2], key.shape[-2], query.device, batch=query.shape[0])
         if bias is not None:
             tensors += bias.parameters()
@@ -207,3 +221,15 @@ def with_causal(bias: AttnBias | None, causal: bool) -> AttnBias | None:
         return bias
     causal_part = CausalBias(CausalVariant.UPPER_LEFT)
     return causal_part if bias is None else bias + causal_part
+
+
+def with_mask_reach(spec: Spec) -> Spec:
+    """``spec`` with :attr:`Spec.mask_reach`: the mean number of keys its ModBias mask's block
+    lists visit per block of query rows. The lists are the kernels' own (built on the device
+    once per program and shape, and kept for the launch); reading their counts is one host
+    synchronisation, so the dispatcher asks for it only where the planner's rule reads it
+    (``planner.needs_reach``), never while a CUDA graph is captured."""
+    from attnbias.kernels.masks import visited_keys_per_row
+
+    reach = visited_keys_per_row(spec.query, spec.key, spec.program)
+    return dataclasses.replace(spec, mask_reach=reach)

@@ -19,19 +19,22 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from attnbias.kernels.program import MaskProgram
+from attnbias.kinds import Kind
 
-__all__ = ["KINDS", "Block", "Call", "Terms"]
+if TYPE_CHECKING:
+    from attnbias.kernels.modfn import CompiledMods
+
+__all__ = ["KINDS", "Block", "Call", "Kind", "Terms"]
 
 
 #: Every value of :attr:`Terms.kind`, the keys of the priority tables (``attnbias.policy``).
-KINDS = ("none", "causal", "band", "documents", "softcap", "alibi", "mod mask", "mod",
-         "materialized")  # fmt: skip
+KINDS = tuple(Kind)
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,8 @@ class Terms:
     refresh: tuple[Callable[[], object], ...] = ()
     doc_parts: tuple[object, ...] = ()  # the bias parts the documents come from
     # ModBias parts, in the order of the sum: their masks intersect with the rest, their score
-    # functions apply after the additive terms, in this order. Each part compiles the tuple
-    # (``compile_with``) into the program's generated functions.
+    # functions apply after the additive terms, in this order (compiled together into the
+    # program's generated functions when the lowering finishes: :meth:`finish`).
     mods: tuple[Any, ...] = ()
     # ModBias parts whose functions run as the band, documents and soft-cap above (for
     # describe)
@@ -158,12 +161,13 @@ class Terms:
     # additive terms, another soft-cap or an earlier score function it runs as its functions
     # instead (:meth:`merge`).
     softcap_part: Any = None
-    # The kernels' form of these terms, built with them and passed unchanged to the
-    # launchers (a field rather than a cached property: torch.compile traces its reads).
-    program: MaskProgram = field(init=False, repr=False)
+    # The kernels' form of these terms, made by :meth:`finish` (``None`` before) and passed
+    # unchanged to the launchers (a field rather than a cached property: torch.compile traces
+    # its reads).
+    program: MaskProgram | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        program = MaskProgram(
+    def _program(self, mods: CompiledMods | None) -> MaskProgram:
+        return MaskProgram(
             band_lo=self.band_lo,
             band_hi=self.band_hi,
             q_doc=self.q_doc,
@@ -173,9 +177,8 @@ class Terms:
             alibi_slopes=self.slopes,
             alibi_shift=self.alibi_shift or None,
             softcap=self.softcap,
-            mods=self.mods[0].compile_with(self.mods) if self.mods else None,
+            mods=mods,
         )
-        object.__setattr__(self, "program", program)
 
     def merge(self, other: Terms) -> Terms:
         """Both terms at once: bands and key ranges intersect, documents combine, ALiBi slopes
@@ -268,15 +271,24 @@ class Terms:
                 return True
         return False
 
-    def finish(self, length_q: int, length_kv: int) -> Terms:
-        """These terms for a call with ``(L, S)``: a side of the band that every ``(i, j)``
-        satisfies is no constraint at all, and the tensors are contiguous."""
+    def finish(self, length_q: int, length_kv: int, mods: CompiledMods | None = None) -> Terms:
+        """These terms for a call with ``(L, S)`` with their :attr:`program`: a side of the
+        band that every ``(i, j)`` satisfies is no constraint at all, and the tensors are
+        contiguous. ``mods`` is the kernels' form of the ModBias parts (:attr:`mods`,
+        :func:`~attnbias.biases.mod_state.compiled_mods`), given exactly where there are
+        some."""
+        if (mods is None) != (len(self.mods) == 0):  # (`not` of a tuple stops torch.compile)
+            raise ValueError(
+                f"Terms.finish: {len(self.mods)} ModBias part(s) and "
+                f"{'no' if mods is None else 'a'} compiled form of them; pass "
+                f"attnbias.biases.mod_state.compiled_mods(terms.mods) exactly where there are parts"
+            )
         band_lo, band_hi = self.band_lo, self.band_hi
         if band_lo is not None and band_lo <= -(length_q - 1):
             band_lo = None
         if band_hi is not None and band_hi >= length_kv - 1:
             band_hi = None
-        return Terms(
+        finished = Terms(
             band_lo=band_lo,
             band_hi=band_hi,
             q_doc=None if self.q_doc is None else self.q_doc.contiguous(),
@@ -294,6 +306,8 @@ class Terms:
             forms=self.forms,
             softcap_part=self.softcap_part,
         )
+        object.__setattr__(finished, "program", finished._program(mods))
+        return finished
 
     @property
     def has_key_range(self) -> bool:
@@ -339,7 +353,7 @@ class Terms:
         return self.band_lo is not None and self.band_hi is not None and self.band_lo > self.band_hi
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         """The one word the priority tables are keyed by (one of :data:`KINDS`): the
         costliest feature present.
 
@@ -350,29 +364,25 @@ class Terms:
         moves on. A kind needs measurements of its own to earn a row in the tables.
         """
         if self.others:
-            return "materialized"
+            return Kind.MATERIALIZED
         if self.mods:
-            return "mod" if self.has_score_functions else "mod mask"
+            return Kind.MOD if self.has_score_functions else Kind.MOD_MASK
         if self.slopes is not None:
-            return "alibi"
+            return Kind.ALIBI
         if self.softcap is not None:
-            return "softcap"
+            return Kind.SOFTCAP
         if self.q_doc is not None:
-            return "documents"
+            return Kind.DOCUMENTS
         if self.band_lo is None and self.band_hi is None:
-            return "none"
+            return Kind.NONE
         if self.band_lo is None and self.band_hi == 0:
-            return "causal"
-        return "band"
+            return Kind.CAUSAL
+        return Kind.BAND
 
     def describe(self) -> str:
         """The terms in words: the program's (its generated functions by the biases they
         come from), then the parts that are materialized."""
-        program = (
-            self.program.describe()
-            if self.program.mods is None
-            else (self.program.replace(mods=None).describe())
-        )
+        program = self._program(None).describe()
         terms = [] if program == "no mask" else [program]
         terms += [f"{p.describe()} (generated functions)" for p in self.mods]
         terms += [f"{p.describe()} ({p.describe_form()})" for p in self.forms]

@@ -838,7 +838,7 @@ def test_a_bias_built_inside_torch_compile_without_fullgraph_is_built_eagerly() 
 def test_a_sum_keeps_the_code_of_its_parts_together() -> None:
     """A sum of ModBias parts generates its code once, when built: its calls and a second
     identical-parts sum reuse it, a sum of other parts gets its own."""
-    from attnbias.biases.mod import compiled_mods
+    from attnbias.biases.mod_state import compiled_mods
 
     prefix, t5 = PrefixLM(8), T5Bias(random_table(2, 0))
     made = compiled_mods((prefix, t5))
@@ -847,6 +847,70 @@ def test_a_sum_keeps_the_code_of_its_parts_together() -> None:
     assert compiled_mods((prefix, t5)) is made
     other = compiled_mods((prefix, T5Bias(random_table(2, 1))))
     assert other is not made and other.traced.params[0] is not made.traced.params[0]
+
+
+def test_a_sum_keeps_no_other_parts_tensors_alive() -> None:
+    """The compiled form of a sum, kept by its first part, holds every part's tensors: it goes
+    when another part is freed, so the first part keeps no other part's table alive."""
+    import gc
+    import weakref
+
+    from attnbias.biases.mod_state import compiled_mods
+
+    prefix = PrefixLM(8)
+    t5 = T5Bias(random_table(2, 0))
+    table = weakref.ref(t5.table)
+    made = compiled_mods((prefix, t5))
+    assert compiled_mods((prefix, t5)) is made
+    del made, t5
+    gc.collect()
+    assert table() is None, "the first part of a sum kept another part's table alive"
+    assert prefix._state.combined == []
+
+
+def test_a_mod_bias_keeps_what_it_works_out_in_one_bounded_state() -> None:
+    """Everything a ModBias works out lives in one object (one entry of its __dict__, left
+    out of copies); its per-shape tables are bounded, and a change of the values its functions
+    read drops them all together."""
+    import copy
+
+    from attnbias.biases import mod_state
+    from attnbias.terms import Block, Call
+
+    bias = PrefixLM(8)
+    assert [name for name in vars(bias) if name.startswith("_")] == ["_modbias_state"]
+    state = bias._state
+    assert state.traced is not None and state.compiled is not None
+    call = Call(1, 2, 64, 64, torch.device(DEVICE))
+    for start in range(mod_state.MAX_BLOCKS + 40):
+        bias.sub_block(call, Block(start, 0, 1, 64))
+    assert len(state.blocks) == mod_state.MAX_BLOCKS
+    t5 = T5Bias(random_table(2, 0))  # reads the head: each start is a copy of its own
+    for start in range(1, mod_state.MAX_HEAD_STARTS + 10):
+        t5.sub_heads(Call(1, 200, 64, 64, torch.device(DEVICE)), start, 1)
+    assert len(t5._state.head_ranges) == mod_state.MAX_HEAD_STARTS
+    assert "_modbias_state" not in copy.deepcopy(bias).__getstate__()
+    object.__setattr__(bias, "prefix", 9)  # a value its function reads
+    bias._traced()
+    assert len(state.blocks) == 0 and state.compiled is None
+
+
+def test_terms_are_compiled_when_the_lowering_finishes_not_when_built() -> None:
+    """Building or merging terms compiles nothing: the program and its generated functions
+    come with :meth:`Terms.finish`, which wants the compiled form exactly where there are
+    ModBias parts."""
+    from attnbias.biases.mod_state import compiled_mods
+    from attnbias.terms import Terms
+
+    bias = PrefixLM(8)
+    terms = Terms(mods=(bias,)).merge(Terms(band_hi=0))
+    assert terms.program is None
+    with pytest.raises(ValueError, match="compiled form"):
+        terms.finish(16, 16)
+    with pytest.raises(ValueError, match="compiled form"):
+        Terms().finish(16, 16, compiled_mods((bias,)))
+    program = terms.finish(16, 16, compiled_mods((bias,))).program
+    assert program is not None and program.mods is compiled_mods((bias,))
 
 
 def test_double_backward_through_a_learnable_table_is_refused() -> None:
@@ -867,7 +931,7 @@ def test_double_backward_through_a_learnable_table_is_refused() -> None:
 def test_new_numbers_and_lengths_compile_nothing_new() -> None:
     """Numbers are runtime arguments of the generated code: two prefix lengths, two chunk
     sizes and two closures over different tensors share one generated function each."""
-    from attnbias.biases.mod import compiled_mods
+    from attnbias.biases.mod_state import compiled_mods
 
     assert compiled_mods((PrefixLM(16),)).mask_fn is compiled_mods((PrefixLM(40),)).mask_fn
     assert compiled_mods((ChunkedLocal(32),)).mask_fn is compiled_mods((ChunkedLocal(64),)).mask_fn

@@ -820,8 +820,16 @@ def test_mod_masks_without_gradients_go_by_their_reach(
     bias = ModBias(mask_mod=masks[name])
     assert bias.builtin_form() is None
     spec = spec_of(bias, length_q=160, length_kv=160)
-    assert spec.terms.kind == "mod mask"
-    chosen = plan(spec)
+    assert spec.terms.kind == "mod mask" and planner.needs_reach(spec)
+    # planning launches nothing: without the reach worked out, the order of masks stands
+    from attnbias.kernels import masks as kernel_masks
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel_masks, "visited_keys_per_row", _no_launch)
+        assert plan(spec).backend.name == "fa4"
+    # the dispatcher works the reach out first (on the device, the lists kept for the launch)
+    chosen = attnbias.functional.plan_spec(spec)
+    assert chosen.spec.mask_reach is not None
     assert chosen.backend.name == expected
     if expected == "triton":
         assert chosen.order[0] == "triton-decode" and chosen.order[1] == "triton"
@@ -830,6 +838,10 @@ def test_mod_masks_without_gradients_go_by_their_reach(
         assert chosen.heading == "hopper, mod mask, inference"
     # with gradients, FlashAttention 4 first whatever the reach
     assert plan(spec_of(bias, length_q=160, length_kv=160, needs_grad=True)).backend.name == "fa4"
+
+
+def _no_launch(*args: Any) -> float:
+    raise AssertionError("planning launched the block lists' kernels")
 
 
 def test_cases_cover_every_kind() -> None:
@@ -968,3 +980,24 @@ def test_the_policy_tables_name_only_real_kinds_forms_and_backends(
             patch.setattr(planner, name, value)
             with pytest.raises(ValueError, match=re.escape(named)):
                 planner.check_policy()
+
+
+def test_kinds_and_forms_are_enums_that_read_as_their_words() -> None:
+    """Kinds and forms are enum members: the tables are keyed by them (a misspelt member is
+    an error where it is written), and they read as the words they were (messages,
+    explain(), the routing cache's classes)."""
+    from attnbias import policy
+    from attnbias.kinds import Form, Kind
+    from attnbias.spec import call_form
+
+    kinds = {spec_of(make()).terms.kind for make in KIND_BIASES.values()}
+    assert all(isinstance(kind, Kind) for kind in kinds)
+    assert all(isinstance(kind, Kind) for table in PRIORITY.values() for kind in table)
+    assert all(isinstance(form, Form) for form in policy.FORM_ROUTES)
+    assert all(isinstance(form, Form) for b in BACKENDS.values() for form in b.forms)
+    q, k, v = qkv()
+    assert call_form(q, None) is Form.NO_MASK and call_form(q, q[0, 0] @ k[0, 0].T) is Form.TENSOR
+    assert str(Kind.MOD_MASK) == f"{Kind.MOD_MASK}" == "mod mask" == Kind.MOD_MASK
+    assert f"{Form.NO_MASK:>8}" == " no mask"
+    window = attnbias.causal_lower_right() + attnbias.SlidingWindowBias(4)
+    assert "order (cpu, band, inference)" in attnbias.explain(q, k, v, attn_mask=window)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from attnbias.kinds import Form
 from attnbias.spec import Spec
 
 __all__ = ["Backend", "LseGrads", "Prepared", "refuse_double_backward"]
@@ -58,7 +59,7 @@ class Backend(ABC):
     #: The call forms it runs (``attnbias.spec.FORMS``): "bias" for bias objects lowered into
     #: terms (the backends the priority lists choose among), others for the one route of a
     #: form (``attnbias.planner.FORM_ROUTES``).
-    forms: ClassVar[frozenset[str]] = frozenset({"bias"})
+    forms: ClassVar[frozenset[Form]] = frozenset({Form.BIAS})
     #: Whether it gives its rows' log-sum-exp (:meth:`forward_lse`) and the gradients of a
     #: share of a merged output (:meth:`backward_lse`): what context parallelism runs its
     #: shard pairs on (``spec.needs_lse``).

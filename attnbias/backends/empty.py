@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from attnbias.backends.base import Backend
+from attnbias.kinds import Form
 from attnbias.spec import Spec
 
 __all__ = ["EmptyOutput"]
@@ -34,7 +35,7 @@ class EmptyOutput(Backend):
 
     name = "empty"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    forms = frozenset({"empty"})
+    forms = frozenset({Form.EMPTY})
 
     def reasons(self, spec: Spec) -> list[str]:
         return []

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from attnbias.backends.base import Backend
+from attnbias.kinds import Form
 from attnbias.materialize import check_dispatched
 from attnbias.spec import Spec
 
@@ -17,7 +18,7 @@ class OwnDispatch(Backend):
 
     name = "dispatch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    forms = frozenset({"dispatch"})
+    forms = frozenset({Form.DISPATCH})
 
     def reasons(self, spec: Spec) -> list[str]:
         return []

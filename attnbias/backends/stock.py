@@ -16,6 +16,7 @@ from attnbias.backends.base import Backend, Prepared
 from attnbias.backends.documents import document_part, documents_layout, flattens_as_view
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
+from attnbias.kinds import Form
 from attnbias.materialize import MaskedBias
 from attnbias.reference import FiniteInputs, masked_reference_attention, read_keys
 from attnbias.spec import Spec
@@ -279,7 +280,7 @@ class StockSDPA(Backend):
 
     name = "sdpa"
     dtypes = _ALL_FLOATS
-    forms = frozenset({"bias", "tensor", "no mask"})
+    forms = frozenset({Form.BIAS, Form.TENSOR, Form.NO_MASK})
 
     def reasons(self, spec: Spec) -> list[str]:
         terms = spec.terms
@@ -305,12 +306,12 @@ class StockSDPA(Backend):
         ]
 
     def headline(self, spec: Spec) -> str:
-        if spec.form == "tensor":
+        if spec.form == Form.TENSOR:
             return (
                 "sdpa: a plain Tensor mask goes to stock SDPA unchanged (wrap it in TensorBias, "
                 "or use a structured bias such as CausalBias, to silence the warning)"
             )
-        if spec.form == "no mask":
+        if spec.form == Form.NO_MASK:
             return "sdpa: no mask: stock SDPA"
         return super().headline(spec)
 
@@ -372,7 +373,7 @@ class MaterializedSDPA(Backend):
 
     name = "sdpa+mask"
     dtypes = _ALL_FLOATS
-    forms = frozenset({"bias", "materialize"})
+    forms = frozenset({Form.BIAS, Form.MATERIALIZE})
 
     def reasons(self, spec: Spec) -> list[str]:
         reasons = []

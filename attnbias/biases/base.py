@@ -206,6 +206,10 @@ class AttnBias(ABC):
             f"needs_materialization() and implement materialize()"
         )
 
+    #: Whether the bias is, or holds, a :class:`~attnbias.biases.paged.PagedKV`: the call's
+    #: key and value are page pools then (``attnbias.paged``).
+    holds_pages: ClassVar[bool] = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.materialize is AttnBias.materialize and cls.dispatch is AttnBias.dispatch:
@@ -411,6 +415,7 @@ class CompositeBias(AttnBias):
                 )
         for part in self.parts:
             part.in_sum(self.parts)
+        object.__setattr__(self, "holds_pages", any(p.holds_pages for p in self.parts))
 
     def needs_materialization(self) -> bool:
         kernel_parts = [p for p in self.parts if isinstance(p, KernelBias)]

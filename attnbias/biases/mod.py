@@ -6,8 +6,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import sys
-import threading
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -17,32 +15,25 @@ from torch import Tensor
 
 from attnbias.biases.base import Device, KernelBias, Shape, check_head_range, resolve_lengths
 from attnbias.biases.documents import DocumentBias
+from attnbias.biases.mod_state import (
+    LOCK,
+    UNSET,
+    Identity,
+    ModState,
+    prepare,
+    refuse_changed_inside_compile,
+    refuse_inside_compile,
+)
 from attnbias.biases.mod_values import cell_value, renumbered, seen, unchanged, with_slots
 from attnbias.materialize import MaskedBias, compute_dtype
 from attnbias.mods import eager as graph_eval
 from attnbias.mods.symbols import ModTraceError
 from attnbias.terms import Block, Call, Terms
 
-__all__ = ["ModBias", "compiled_mods"]
+__all__ = ["ModBias"]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-class _Identity:
-    """A bias's plan-cache key: the bias itself, compared by identity (its fields may hold
-    tensors, whose ``==`` is elementwise)."""
-
-    __slots__ = ("bias",)
-
-    def __init__(self, bias: object) -> None:
-        self.bias = bias
-
-    def __hash__(self) -> int:
-        return id(self.bias)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.bias is self.bias
 
 
 class ModBias(KernelBias):
@@ -128,7 +119,7 @@ class ModBias(KernelBias):
         """Trace and generate the functions' code as the bias is built, outside any
         ``torch.compile`` region (its tracing cannot run inside one). A function the compiler
         refuses is left to raise at the first call, where the error names it."""
-        _prepare((self,))
+        prepare((self,))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -167,74 +158,65 @@ class ModBias(KernelBias):
         dropped, and :meth:`cache_key` names the new values, so that no plan of the old ones
         is reused. Inside ``torch.compile`` the trace is the one of the last call outside
         it; the values are read there too, so that the compiler guards on them: a compiled
-        call after a change compiles again and raises (:func:`_refuse_changed_inside_compile`),
-        which without ``fullgraph=True`` runs the call eagerly, with the new values."""
-        found = self.__dict__.get("_traced_mods")
-        probes = self.__dict__.get("_seen_values")
+        call after a change compiles again and raises (:func:`~attnbias.biases.mod_state.
+        refuse_changed_inside_compile`), which without ``fullgraph=True`` runs the call
+        eagerly, with the new values."""
+        state = self._state
+        found, probes = state.traced, state.seen_values
         if torch.compiler.is_compiling():
             if found is None:
-                _refuse_inside_compile(self)
+                refuse_inside_compile(self)
             # read under the compiler, which guards on what it reads: a compiled call runs
             # with these values only, and a change makes it compile the call again
             if probes is not None and not unchanged(probes):
-                _refuse_changed_inside_compile(self)
+                refuse_changed_inside_compile(self)
             return found
         if found is not None and probes is not None:
             if unchanged(probes):
                 return found
-            renewed = renumbered(found, probes, self.__dict__.get("_value_slots"))
+            renewed = renumbered(found, probes, state.value_slots)
             if renewed is not None:
-                return self._keep_trace(renewed[0], renewed[1], self.__dict__["_value_slots"])
+                return state.keep_trace(renewed[0], renewed[1], state.value_slots)
         from attnbias.mods.trace import trace_mods
 
-        _refuse_inside_compile(self)
+        refuse_inside_compile(self)
         functions = self.functions()
         reached: dict[int, int] = {}
         probes = seen(self, functions, ModBias, _WORKED_OUT, reached)
         traced = trace_mods(*functions)
         slotted = None
-        if probes is not None and not self.__dict__.get("_no_slots"):
+        if probes is not None and not state.no_slots:
             slotted = with_slots(self, functions, traced, probes, reached, _WORKED_OUT)
             if slotted is None:  # not tried again: a change traces anew from now on
-                object.__setattr__(self, "_no_slots", True)
+                state.no_slots = True
         if slotted is None:
-            return self._keep_trace(traced, probes, None)
-        return self._keep_trace(slotted[0], probes, slotted[1])
+            return state.keep_trace(traced, probes, None)
+        return state.keep_trace(slotted[0], probes, slotted[1])
 
-    def _keep_trace(
-        self, traced: Any, probes: Any, slots: dict[int, tuple[int, ...]] | None
-    ) -> Any:
-        """Keep ``traced`` (dropping what was worked out from other values) unless it has the
-        values of the kept trace; returns the trace kept."""
-        key = _key_of(traced)
-        with _LOCK:
-            found = self.__dict__.get("_traced_mods")
-            if found is None or key != self.__dict__.get("_values_key"):
-                for name in _WORKED_OUT:
-                    if name != "_no_slots":
-                        self.__dict__.pop(name, None)
-                object.__setattr__(self, "_traced_mods", traced)
-                object.__setattr__(self, "_values_key", key)
-                found = traced
-            object.__setattr__(self, "_seen_values", probes)
-            object.__setattr__(self, "_value_slots", slots)
+    @property
+    def _state(self) -> ModState:
+        """Everything this bias worked out (:class:`~attnbias.biases.mod_state.ModState`),
+        made with the bias."""
+        found = self.__dict__.get(_STATE)
+        if found is None:
+            with LOCK:
+                found = self.__dict__.setdefault(_STATE, ModState())
         return found
 
     def _current_values(self) -> Any:
-        """The trace's structure, numbers and tensors as :func:`_key_of` gives them, for the
-        values the functions read now (read again first, as :meth:`_traced` does)."""
+        """The trace's structure, numbers and tensors as the plan cache tells them apart,
+        for the values the functions read now (read again first, as :meth:`_traced` does)."""
         self._traced()
-        return self.__dict__["_values_key"]
+        return self._state.values_key
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in _WORKED_OUT:
-            state.pop(name, None)
+        state.pop(_STATE, None)
         return state
 
     def restored(self) -> None:
         """A copy traces its functions again, with its own tensors (a deep copy's tables)."""
-        _prepare((self,))
+        prepare((self,))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ModBias:
         """A copy whose tensor fields are copied through ``memo`` (an EMA copy of a model gets
@@ -264,12 +246,12 @@ class ModBias(KernelBias):
         together (outside ``torch.compile``, as :meth:`__post_init__` does for one)."""
         mods = tuple(p for p in parts if isinstance(p, ModBias))
         if len(mods) > 1 and mods[0] is self:
-            _prepare(mods)
+            prepare(mods)
             if not torch.compiler.is_compiling():  # the parts left as functions, together
                 with contextlib.suppress(ModTraceError):
                     generated = tuple(p for p in mods if p.builtin_form() is None)
                     if 1 < len(generated) < len(mods):
-                        _prepare(generated)
+                        prepare(generated)
 
     def validate_call(self, call: Call) -> None:
         traced = self._traced()  # refuses what cannot be compiled, at the first call
@@ -310,12 +292,12 @@ class ModBias(KernelBias):
         not decrease along a row: each call checks that (:meth:`lower`)."""
         if not self.run_as_builtin:
             return None
-        found = self.__dict__.get("_builtin_form", _UNSET)
-        if found is _UNSET:
+        state = self._state
+        found = state.form
+        if found is UNSET:
             from attnbias.mods.forms import builtin_form
 
-            found = builtin_form(self._traced())
-            object.__setattr__(self, "_builtin_form", found)
+            found = state.form = builtin_form(self._traced())
         return found
 
     def describe_form(self) -> str:
@@ -344,13 +326,13 @@ class ModBias(KernelBias):
         so that every backend reads them as it reads a DocumentBias's)."""
         form = self.builtin_form()
         key = (call.length_q, call.length_kv)
-        kept: dict[tuple[int, int], DocumentBias] = self.__dict__.setdefault("_chunk_docs", {})
+        kept = self._state.chunk_docs
         found = kept.get(key)
         if found is None:
             q_ids = (torch.arange(call.length_q) + form.q_offset) // form.chunk
             kv_ids = (torch.arange(call.length_kv) + form.kv_offset) // form.chunk
             found = DocumentBias(q_ids, kv_ids)
-            _keep(kept, key, found, _MAX_LAYOUTS)
+            kept.put(key, found)
         return found
 
     def _documents_of_ids(self, call: Call) -> DocumentBias | None:
@@ -369,7 +351,7 @@ class ModBias(KernelBias):
         rows = call.batch_size if reads_batch else 1
         versions = self._id_versions()
         key = (rows, call.length_q, call.length_kv, call.device)
-        kept: dict[Any, tuple[Any, DocumentBias | None]] = self.__dict__.setdefault("_id_docs", {})
+        kept = self._state.id_docs
         found = kept.get(key)
         if found is not None and versions is not None and found[0] == versions:
             return found[1]
@@ -388,7 +370,7 @@ class ModBias(KernelBias):
             documents: DocumentBias | None = DocumentBias(ids[0], ids[1])
         except ValueError:  # the ids decrease somewhere along a row
             documents = None
-        _keep(kept, key, (versions, documents), _MAX_LAYOUTS)
+        kept.put(key, (versions, documents))
         return documents
 
     def _id_versions(self) -> tuple[int, ...] | None:
@@ -411,11 +393,11 @@ class ModBias(KernelBias):
         runtime arguments: the blocks of one bias share their generated code. Kept with the
         bias, per block place."""
         key = (block.q_start, block.kv_start)
-        kept: dict[tuple[int, int], ModBias] = self.__dict__.setdefault("_blocks", {})
+        kept = self._state.blocks
         found = kept.get(key)
         if found is None:
             found = _shifted(self, *key)
-            _keep(kept, key, found, _MAX_BLOCKS)
+            kept.put(key, found)
         return found
 
     def sub_heads(self, call: Call, start: int, count: int) -> ModBias:
@@ -426,11 +408,11 @@ class ModBias(KernelBias):
         check_head_range(call, start, count, type(self).__name__)
         if start == 0 or not self._reads_head():
             return self
-        kept: dict[int, ModBias] = self.__dict__.setdefault("_head_ranges", {})
+        kept = self._state.head_ranges
         found = kept.get(start)
         if found is None:
             found = _shifted(self, 0, 0, start)
-            _keep(kept, start, found, _MAX_HEAD_STARTS)
+            kept.put(start, found)
         return found
 
     def _reads_head(self) -> bool:
@@ -441,11 +423,6 @@ class ModBias(KernelBias):
         except ModTraceError:
             return True
         return any("h" in function.reads for function in (*traced.masks, *traced.scores))
-
-    def compile_with(self, parts: tuple[Any, ...]) -> Any:
-        """The kernels' form of ``parts``, the ModBias parts of a sum in order (this one
-        among them): see :func:`compiled_mods`."""
-        return compiled_mods(parts)
 
     def keep_rows(self, device: Device, shape: Shape, q_start: int) -> Tensor | None:
         """The masks on the ``(B, H, L, S)`` grid of ``shape`` for the query rows
@@ -496,14 +473,14 @@ class ModBias(KernelBias):
         write is planned and checked again); ``None`` where such a tensor has no version
         counter."""
         traced = self._traced()
-        values = self.__dict__["_values_key"]
+        values = self._state.values_key
         # the tensors' shapes and the versions of those indices are read from: a call after
         # a resize or a write there proves its reads again (:func:`attnbias.mods.check_reads`)
         reads = graph_eval.read_versions(traced)
         if reads is None:
             return None
         shapes = tuple(tuple(t.shape) for t in traced.params)
-        key = (_Identity(self), values, shapes, reads)
+        key = (Identity(self), values, shapes, reads)
         form = self.builtin_form()
         if form is None or form.ids is None or not form.id_params:
             return key
@@ -532,26 +509,6 @@ class ModBias(KernelBias):
         return f"{type(self).__name__}({', '.join(names)})"
 
 
-_UNSET = object()
-# Document layouts kept per bias (:meth:`ModBias._chunks`, :meth:`ModBias._documents_of_ids`),
-# one per call shape
-_MAX_LAYOUTS = 16
-# Blocks kept per bias (:meth:`ModBias.sub_block`): the places of a context-parallel call's
-# shard pairs, 4 W^2 at most for W ranks
-_MAX_BLOCKS = 256
-# Head ranges kept per bias (:meth:`ModBias.sub_heads`): one per rank of a head-parallel call
-# (each rank uses one; a process that plays several ranks, several)
-_MAX_HEAD_STARTS = 64
-
-
-def _keep(kept: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
-    """``kept[key] = value``, the oldest entry dropped first where ``kept`` holds ``limit``."""
-    with _LOCK:
-        if len(kept) >= limit:
-            kept.pop(next(iter(kept)))
-        kept[key] = value
-
-
 def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) -> ModBias:
     """``bias``'s functions with the query, key and head indices moved by the given offsets."""
     masks, scores = bias.functions()
@@ -574,37 +531,10 @@ def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) ->
     return ModBias(mask_mod=mask_mod, score_mod=score_mod)
 
 
-# What a ModBias works out for its calls and keeps in its __dict__ (left out of copies and of
-# the values its functions read; dropped where those change)
-_WORKED_OUT = (
-    "_traced_mods", "_builtin_form", "_chunk_docs", "_id_docs", "_blocks", "_head_ranges",
-    "_compiled_mods", "_combined_mods", "_seen_values", "_values_key", "_value_slots",
-    "_no_slots",
-)  # fmt: skip
-
-
-def _key_of(traced: Any) -> tuple[Any, ...]:
-    """A trace as the plan cache tells traces apart: its structure (the graph, by a number
-    per distinct graph in the process), its numbers (typed, NaN equal to NaN) and its
-    tensors by identity."""
-    structure = (
-        tuple(traced.nodes),
-        tuple(f.result for f in traced.masks),
-        tuple(f.result for f in traced.scores),
-        tuple((t.dtype, t.dim()) for t in traced.params),
-    )
-    number = _STRUCTURES.get(structure)
-    if number is None:
-        with _LOCK:
-            number = _STRUCTURES.setdefault(structure, len(_STRUCTURES))
-    values = tuple(
-        (type(c), "nan") if isinstance(c, float) and math.isnan(c) else (type(c), c)
-        for c in traced.consts
-    )
-    return number, values, tuple(_Identity(t) for t in traced.params)
-
-
-_STRUCTURES: dict[tuple[Any, ...], int] = {}
+# The one entry a ModBias keeps in its __dict__ (left out of copies and of the values its
+# functions read): everything it worked out
+_STATE = "_modbias_state"
+_WORKED_OUT = (_STATE,)
 
 
 def _plus(index: Any, offset: int) -> Any:
@@ -639,119 +569,3 @@ def _grid(device: Device, shape: Shape, owner: str) -> tuple[Tensor, Tensor, Ten
         torch.arange(length_q, device=device)[None, None, :, None],
         torch.arange(length_kv, device=device)[None, None, None, :],
     )
-
-
-# The generated code of the ModBias parts of a sum is kept by the first of them, for this
-# many combinations (a bias of one part keeps its own): it lives as long as the parts do.
-_MAX_COMBINED = 8
-_LOCK = threading.Lock()
-
-
-def compiled_mods(parts: tuple[ModBias, ...]) -> Any:
-    """The kernels' form (:class:`~attnbias.kernels.modfn.CompiledMods`) of the ModBias parts
-    of a sum: masks intersect, score functions apply in the order of the sum.
-
-    Made once per bias (or per combination, kept by its first part), when the bias or the
-    sum is built, and again where the values a part's functions read changed (the same
-    structure generates the same source: nothing compiles again); inside ``torch.compile``
-    only the kept form is read."""
-    from attnbias.kernels.modfn import CompiledMods
-    from attnbias.mods.trace import trace_mods
-
-    first = parts[0]
-    # each part's values as they are now (a part whose values changed drops its forms)
-    keys = tuple(part._current_values() for part in parts)
-    if len(parts) == 1:
-        found = first.__dict__.get("_compiled_mods")
-        if found is None:
-            _refuse_inside_compile(first)
-            found = CompiledMods.of(first._traced())
-            object.__setattr__(first, "_compiled_mods", found)
-        return found
-    kept: list[tuple[tuple[ModBias, ...], tuple[Any, ...], Any]] = first.__dict__.get(
-        "_combined_mods", []
-    )
-    for kept_parts, kept_keys, compiled in kept:
-        if (
-            len(kept_parts) == len(parts)
-            and all(a is b for a, b in zip(kept_parts, parts, strict=True))
-            and kept_keys == keys
-        ):
-            return compiled
-    _refuse_inside_compile(*parts)
-    masks: list[Callable[..., Any]] = []
-    scores: list[Callable[..., Any]] = []
-    for part in parts:
-        part_masks, part_scores = part.functions()
-        masks += part_masks
-        scores += part_scores
-    compiled = CompiledMods.of(trace_mods(masks, scores))
-    with _LOCK:
-        kept = [*first.__dict__.get("_combined_mods", [])[-(_MAX_COMBINED - 1) :]]
-        kept.append((parts, keys, compiled))
-        object.__setattr__(first, "_combined_mods", kept)
-    return compiled
-
-
-def _prepare(parts: tuple[ModBias, ...]) -> None:
-    """:func:`compiled_mods` of ``parts`` and their built-in forms ahead of the calls; a
-    function the compiler refuses is left to raise at the first call, where the error names
-    it. Under ``torch.compile`` the tracer cannot run in the graph: the work runs eagerly at a
-    graph break, and with ``fullgraph=True`` the compiler's error says why."""
-    if torch.compiler.is_compiling():
-        if _EAGERLY:
-            _EAGERLY[0](parts)
-        else:  # (torch._dynamo was not loaded when a bias was last built outside compile)
-            _refuse_inside_compile(*parts)
-        return
-    _eagerly_ready()
-    with contextlib.suppress(ModTraceError):
-        compiled_mods(parts)
-        for part in parts:  # read under torch.compile as a kept value only
-            part.builtin_form()
-
-
-_BUILT_INSIDE = (
-    "a ModBias traces its functions when it is built (or summed), which cannot happen inside a "
-    "torch.compile graph: build the bias outside the compiled function and pass it in, or "
-    "compile without fullgraph=True (the build then runs eagerly at a graph break)"
-)
-
-
-# _prepare, run eagerly at a graph break where torch.compile meets it (made once torch._dynamo
-# is loaded: importing it here would load Triton with the package)
-_EAGERLY: list[Callable[[tuple[ModBias, ...]], None]] = []
-
-
-def _eagerly_ready() -> None:
-    if not _EAGERLY and "torch._dynamo" in sys.modules:
-        _EAGERLY.append(torch.compiler.disable(_prepare, reason=_BUILT_INSIDE))
-
-
-def _refuse_changed_inside_compile(bias: ModBias) -> None:
-    """A value ``bias``'s functions read changed since its last call outside
-    ``torch.compile``, whose tracer cannot trace them anew: without ``fullgraph=True`` the
-    call then runs eagerly (and sees the new values); with it, this error says what to do."""
-    raise TypeError(
-        f"{bias.describe()}: a value its functions read changed since the bias was last used "
-        f"outside torch.compile, and the functions cannot be traced anew inside it; call the "
-        f"bias once outside the compiled function after changing its values (or compile "
-        f"without fullgraph=True: the call then runs eagerly with the new values)"
-    )
-
-
-def _refuse_inside_compile(*parts: ModBias) -> None:
-    """Inside ``torch.compile``, a ModBias whose functions were not traced yet (built inside
-    the compiled function, or a subclass whose own ``__post_init__`` skips ModBias's): the
-    tracer cannot run there, so say what to do instead."""
-    if torch.compiler.is_compiling():
-        names = " + ".join(part.describe() for part in parts)
-        raise TypeError(
-            f"{names}: a ModBias traces its functions when it is built, and this one was not "
-            f"traced before torch.compile reached it (built inside the compiled function, or "
-            f"a subclass __post_init__ that does not call super().__post_init__()); build the "
-            f"bias outside the compiled function and pass it in (a sum of ModBias parts too)"
-        )
-
-
-_eagerly_ready()

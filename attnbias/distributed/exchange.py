@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnbias.biases import AttnBias
+from attnbias.functional import plan_spec
 from attnbias.materialize import compute_dtype
-from attnbias.planner import Plan, plan
+from attnbias.planner import Plan
 from attnbias.spec import make_spec
 from attnbias.terms import Block, Call
 
@@ -178,7 +179,7 @@ class Schedule:
             self.enable_gqa,
             needs_lse=True,
         )
-        return plan(dataclasses.replace(spec, needs_grad=self.needs_grad))
+        return plan_spec(dataclasses.replace(spec, needs_grad=self.needs_grad))
 
 
 def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> Needs:

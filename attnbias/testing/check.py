@@ -12,6 +12,7 @@ from torch import Tensor
 
 import attnbias
 from attnbias.biases import AttnBias, CompositeBias
+from attnbias.kinds import Form
 from attnbias.testing.oracle import (
     attention,
     flash_rounding,
@@ -175,8 +176,8 @@ def _routes(
     query, key, value = qkv
     attnbias.explain(query, key, value, attn_mask=bias, enable_gqa=gqa)  # one that does not fit
     form = call_form(query, bias)
-    if form != "bias":  # one route: the class's own dispatch, or the materialized mask
-        return False, {"dispatch" if form == "dispatch" else "sdpa+mask": False}
+    if form != Form.BIAS:  # one route: the class's own dispatch, or the materialized mask
+        return False, {"dispatch" if form == Form.DISPATCH else "sdpa+mask": False}
     extra = {"materialize": False} if _own_materialize(bias) else {}
     q, k, v = (t.detach().requires_grad_(grads) for t in qkv)
     wanting = make_spec(q, k, v, bias, False, None, 0.0, gqa)
