@@ -12,6 +12,7 @@ from attnbias.biases.causal import (
 from attnbias.biases.documents import DocumentBias
 from attnbias.biases.key_range import KeyRangeBias
 from attnbias.biases.mod import ModBias
+from attnbias.biases.paged import PagedKV
 from attnbias.biases.softcap import SoftcapBias
 from attnbias.biases.tensor import TensorBias
 from attnbias.biases.window import SlidingWindowBias
@@ -28,6 +29,7 @@ __all__ = [
     "KernelMask",
     "KeyRangeBias",
     "ModBias",
+    "PagedKV",
     "SlidingWindowBias",
     "SoftcapBias",
     "TensorBias",

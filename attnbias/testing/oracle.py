@@ -351,6 +351,42 @@ def attention(
     return _kept_softmax(scores.masked_fill(~kept, -math.inf), kept) @ v
 
 
+def paged_attention(
+    query: Tensor,
+    key_pool: Tensor,
+    value_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    bias: AttnBias | None,
+    *,
+    cu_seqlens_q: Tensor | None = None,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """Attention over a paged cache by stock PyTorch, row by row: each row's keys and values
+    read from its pages by hand (``(num_pages, page_size, Hkv, E)`` pools, row ``b``'s token
+    ``t`` at ``block_table[b, t // page_size]``, slot ``t % page_size``), its queries the last
+    ones, and :func:`attention` of that row with ``bias`` (the parts besides the ``PagedKV``,
+    aligned at the row's last key). ``(B, Hq, L, Ev)``, or ``(1, Hq, total, Ev)`` with
+    ``cu_seqlens_q``."""
+    page_size = key_pool.shape[1]
+    table, lens = block_table.tolist(), seq_lens.tolist()
+    rows = []
+    for b, length in enumerate(lens):
+        tokens = [table[b][t // page_size] * page_size + t % page_size for t in range(length)]
+        k = key_pool.reshape(-1, *key_pool.shape[2:])[tokens].transpose(0, 1)[None]
+        v = value_pool.reshape(-1, *value_pool.shape[2:])[tokens].transpose(0, 1)[None]
+        if cu_seqlens_q is None:
+            q = query[b : b + 1]
+        else:
+            start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+            q = query[:, :, start:end]
+        rows.append(attention(q, k, v, bias, scale=scale, enable_gqa=True, dtype=dtype))
+    if cu_seqlens_q is None:
+        return torch.cat(rows, dim=0)
+    return torch.cat(rows, dim=2)
+
+
 @torch.no_grad()
 def flash_rounding_sizes(
     q: Tensor,
@@ -622,6 +658,7 @@ __all__ = [
     "max_error",
     "mod_functions",
     "oracle_errors",
+    "paged_attention",
     "pointwise",
     "run_with_grads",
     "shard_pair",

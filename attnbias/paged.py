@@ -1,0 +1,319 @@
+"""Attention over a paged key/value cache (:class:`~attnbias.biases.paged.PagedKV`).
+
+The pages of each row are gathered on the device into a contiguous ``(B, Hkv, S, E)`` cache
+with the row's tokens at its end (``S = max_pages * page_size``), and the call runs as any
+other with a :class:`~attnbias.KeyRangeBias` keeping each row's keys: aligned at the end, the
+built-ins that measure from the last key (``causal_lower_right()``, windows, ALiBi)
+read each row's own positions. Ragged queries (``cu_seqlens_q``) are placed the same way, each
+row's at the end of a ``(B, Hq, total, E)`` query. No host synchronisation per call: the
+tables are read on the device, and their problems are flagged there and read at the next
+eager call (on the CPU, checked before anything runs).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnbias.biases import (
+    AlibiBias,
+    AttnBias,
+    CausalBias,
+    CausalVariant,
+    KeyRangeBias,
+    SlidingWindowBias,
+    SoftcapBias,
+    parts_of,
+)
+from attnbias.biases.paged import PagedKV
+
+__all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
+
+# the parts that align per row when each row's keys end the gathered cache
+_ALIGNED = (CausalBias, SlidingWindowBias, AlibiBias, SoftcapBias)
+_MAX_KEPT = 8
+
+# The problems found on a GPU by earlier calls, copied to pinned host memory without waiting:
+# (host flags, the copy's event, the call in words), read once the copy is done
+_PENDING: list[tuple[Tensor, Any, str]] = []
+_PENDING_LOCK = threading.Lock()
+
+
+def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
+    pages = [p for p in parts_of(attn_mask) if isinstance(p, PagedKV)]
+    rest = tuple(p for p in parts_of(attn_mask) if not isinstance(p, PagedKV))
+    if len(pages) != 1:
+        raise ValueError(f"a bias can hold at most one PagedKV, got {len(pages)}")
+    for part in rest:
+        if not isinstance(part, _ALIGNED):
+            raise ValueError(
+                f"PagedKV composes with causal_lower_right(), SlidingWindowBias, AlibiBias and "
+                f"SoftcapBias, which align per row at its last key; got {part!r}. A ModBias, "
+                f"a BandBias (measured from the first query and key), documents, key ranges "
+                f"and tensor masks over a paged cache are not supported yet"
+            )
+        if isinstance(part, CausalBias) and (
+            part.variant is CausalVariant.UPPER_LEFT
+            or part.seq_len_q is not None
+            or part.seq_len_kv is not None
+        ):
+            raise ValueError(
+                f"PagedKV takes causal_lower_right() without lengths (each row's queries end at "
+                f"its last key), got {part!r}; causal_upper_left() has no meaning for a cache"
+            )
+    return pages[0], rest
+
+
+def check_layout(
+    pages: PagedKV, key: Tensor, value: Tensor, query: Tensor | None
+) -> tuple[int, int]:
+    """``(num_pages, page_size)`` of the pools, after checking the shapes against the tables
+    and each other (``ValueError`` / ``TypeError`` naming the values)."""
+    for name, pool in (("key", key), ("value", value)):
+        if not isinstance(pool, Tensor) or pool.dim() != 4:
+            shape = tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__
+            raise ValueError(
+                f"with a PagedKV, {name} is a page pool (num_pages, page_size, Hkv, E), got {shape}"
+            )
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"the key pool {tuple(key.shape)} and the value pool {tuple(value.shape)} must share "
+            f"num_pages, page_size and Hkv"
+        )
+    num_pages, page_size, heads_kv, head_dim = key.shape
+    if page_size == 0:
+        raise ValueError(f"the page pools have pages of 0 tokens: {tuple(key.shape)}")
+    if pages.block_table.device != key.device:
+        raise ValueError(
+            f"PagedKV's tables are on {pages.block_table.device} but the pools on {key.device}; "
+            f"move them with .to({str(key.device)!r})"
+        )
+    if query is not None:
+        if query.dim() != 4:
+            raise ValueError(f"query must be (B, Hq, L, E), got {tuple(query.shape)}")
+        rows = 1 if pages.cu_seqlens_q is not None else pages.batch_size
+        if query.shape[0] != rows:
+            form = (
+                "(1, Hq, total, E) with cu_seqlens_q"
+                if pages.cu_seqlens_q is not None
+                else f"(B={pages.batch_size}, Hq, L, E)"
+            )
+            raise ValueError(f"with this PagedKV the query is {form}, got {tuple(query.shape)}")
+        if query.shape[-1] != head_dim:
+            raise ValueError(f"query and key head dims differ: E={query.shape[-1]} and {head_dim}")
+        if heads_kv == 0 or query.shape[1] % heads_kv:
+            raise ValueError(
+                f"query has Hq={query.shape[1]} heads, not a multiple of the pools' Hkv={heads_kv}"
+            )
+    return num_pages, page_size
+
+
+def row_queries(pages: PagedKV, query: Tensor) -> Tensor:
+    """``(B,)`` the number of queries of each row (on the tables' device)."""
+    cu = pages.cu_seqlens_q
+    if cu is None:
+        return torch.full_like(pages.seq_lens, query.shape[2])
+    return cu[1:] - cu[:-1]
+
+
+def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> Tensor:
+    """``(4,)`` bool on the device: a page index out of the pool among the pages a row reads,
+    a length beyond the row's pages, more queries than tokens, ragged query offsets that do
+    not end at the query's length."""
+    queries = row_queries(pages, query)
+    table, lens = pages.block_table, pages.seq_lens.long()
+    capacity = table.shape[1] * page_size
+    slots = torch.arange(table.shape[1], device=table.device)[None, :] * page_size
+    read = slots < lens[:, None]
+    outside = (read & ((table < 0) | (table >= num_pages))).any()
+    cu = pages.cu_seqlens_q
+    ragged = torch.zeros((), dtype=torch.bool, device=table.device)
+    if cu is not None:
+        ragged = cu[-1] != query.shape[2]
+    return torch.stack(
+        (outside, (lens > capacity).any(), (queries.long() > lens).any(), ragged)
+    )  # fmt: skip
+
+
+_PROBLEMS = (
+    "reads a page index outside the pools",
+    "has a seq_lens beyond its block_table row's pages",
+    "has more queries than tokens (the queries are the row's last tokens, already written)",
+    "has cu_seqlens_q that does not end at the query's length",
+)
+
+
+def _raise_problems(flags: Tensor, said: str, when: str) -> None:
+    found = flags.tolist()
+    if any(found):
+        named = "; ".join(text for text, bad in zip(_PROBLEMS, found, strict=True) if bad)
+        raise ValueError(
+            f"{said}{when}: a row {named}. Call PagedKV.validate(key, value, query) to find the "
+            f"row and the values"
+        )
+
+
+def check_pending(*, wait: bool = False) -> None:
+    """Read the problems that earlier paged calls found on the device and raise the first,
+    naming the call: those whose copy to the host is done (no synchronisation), or all of
+    them with ``wait``."""
+    with _PENDING_LOCK:
+        done = [entry for entry in _PENDING if wait or entry[1].query()]
+        _PENDING[:] = [entry for entry in _PENDING if entry not in done]
+    for host, event, said in done:
+        event.synchronize()
+        _raise_problems(host, said, " (an earlier call: its output is not to be trusted)")
+
+
+def _kept_layout(
+    pages: PagedKV, rest: tuple[AttnBias, ...], batch: int, keys: int, device: torch.device
+) -> tuple[AttnBias, Tensor]:
+    """The bias of the gathered call (the other parts and each row's key range), and the
+    ``(B,)`` int32 starts it reads, written in place at each call: one object per sum and
+    layout, so that the plan cache serves the calls after the first."""
+    key = (tuple(id(p) for p in rest), batch, keys, device)
+    found = pages._kept.get(key)
+    if found is None:
+        starts = torch.zeros(batch, dtype=torch.int32, device=device)
+        bias: AttnBias = KeyRangeBias(start=starts)
+        for part in rest:
+            bias = bias + part
+        if len(pages._kept) >= _MAX_KEPT:
+            pages._kept.pop(next(iter(pages._kept)))
+        found = pages._kept[key] = (rest, bias, starts)  # rest held: the ids stay theirs
+    return found[1], found[2]
+
+
+def _gathered(pool: Tensor, table: Tensor, lens: Tensor, page_size: int) -> Tensor:
+    """``(B, Hkv, S, E)`` (a view of a ``(B, S, Hkv, E)`` gather): row ``b``'s tokens at the
+    last ``lens[b]`` of ``S = max_pages * page_size`` positions; the positions before them hold
+    the row's first token (kept out by the key range). Page indices are clamped into the pool
+    (a bad one is flagged, never read out of bounds)."""
+    keys = table.shape[1] * page_size
+    positions = torch.arange(keys, device=pool.device)
+    token = (positions[None, :] - (keys - lens.long())[:, None]).clamp(0, keys - 1)
+    page = table.long().gather(1, token // page_size).clamp(0, pool.shape[0] - 1)
+    flat = page * page_size + token % page_size
+    return pool.reshape(-1, *pool.shape[2:])[flat].transpose(1, 2)
+
+
+def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The query as ``(B, Hq, L, E)``: itself, or for ragged rows each row's queries at the
+    end of a ``(B, Hq, total, E)`` query (zeros before them), with the index of each packed
+    query there (to read the output back)."""
+    cu = pages.cu_seqlens_q
+    if cu is None:
+        return query, None
+    total = query.shape[2]
+    batch = pages.batch_size
+    flat = torch.arange(total, device=query.device)
+    row = torch.searchsorted(cu[1:].long(), flat, right=True).clamp(max=batch - 1)
+    count = (cu[1:] - cu[:-1]).long()
+    place = total - count[row] + (flat - cu[:-1].long()[row])
+    place = place.clamp(0, max(total - 1, 0))
+    placed = query.new_zeros(batch, query.shape[1], total, query.shape[3])
+    placed[row, :, place] = query[0].transpose(0, 1)
+    return placed, row * total + place
+
+
+def _prepare(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor, AttnBias, Tensor | None]:
+    pages, rest = _split(attn_mask)
+    if is_causal:
+        raise ValueError(
+            "is_causal=True adds an upper-left causal mask, which has no meaning for a paged "
+            "cache; add causal_lower_right() to the bias instead"
+        )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise ValueError(
+            "attention over a PagedKV cache is forward only; run it under torch.no_grad() or "
+            "torch.inference_mode(), or detach the inputs"
+        )
+    num_pages, page_size = check_layout(pages, key, value, query)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and "
+            f"{value.dtype}"
+        )
+    flags = _problems(pages, num_pages, page_size, query)
+    said = f"attention over {pages!r} with pools {tuple(key.shape)}"
+    if query.device.type == "cpu":
+        _raise_problems(flags, said, "")
+    elif not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        with _PENDING_LOCK:
+            _PENDING.append((host, event, said))
+    batch, max_pages = pages.block_table.shape
+    keys = max_pages * page_size
+    bias, starts = _kept_layout(pages, rest, batch, keys, query.device)
+    torch.clamp(keys - pages.seq_lens, min=0, out=starts)  # read by the key range
+    placed, where = _placed(pages, query)
+    lens = pages.seq_lens
+    return (
+        placed,
+        _gathered(key, pages.block_table, lens, page_size),
+        _gathered(value, pages.block_table, lens, page_size),
+        bias,
+        where,
+    )
+
+
+def paged_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnBias,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """:func:`attnbias.sdpa` of a call whose bias holds a :class:`PagedKV`: ``(B, Hq, L, Ev)``,
+    or ``(1, Hq, total, Ev)`` for ragged queries."""
+    from attnbias.functional import sdpa
+
+    if _PENDING and not torch.cuda.is_current_stream_capturing():
+        check_pending()
+    placed, keys, values, bias, where = _prepare(query, key, value, attn_mask, is_causal)
+    out = sdpa(
+        placed, keys, values, attn_mask=bias, dropout_p=dropout_p, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+    if where is None:
+        return out
+    # each packed query's row of the output: (B * total, Hq, Ev) rows read at ``where``
+    rows = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+    return rows[where].transpose(0, 1).unsqueeze(0)
+
+
+def paged_explain(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: AttnBias,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> str:
+    """:func:`attnbias.explain` of a paged call: how the pages are read, then the route of
+    the call on them."""
+    from attnbias.functional import explain
+
+    placed, keys, values, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
+    head = (
+        f"{_split(attn_mask)[0]!r}: each row's pages gathered on the device into a contiguous "
+        f"cache of {keys.shape[2]} keys, its tokens at the end, kept by a key range"
+    )
+    route = explain(
+        placed, keys, values, attn_mask=bias, dropout_p=dropout_p, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+    return f"{head}\n{route}"

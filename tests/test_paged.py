@@ -1,0 +1,246 @@
+"""Attention over a paged key/value cache (``PagedKV``) against the fp64 oracle that reads
+each row's pages by hand (``attnbias.testing.oracle.paged_attention``): uniform and ragged
+queries, GQA, shared pages, the parts that compose, in-place table updates, and bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import attnbias
+from attnbias import (
+    AlibiBias,
+    KeyRangeBias,
+    ModBias,
+    PagedKV,
+    SlidingWindowBias,
+    SoftcapBias,
+    causal_lower_right,
+    causal_upper_left,
+)
+from attnbias.biases import BandBias
+from attnbias.testing.oracle import assert_close_to_oracle, paged_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+I32 = torch.int32
+
+
+def pools(pages: int, page_size: int, heads_kv: int, head_dim: int, seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(pages, page_size, heads_kv, head_dim, generator=gen) for _ in range(2))
+    return k.to(DEVICE), v.to(DEVICE)
+
+
+def table_of(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=I32, device=DEVICE)
+
+
+def lens_of(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32, device=DEVICE)
+
+
+def run_and_check(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: PagedKV,
+    rest: Any,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    bias = pages if rest is None else pages + rest
+    with torch.no_grad():
+        out = attnbias.sdpa(
+            query.to(dtype), k.to(dtype), v.to(dtype), attn_mask=bias,
+            enable_gqa=query.shape[1] != k.shape[2],
+        )  # fmt: skip
+    expected = paged_attention(
+        query, k, v, pages.block_table, pages.seq_lens, rest, cu_seqlens_q=pages.cu_seqlens_q
+    )
+    stock = paged_attention(
+        query, k, v, pages.block_table, pages.seq_lens, rest,
+        cu_seqlens_q=pages.cu_seqlens_q, dtype=dtype,
+    )  # fmt: skip
+    assert out.shape == expected.shape
+    assert_close_to_oracle([out], [expected], [stock], dtype)
+
+
+RESTS = {
+    "none": lambda: None,
+    "causal": causal_lower_right,
+    "window": lambda: causal_lower_right() + SlidingWindowBias(3),
+    "alibi": lambda: causal_lower_right() + AlibiBias(num_heads=4),
+    "softcap": lambda: causal_lower_right() + SoftcapBias(2.0),
+    "window alibi softcap": lambda: (
+        causal_lower_right() + SlidingWindowBias(5) + AlibiBias(num_heads=4) + SoftcapBias(3.0)
+    ),
+}
+
+
+@pytest.mark.parametrize("rest", list(RESTS))
+@pytest.mark.parametrize("length_q", [1, 3])
+def test_uniform_queries_match_the_oracle(rest: str, length_q: int) -> None:
+    """Rows of different lengths, pages in any order and shared between rows (a common
+    prefix), GQA (4 query heads on 2 key/value heads)."""
+    k, v = pools(10, 4, 2, 16, seed=length_q)
+    table = table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 0, 0, 0]])  # rows 0 and 1 share 7, 2
+    pages = PagedKV(table, lens_of([13, 10, 3]))
+    query = torch.randn(3, 4, length_q, 16, device=DEVICE)
+    run_and_check(query, k, v, pages, RESTS[rest]())
+
+
+@pytest.mark.parametrize("rest", ["none", "causal", "window alibi softcap"])
+def test_ragged_queries_match_the_oracle(rest: str) -> None:
+    """Prefill and decode rows packed in one query (``cu_seqlens_q``), a row with no query."""
+    k, v = pools(12, 4, 2, 16, seed=3)
+    table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11], [2, 0, 0, 0]])
+    counts = [5, 1, 0, 3]
+    cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
+    pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu)
+    query = torch.randn(1, 4, sum(counts), 16, device=DEVICE)
+    run_and_check(query, k, v, pages, RESTS[rest]())
+
+
+def test_tables_written_in_place_are_read_at_each_call() -> None:
+    """One bias object serves a generation: the next token's length and a new page, written
+    into the same tensors, are read by the next call (and its plan is reused)."""
+    k, v = pools(6, 4, 1, 8, seed=5)
+    table = table_of([[0, 0], [1, 0]])
+    lens = lens_of([4, 2])
+    pages = PagedKV(table, lens)
+    bias = pages + causal_lower_right()
+    query = torch.randn(2, 1, 1, 8, device=DEVICE)
+    run_and_check(query, k, v, pages, causal_lower_right())
+    table[0, 1] = 5  # row 0 grows into a second page
+    lens += 1
+    with torch.no_grad():
+        out = attnbias.sdpa(query, k, v, attn_mask=bias)
+    expected = paged_attention(query, k, v, table, lens, causal_lower_right())
+    assert (out.double() - expected).abs().max().item() < 1e-5
+
+
+def test_a_paged_call_explains_its_route() -> None:
+    k, v = pools(4, 4, 1, 8, seed=6)
+    pages = PagedKV(table_of([[0, 1]]), lens_of([6]))
+    text = attnbias.explain(torch.randn(1, 1, 2, 8), k, v, attn_mask=pages + causal_lower_right())
+    assert text.startswith("PagedKV(B=1, max_pages=2): each row's pages gathered")
+    assert "key range" in text
+
+
+def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return attnbias.sdpa(query, k, v, attn_mask=pages)
+
+
+def test_bad_tables_are_refused_naming_the_values() -> None:
+    k, v = pools(4, 4, 1, 8, seed=7)
+    query = torch.randn(1, 1, 2, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="must hold integers"):
+        PagedKV(torch.zeros(1, 2), lens_of([3]))
+    with pytest.raises(ValueError, match=r"shape \(B, max_pages\)"):
+        PagedKV(lens_of([0, 1]), lens_of([3]))
+    with pytest.raises(ValueError, match="seq_lens has 2 rows but block_table has 1"):
+        PagedKV(table_of([[0, 1]]), lens_of([3, 4]))
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        PagedKV(table_of([[0, 1]]), lens_of([-1]))
+    with pytest.raises(ValueError, match="negative page index"):
+        PagedKV(table_of([[0, -1]]), lens_of([3]))
+    with pytest.raises(ValueError, match="B \\+ 1 = 2 entries"):
+        PagedKV(table_of([[0, 1]]), lens_of([3]), cu_seqlens_q=lens_of([0, 1, 2]))
+    with pytest.raises(ValueError, match="start at 0 and never decrease"):
+        PagedKV(table_of([[0, 1]]), lens_of([3]), cu_seqlens_q=lens_of([1, 2]))
+    # checked against the pools: at the call (on the CPU before anything runs) and by validate
+    cases = [
+        (PagedKV(table_of([[0, 9]]), lens_of([6])), "reads a page index outside the pools"),
+        (PagedKV(table_of([[0, 1]]), lens_of([9])), "seq_lens beyond its block_table row"),
+        (PagedKV(table_of([[0, 1]]), lens_of([1])), "more queries than tokens"),
+    ]
+    for pages, said in cases:
+        with pytest.raises(ValueError, match=r"row 0\b"):
+            pages.validate(k, v, query)
+        if DEVICE == "cpu":
+            with pytest.raises(ValueError, match=said):
+                _call(pages, query, k, v)
+    # a page index past the pool only where the row reads it: unread slots may hold anything
+    _call(PagedKV(table_of([[0, 9]]), lens_of([4])), query, k, v)
+
+
+def test_bad_calls_are_refused_naming_the_fix() -> None:
+    k, v = pools(4, 4, 2, 8, seed=8)
+    pages = PagedKV(table_of([[0, 1]]), lens_of([6]))
+    query = torch.randn(1, 2, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="causal_upper_left\\(\\) has no meaning"):
+        _call(pages + causal_upper_left(), query, k, v)
+    with pytest.raises(ValueError, match="is_causal=True"), torch.no_grad():
+        attnbias.sdpa(query, k, v, attn_mask=pages, is_causal=True)
+    with pytest.raises(ValueError, match="not supported yet"):
+        _call(pages + ModBias(mask_mod=lambda b, h, q, kv: kv <= q), query, k, v)
+    with pytest.raises(ValueError, match="not supported yet"):
+        _call(pages + KeyRangeBias(end=[3]), query, k, v)
+    with pytest.raises(ValueError, match="BandBias"):
+        _call(pages + BandBias(-4, 1), query, k, v)
+    with pytest.raises(ValueError, match="at most one PagedKV"):
+        _call(pages + PagedKV(table_of([[0, 1]]), lens_of([6])), query, k, v)
+    with pytest.raises(ValueError, match="page pool"):
+        _call(pages, query, k[0], v[0])
+    with pytest.raises(ValueError, match="must share num_pages, page_size and Hkv"):
+        _call(pages, query, k, v[:, :2])
+    with pytest.raises(ValueError, match=r"\(B=1, Hq, L, E\)"):
+        _call(pages, query.expand(2, -1, -1, -1), k, v)
+    with pytest.raises(ValueError, match="forward only"):
+        attnbias.sdpa(query.requires_grad_(), k, v, attn_mask=pages)
+    with pytest.raises(TypeError, match="PagedKV says where each row's keys are"):
+        pages.materialize(shape=(1, 2, 2, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length_q", [1, 16, 200])
+@pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
+def test_gpu_paged_calls_match_the_oracle(rest: str, length_q: int) -> None:
+    """On the GPU's routes (the decode kernel for short queries, the Triton kernel, stock SDPA
+    or FlashAttention 4 for longer ones) in bf16: 8 rows of ragged lengths over pages of 16
+    tokens, GQA 8/2, head dim 128."""
+    gen = torch.Generator().manual_seed(length_q)
+    pool_k, pool_v = (torch.randn(80, 16, 2, 128, generator=gen).cuda() for _ in range(2))
+    lens = [300, 1000, 16, 555, 1024, 700, 250, 999]
+    table = torch.randperm(80, generator=gen)[: 8 * 64 // 8].reshape(8, 8).repeat(1, 8)
+    pages = PagedKV(table.to(I32).cuda(), lens_of(lens).cuda())
+    query = torch.randn(8, 8, length_q, 128, generator=gen).cuda()
+    run_and_check(query, pool_k, pool_v, pages, RESTS[rest](), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_paged_step_replays_with_new_tables() -> None:
+    """A decode step captured in a CUDA graph reads the tables at each replay: a new length
+    and a new page written in place between replays give what an eager call gives."""
+    pool_k, pool_v = pools(32, 16, 2, 64, seed=9)
+    pool_k, pool_v = pool_k.cuda().bfloat16(), pool_v.cuda().bfloat16()
+    table = torch.arange(16, dtype=I32, device="cuda").reshape(2, 8)
+    lens = lens_of([40, 70]).cuda()
+    bias = PagedKV(table, lens) + causal_lower_right() + SlidingWindowBias(32)
+    query = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return attnbias.sdpa(query, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        lens += 7
+        table[0, 3] = 20 + int(lens[0]) % 5  # a page swapped in
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+        expected = paged_attention(
+            query, pool_k, pool_v, table, lens, causal_lower_right() + SlidingWindowBias(32)
+        )
+        assert (out.double() - expected).abs().max().item() < 3e-2
