@@ -3,11 +3,12 @@
 The pages of each row are gathered on the device into a contiguous ``(B, Hkv, S, E)`` cache
 with the row's tokens at its end (``S = max_pages * page_size``), and the call runs as any
 other with a :class:`~attnbias.KeyRangeBias` keeping each row's keys: aligned at the end, the
-built-ins that measure from the last key (``causal_lower_right()``, windows, ALiBi)
-read each row's own positions. Ragged queries (``cu_seqlens_q``) are placed the same way, each
-row's at the end of a ``(B, Hq, total, E)`` query. No host synchronisation per call: the
-tables are read on the device, and their problems are flagged there and read at the next
-eager call (on the CPU, checked before anything runs).
+built-ins that measure from the last key (``causal_lower_right()``, windows, ALiBi) read each
+row's own positions, and a ``ModBias`` reads them through per-row offsets. Ragged queries
+(``cu_seqlens_q``) are placed the same way, each row's at the end of a ``(B, Hq, total, E)``
+query. No host synchronisation per call: the tables are read on the device, and their
+problems are flagged there and read at the next eager call (on the CPU, checked before
+anything runs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from attnbias.biases import (
     CausalBias,
     CausalVariant,
     KeyRangeBias,
+    ModBias,
     SlidingWindowBias,
     SoftcapBias,
     parts_of,
@@ -32,8 +34,9 @@ from attnbias.biases.paged import PagedKV
 
 __all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
 
-# the parts that align per row when each row's keys end the gathered cache
-_ALIGNED = (CausalBias, SlidingWindowBias, AlibiBias, SoftcapBias)
+# the parts that align per row when each row's keys end the gathered cache (a ModBias reads
+# its row's own positions through per-row offsets: _in_row)
+_ALIGNED = (CausalBias, SlidingWindowBias, AlibiBias, SoftcapBias, ModBias)
 _MAX_KEPT = 8
 
 # The problems found on a GPU by earlier calls, copied to pinned host memory without waiting:
@@ -50,10 +53,11 @@ def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
     for part in rest:
         if not isinstance(part, _ALIGNED):
             raise ValueError(
-                f"PagedKV composes with causal_lower_right(), SlidingWindowBias, AlibiBias and "
-                f"SoftcapBias, which align per row at its last key; got {part!r}. A ModBias, "
-                f"a BandBias (measured from the first query and key), documents, key ranges "
-                f"and tensor masks over a paged cache are not supported yet"
+                f"PagedKV composes with causal_lower_right(), SlidingWindowBias, AlibiBias, "
+                f"SoftcapBias (which align per row at its last key) and ModBias (which reads "
+                f"each row's own positions); got {part!r}. A BandBias (measured from the first "
+                f"query and key), documents, key ranges and tensor masks over a paged cache are "
+                f"not supported yet"
             )
         if isinstance(part, CausalBias) and (
             part.variant is CausalVariant.UPPER_LEFT
@@ -168,23 +172,57 @@ def check_pending(*, wait: bool = False) -> None:
         _raise_problems(host, said, " (an earlier call: its output is not to be trusted)")
 
 
+def _in_row(part: ModBias, key_starts: Tensor, query_starts: Tensor) -> ModBias:
+    """``part``'s functions reading each row's own positions in the gathered call, as
+    FlexAttention's paged attention gives them: ``kv_idx`` the key's position in its row
+    (``kv_idx - key_starts[b]``), ``q_idx`` the query's index among its row's queries
+    (``q_idx - query_starts[b]``). Both offsets are ``(B,)`` int32 tensors written in place at
+    each call (read by the generated code there); positions before a row's start, kept out by
+    its key range or dropped from the output, read as 0."""
+    masks, scores = part.functions()
+    mask = masks[0] if masks else None
+    score = scores[0] if scores else None
+
+    def kv_of(b: Any, kv_idx: Any) -> Any:
+        return (kv_idx - key_starts[b]).clamp(min=0)
+
+    def q_of(b: Any, q_idx: Any) -> Any:
+        return (q_idx - query_starts[b]).clamp(min=0)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        assert mask is not None
+        return mask(b, h, q_of(b, q_idx), kv_of(b, kv_idx))
+
+    def score_mod(score_: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        assert score is not None
+        return score(score_, b, h, q_of(b, q_idx), kv_of(b, kv_idx))
+
+    return ModBias(
+        mask_mod=None if mask is None else mask_mod, score_mod=None if score is None else score_mod
+    )
+
+
 def _kept_layout(
     pages: PagedKV, rest: tuple[AttnBias, ...], batch: int, keys: int, device: torch.device
-) -> tuple[AttnBias, Tensor]:
-    """The bias of the gathered call (the other parts and each row's key range), and the
-    ``(B,)`` int32 starts it reads, written in place at each call: one object per sum and
-    layout, so that the plan cache serves the calls after the first."""
+) -> tuple[AttnBias, Tensor, Tensor]:
+    """The bias of the gathered call (each row's key range, then the other parts, a ModBias
+    reading its row's positions), and the ``(B,)`` int32 key and query starts it reads, written
+    in place at each call: one object per sum and layout, so that the plan cache serves the
+    calls after the first."""
     key = (tuple(id(p) for p in rest), batch, keys, device)
     found = pages._kept.get(key)
     if found is None:
         starts = torch.zeros(batch, dtype=torch.int32, device=device)
+        query_starts = torch.zeros(batch, dtype=torch.int32, device=device)
         bias: AttnBias = KeyRangeBias(start=starts)
         for part in rest:
+            if isinstance(part, ModBias):
+                part = _in_row(part, starts, query_starts)
             bias = bias + part
         if len(pages._kept) >= _MAX_KEPT:
             pages._kept.pop(next(iter(pages._kept)))
-        found = pages._kept[key] = (rest, bias, starts)  # rest held: the ids stay theirs
-    return found[1], found[2]
+        found = pages._kept[key] = (rest, bias, starts, query_starts)  # rest held: ids kept
+    return found[1], found[2], found[3]
 
 
 def _gathered(pool: Tensor, table: Tensor, lens: Tensor, page_size: int) -> Tensor:
@@ -252,8 +290,11 @@ def _prepare(
             _PENDING.append((host, event, said))
     batch, max_pages = pages.block_table.shape
     keys = max_pages * page_size
-    bias, starts = _kept_layout(pages, rest, batch, keys, query.device)
+    bias, starts, query_starts = _kept_layout(pages, rest, batch, keys, query.device)
     torch.clamp(keys - pages.seq_lens, min=0, out=starts)  # read by the key range
+    if pages.cu_seqlens_q is not None:  # each row's queries at the end of `total` places
+        cu = pages.cu_seqlens_q
+        torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_starts)
     placed, where = _placed(pages, query)
     lens = pages.seq_lens
     return (

@@ -102,6 +102,55 @@ def test_ragged_queries_match_the_oracle(rest: str) -> None:
     run_and_check(query, k, v, pages, RESTS[rest]())
 
 
+def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[str, Any]:
+    """ModBias parts reading each row's own positions: ``kv_idx`` the key's position in its
+    row, ``q_idx`` the query's index among the row's queries (its position in the row is
+    ``q_idx + lens[b] - L``, the lengths captured and read at each call)."""
+
+    def every_third(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx % 3 != 1) | (kv_idx == 0)
+
+    def relative(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        distance = (q_idx + lens[b] - length_q - kv_idx).clamp(0, 31)
+        return score + table[h, distance]
+
+    def first_query_sees_all(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx == 0) | (kv_idx <= q_idx + lens[b] - length_q)
+
+    return {
+        "mask": ModBias(mask_mod=every_third) + causal_lower_right(),
+        "score": causal_lower_right() + ModBias(score_mod=relative),
+        "query positions": ModBias(mask_mod=first_query_sees_all),
+    }
+
+
+@pytest.mark.parametrize("name", ["mask", "score", "query positions"])
+@pytest.mark.parametrize("length_q", [1, 3])
+def test_mod_bias_reads_each_rows_own_positions(name: str, length_q: int) -> None:
+    """A ModBias over a paged cache keeps FlexAttention's meaning in every row: ``kv_idx`` is
+    the key's position in the row, ``q_idx`` the query's index among the row's queries."""
+    k, v = pools(10, 4, 2, 16, seed=10 + length_q)
+    lens = lens_of([13, 10, 6])
+    pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
+    table = torch.randn(4, 32, device=DEVICE)
+    query = torch.randn(3, 4, length_q, 16, device=DEVICE)
+    run_and_check(query, k, v, pages, _mod_parts(lens, length_q, table)[name])
+
+
+def test_mod_bias_reads_ragged_rows_queries() -> None:
+    """With ``cu_seqlens_q`` a ModBias's ``q_idx`` is the query's index among its row's."""
+    k, v = pools(12, 4, 2, 16, seed=12)
+    cu = torch.tensor([0, 4, 5, 8], dtype=I32, device=DEVICE)
+    lens = lens_of([14, 6, 9])
+    pages = PagedKV(table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11]]), lens, cu_seqlens_q=cu)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx * 2) | (kv_idx >= 5)
+
+    query = torch.randn(1, 4, 8, 16, device=DEVICE)
+    run_and_check(query, k, v, pages, ModBias(mask_mod=mask_mod))
+
+
 def test_tables_written_in_place_are_read_at_each_call() -> None:
     """One bias object serves a generation: the next token's length and a new page, written
     into the same tensors, are read by the next call (and its plan is reused)."""
@@ -175,8 +224,6 @@ def test_bad_calls_are_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="is_causal=True"), torch.no_grad():
         attnbias.sdpa(query, k, v, attn_mask=pages, is_causal=True)
     with pytest.raises(ValueError, match="not supported yet"):
-        _call(pages + ModBias(mask_mod=lambda b, h, q, kv: kv <= q), query, k, v)
-    with pytest.raises(ValueError, match="not supported yet"):
         _call(pages + KeyRangeBias(end=[3]), query, k, v)
     with pytest.raises(ValueError, match="BandBias"):
         _call(pages + BandBias(-4, 1), query, k, v)
@@ -244,3 +291,20 @@ def test_gpu_a_captured_paged_step_replays_with_new_tables() -> None:
             query, pool_k, pool_v, table, lens, causal_lower_right() + SlidingWindowBias(32)
         )
         assert (out.double() - expected).abs().max().item() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mask", "score", "query positions"])
+@pytest.mark.parametrize("length_q", [1, 64])
+def test_gpu_mod_bias_over_pages_matches_the_oracle(name: str, length_q: int) -> None:
+    """The generated code of a ModBias over a paged cache (the decode kernel, the Triton
+    kernel or FlashAttention 4) in bf16: rows of 300-1000 tokens in pages of 16."""
+    gen = torch.Generator().manual_seed(length_q)
+    pool_k, pool_v = (torch.randn(80, 16, 2, 64, generator=gen).cuda() for _ in range(2))
+    lens = lens_of([300, 1000, 216, 555]).cuda()
+    pages_table = torch.randperm(80, generator=gen)[:16].reshape(4, 4).repeat(1, 16)
+    pages = PagedKV(pages_table.to(I32).cuda(), lens)
+    table = torch.randn(4, 32, generator=gen).cuda()
+    query = torch.randn(4, 4, length_q, 64, generator=gen).cuda()
+    parts = _mod_parts(lens, length_q, table)[name]
+    run_and_check(query, pool_k, pool_v, pages, parts, dtype=torch.bfloat16)

@@ -45,8 +45,11 @@ class PagedKV(AttnBias):
 
     The other parts of a sum align per row: ``causal_lower_right()`` ends each row's queries at
     the row's last key, :class:`SlidingWindowBias` and :class:`AlibiBias` measure distances
-    within the row, :class:`SoftcapBias` applies as usual. Other parts are refused
-    (``causal_upper_left()`` has no meaning for a cache; a ``ModBias`` is not supported yet). Rows
+    within the row, :class:`SoftcapBias` applies as usual, and a :class:`ModBias` keeps
+    FlexAttention's meaning: ``kv_idx`` is the key's position in its row and ``q_idx`` the
+    query's index among the row's queries (its position in the row is ``q_idx + lens[b] - L``,
+    with ``lens`` the ``seq_lens`` tensor captured in the function: read at each call). Other
+    parts are refused (``causal_upper_left()`` has no meaning for a cache). Rows
     may share pages (a common prefix). The tables and lengths are read at each call and may be
     written in place between calls (a server's step; a CUDA-graph replay sees them too).
     Forward only: inputs that require grad are refused.

@@ -351,6 +351,37 @@ def attention(
     return _kept_softmax(scores.masked_fill(~kept, -math.inf), kept) @ v
 
 
+def _shifted_functions(
+    mask: Callable[..., Any] | None, score: Callable[..., Any] | None, row: int
+) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+    """``mask`` and ``score`` reading the batch row ``b + row``."""
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        assert mask is not None
+        return mask(b + row, h, q_idx, kv_idx)
+
+    def score_mod(value: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        assert score is not None
+        return score(value, b + row, h, q_idx, kv_idx)
+
+    return (None if mask is None else mask_mod), (None if score is None else score_mod)
+
+
+def _at_batch_row(bias: AttnBias | None, row: int) -> AttnBias | None:
+    """``bias`` for a call of batch row ``row`` alone: its ModBias parts' functions read
+    ``b + row`` (the row they would see in the whole batch); other parts as they are."""
+    if bias is None or not has_mod_bias(bias):
+        return bias
+    cls = _mod_bias_class()
+    assert cls is not None
+    parts: list[AttnBias] = []
+    for part in bias.parts if isinstance(bias, CompositeBias) else (bias,):
+        if is_mod_bias(part):
+            part = cls(*_shifted_functions(*mod_functions(part), row))
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else CompositeBias(tuple(parts))
+
+
 def paged_attention(
     query: Tensor,
     key_pool: Tensor,
@@ -381,7 +412,8 @@ def paged_attention(
         else:
             start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
             q = query[:, :, start:end]
-        rows.append(attention(q, k, v, bias, scale=scale, enable_gqa=True, dtype=dtype))
+        row_bias = _at_batch_row(bias, b)
+        rows.append(attention(q, k, v, row_bias, scale=scale, enable_gqa=True, dtype=dtype))
     if cu_seqlens_q is None:
         return torch.cat(rows, dim=0)
     return torch.cat(rows, dim=2)
