@@ -1001,3 +1001,24 @@ def test_kinds_and_forms_are_enums_that_read_as_their_words() -> None:
     assert f"{Form.NO_MASK:>8}" == " no mask"
     window = attnbias.causal_lower_right() + attnbias.SlidingWindowBias(4)
     assert "order (cpu, band, inference)" in attnbias.explain(q, k, v, attn_mask=window)
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_planning_launches_nothing(monkeypatch: pytest.MonkeyPatch, needs_grad: bool) -> None:
+    """Planning is arithmetic on the spec and the tables: on a faked Hopper GPU, every kind of
+    bias, long enough to pass the decode's query limit, is planned with every kernel launch and
+    the block lists' reach refused."""
+    from attnbias.kernels import launch
+    from attnbias.kernels import masks as kernel_masks
+
+    fake_gpu(monkeypatch)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("planning launched a kernel")
+
+    monkeypatch.setattr(launch, "launcher", refuse)
+    monkeypatch.setattr(kernel_masks, "visited_keys_per_row", refuse)
+    for kind, make in KIND_BIASES.items():
+        spec = spec_of(make(), length_q=40, length_kv=40, needs_grad=needs_grad)
+        chosen = plan(spec)
+        assert chosen.backend.name in BACKENDS, kind
