@@ -175,10 +175,11 @@ def check_pending(*, wait: bool = False) -> None:
 def _in_row(part: ModBias, key_starts: Tensor, query_starts: Tensor) -> ModBias:
     """``part``'s functions reading each row's own positions in the gathered call, as
     FlexAttention's paged attention gives them: ``kv_idx`` the key's position in its row
-    (``kv_idx - key_starts[b]``), ``q_idx`` the query's index among its row's queries
-    (``q_idx - query_starts[b]``). Both offsets are ``(B,)`` int32 tensors written in place at
-    each call (read by the generated code there); positions before a row's start, kept out by
-    its key range or dropped from the output, read as 0."""
+    (``kv_idx - key_starts[b]``; negative where the gather starts inside the row), ``q_idx``
+    the query's index among its row's queries (``q_idx - query_starts[b]``). Both offsets are
+    ``(B,)`` int32 tensors written in place at each call (read by the generated code there);
+    positions before a row's start, kept out by its key range or dropped from the output, read
+    as 0."""
     masks, scores = part.functions()
     mask = masks[0] if masks else None
     score = scores[0] if scores else None
@@ -204,35 +205,48 @@ def _in_row(part: ModBias, key_starts: Tensor, query_starts: Tensor) -> ModBias:
 
 def _kept_layout(
     pages: PagedKV, rest: tuple[AttnBias, ...], batch: int, keys: int, device: torch.device
-) -> tuple[AttnBias, Tensor, Tensor]:
+) -> tuple[AttnBias, tuple[Tensor, Tensor, Tensor]]:
     """The bias of the gathered call (each row's key range, then the other parts, a ModBias
-    reading its row's positions), and the ``(B,)`` int32 key and query starts it reads, written
-    in place at each call: one object per sum and layout, so that the plan cache serves the
-    calls after the first."""
+    reading its row's positions), and the ``(B,)`` int32 tensors it reads, written in place at
+    each call: the key range's starts, the offsets of the rows' keys and of their queries. One
+    object per sum and layout, so that the plan cache serves the calls after the first."""
     key = (tuple(id(p) for p in rest), batch, keys, device)
     found = pages._kept.get(key)
     if found is None:
-        starts = torch.zeros(batch, dtype=torch.int32, device=device)
-        query_starts = torch.zeros(batch, dtype=torch.int32, device=device)
+        starts, key_offsets, query_offsets = (
+            torch.zeros(batch, dtype=torch.int32, device=device) for _ in range(3)
+        )
         bias: AttnBias = KeyRangeBias(start=starts)
         for part in rest:
             if isinstance(part, ModBias):
-                part = _in_row(part, starts, query_starts)
+                part = _in_row(part, key_offsets, query_offsets)
             bias = bias + part
         if len(pages._kept) >= _MAX_KEPT:
             pages._kept.pop(next(iter(pages._kept)))
-        found = pages._kept[key] = (rest, bias, starts, query_starts)  # rest held: ids kept
-    return found[1], found[2], found[3]
+        # the parts held with it: their ids in the key stay theirs
+        found = pages._kept[key] = (rest, bias, (starts, key_offsets, query_offsets))
+    return found[1], found[2]
 
 
-def _gathered(pool: Tensor, table: Tensor, lens: Tensor, page_size: int) -> Tensor:
-    """``(B, Hkv, S, E)`` (a view of a ``(B, S, Hkv, E)`` gather): row ``b``'s tokens at the
-    last ``lens[b]`` of ``S = max_pages * page_size`` positions; the positions before them hold
-    the row's first token (kept out by the key range). Page indices are clamped into the pool
-    (a bad one is flagged, never read out of bounds)."""
-    keys = table.shape[1] * page_size
+def reach(rest: tuple[AttnBias, ...], length_q: int) -> int | None:
+    """How many of each row's last tokens a call of ``length_q`` queries can keep: its
+    queries' span and the narrowest sliding window's left side (``None``: every token)."""
+    windows = [
+        p.window_left
+        for p in rest
+        if isinstance(p, SlidingWindowBias) and p.window_left is not None
+    ]
+    return None if not windows else length_q + min(windows)
+
+
+def _gathered(pool: Tensor, table: Tensor, lens: Tensor, page_size: int, keys: int) -> Tensor:
+    """``(B, Hkv, keys, E)`` (a view of a ``(B, keys, Hkv, E)`` gather): row ``b``'s last
+    ``keys`` tokens, its last token last; positions before a row's first token hold it (kept
+    out by the key range). Page indices are clamped into the pool (a bad one is flagged, never
+    read out of bounds)."""
+    capacity = table.shape[1] * page_size
     positions = torch.arange(keys, device=pool.device)
-    token = (positions[None, :] - (keys - lens.long())[:, None]).clamp(0, keys - 1)
+    token = (positions[None, :] - (keys - lens.long())[:, None]).clamp(0, capacity - 1)
     page = table.long().gather(1, token // page_size).clamp(0, pool.shape[0] - 1)
     flat = page * page_size + token % page_size
     return pool.reshape(-1, *pool.shape[2:])[flat].transpose(1, 2)
@@ -289,18 +303,26 @@ def _prepare(
         with _PENDING_LOCK:
             _PENDING.append((host, event, said))
     batch, max_pages = pages.block_table.shape
+    # a window keeps only each row's last tokens: gather those (the queries' span and the
+    # window; ragged rows' queries are at most the packed total)
     keys = max_pages * page_size
-    bias, starts, query_starts = _kept_layout(pages, rest, batch, keys, query.device)
-    torch.clamp(keys - pages.seq_lens, min=0, out=starts)  # read by the key range
+    kept = reach(rest, query.shape[2])
+    if kept is not None:
+        keys = max(1, min(keys, kept))
+    bias, (starts, key_offsets, query_offsets) = _kept_layout(
+        pages, rest, batch, keys, query.device
+    )
+    lens = pages.seq_lens
+    torch.sub(keys, lens, out=key_offsets)  # a row's token t at t + keys - lens
+    torch.clamp(key_offsets, min=0, out=starts)  # read by the key range
     if pages.cu_seqlens_q is not None:  # each row's queries at the end of `total` places
         cu = pages.cu_seqlens_q
-        torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_starts)
+        torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
-    lens = pages.seq_lens
     return (
         placed,
-        _gathered(key, pages.block_table, lens, page_size),
-        _gathered(value, pages.block_table, lens, page_size),
+        _gathered(key, pages.block_table, lens, page_size, keys),
+        _gathered(value, pages.block_table, lens, page_size, keys),
         bias,
         where,
     )

@@ -121,10 +121,14 @@ def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[s
         "mask": ModBias(mask_mod=every_third) + causal_lower_right(),
         "score": causal_lower_right() + ModBias(score_mod=relative),
         "query positions": ModBias(mask_mod=first_query_sees_all),
+        # a window: only each row's last tokens are gathered, the offsets go negative
+        "score in a window": causal_lower_right()
+        + SlidingWindowBias(4)
+        + ModBias(score_mod=relative),
     }
 
 
-@pytest.mark.parametrize("name", ["mask", "score", "query positions"])
+@pytest.mark.parametrize("name", ["mask", "score", "query positions", "score in a window"])
 @pytest.mark.parametrize("length_q", [1, 3])
 def test_mod_bias_reads_each_rows_own_positions(name: str, length_q: int) -> None:
     """A ModBias over a paged cache keeps FlexAttention's meaning in every row: ``kv_idx`` is
@@ -170,11 +174,16 @@ def test_tables_written_in_place_are_read_at_each_call() -> None:
 
 
 def test_a_paged_call_explains_its_route() -> None:
+    """explain names the gather and the route; with a window only each row's last tokens
+    that the window can keep are gathered (the queries' span and its left side)."""
     k, v = pools(4, 4, 1, 8, seed=6)
     pages = PagedKV(table_of([[0, 1]]), lens_of([6]))
-    text = attnbias.explain(torch.randn(1, 1, 2, 8), k, v, attn_mask=pages + causal_lower_right())
+    query = torch.randn(1, 1, 2, 8, device=DEVICE)
+    text = attnbias.explain(query, k, v, attn_mask=pages + causal_lower_right())
     assert text.startswith("PagedKV(B=1, max_pages=2): each row's pages gathered")
-    assert "key range" in text
+    assert "cache of 8 keys" in text and "key range" in text
+    window = pages + causal_lower_right() + SlidingWindowBias(3)
+    assert "cache of 5 keys" in attnbias.explain(query, k, v, attn_mask=window)
 
 
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
