@@ -239,17 +239,21 @@ def reach(rest: tuple[AttnBias, ...], length_q: int) -> int | None:
     return None if not windows else length_q + min(windows)
 
 
-def _gathered(pool: Tensor, table: Tensor, lens: Tensor, page_size: int, keys: int) -> Tensor:
-    """``(B, Hkv, keys, E)`` (a view of a ``(B, keys, Hkv, E)`` gather): row ``b``'s last
-    ``keys`` tokens, its last token last; positions before a row's first token hold it (kept
-    out by the key range). Page indices are clamped into the pool (a bad one is flagged, never
-    read out of bounds)."""
+def _token_rows(table: Tensor, lens: Tensor, page_size: int, keys: int, pages: int) -> Tensor:
+    """``(B, keys)`` int64: the pool row (page times page size plus slot) of each gathered
+    position, row ``b``'s last ``keys`` tokens with its last token last; positions before a
+    row's first token read that token (kept out by the key range). Page indices are clamped
+    into the pool (a bad one is flagged, never read out of bounds)."""
     capacity = table.shape[1] * page_size
-    positions = torch.arange(keys, device=pool.device)
+    positions = torch.arange(keys, device=table.device)
     token = (positions[None, :] - (keys - lens.long())[:, None]).clamp(0, capacity - 1)
-    page = table.long().gather(1, token // page_size).clamp(0, pool.shape[0] - 1)
-    flat = page * page_size + token % page_size
-    return pool.reshape(-1, *pool.shape[2:])[flat].transpose(1, 2)
+    page = table.long().gather(1, token // page_size).clamp(0, pages - 1)
+    return page * page_size + token % page_size
+
+
+def _gathered(pool: Tensor, rows: Tensor) -> Tensor:
+    """``(B, Hkv, keys, E)``, a view of the ``(B, keys, Hkv, E)`` gather of ``rows``."""
+    return pool.reshape(-1, *pool.shape[2:])[rows].transpose(1, 2)
 
 
 def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -291,11 +295,12 @@ def _prepare(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and "
             f"{value.dtype}"
         )
-    flags = _problems(pages, num_pages, page_size, query)
     said = f"attention over {pages!r} with pools {tuple(key.shape)}"
     if query.device.type == "cpu":
-        _raise_problems(flags, said, "")
+        _raise_problems(_problems(pages, num_pages, page_size, query), said, "")
     elif not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        # (not while captured: a graph's replays could not report what they find)
+        flags = _problems(pages, num_pages, page_size, query)
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
@@ -319,10 +324,11 @@ def _prepare(
         cu = pages.cu_seqlens_q
         torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
+    rows = _token_rows(pages.block_table, lens, page_size, keys, num_pages)  # once for both
     return (
         placed,
-        _gathered(key, pages.block_table, lens, page_size, keys),
-        _gathered(value, pages.block_table, lens, page_size, keys),
+        _gathered(key, rows),
+        _gathered(value, rows),
         bias,
         where,
     )

@@ -54,10 +54,10 @@ class PagedKV(AttnBias):
     written in place between calls (a server's step; a CUDA-graph replay sees them too).
     Forward only: inputs that require grad are refused.
 
-    Their values are checked when the bias is made, by :meth:`validate`, and at each call: on
-    the CPU before anything runs, on a GPU on the device, read at the next eager call (no
-    synchronisation per step), which raises naming the problem; that call's output is not to
-    be trusted.
+    Their values are checked when the bias is made, by :meth:`validate`, and at each eager
+    call: on the CPU before anything runs, on a GPU on the device, read at the next eager call
+    (no synchronisation per step), which raises naming the problem; that call's output is not
+    to be trusted. The replays of a captured CUDA graph are not checked.
 
     Example::
 
