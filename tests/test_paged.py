@@ -317,3 +317,22 @@ def test_gpu_mod_bias_over_pages_matches_the_oracle(name: str, length_q: int) ->
     query = torch.randn(4, 4, length_q, 64, generator=gen).cuda()
     parts = _mod_parts(lens, length_q, table)[name]
     run_and_check(query, pool_k, pool_v, pages, parts, dtype=torch.bfloat16)
+
+
+def test_a_compiled_paged_call_reads_the_tables_at_each_call() -> None:
+    """Under torch.compile the tables and lengths are still read at each call: a length
+    advanced in place gives what the eager call gives."""
+    k, v = pools(8, 4, 2, 16, seed=13)
+    table = table_of([[0, 1, 2], [5, 3, 0]])
+    lens = lens_of([10, 7])
+    bias = PagedKV(table, lens) + causal_lower_right()
+    query = torch.randn(2, 2, 1, 16, device=DEVICE)
+    compiled = torch.compile(lambda q: attnbias.sdpa(q, k, v, attn_mask=bias))
+    # on the CPU the Triton kernels run interpreted, which torch.compile does not trace
+    pinned = ("sdpa+mask", "reference") if DEVICE == "cpu" else ()
+    with torch.no_grad(), attnbias.use_backends(*pinned):
+        for _ in range(2):
+            out = compiled(query)
+            expected = paged_attention(query, k, v, table, lens, causal_lower_right())
+            assert (out.double() - expected).abs().max().item() < 1e-5
+            lens += 1
