@@ -248,6 +248,10 @@ def test_bad_calls_are_refused_naming_the_fix() -> None:
         attnbias.sdpa(query.requires_grad_(), k, v, attn_mask=pages)
     with pytest.raises(TypeError, match="PagedKV says where each row's keys are"):
         pages.materialize(shape=(1, 2, 2, 8))
+    from attnbias.testing import check_bias
+
+    with pytest.raises(TypeError, match="paged_attention instead"):
+        check_bias(pages + causal_lower_right())
 
 
 @pytest.mark.gpu

@@ -144,6 +144,12 @@ def check_bias(
                 f"check_bias takes an AttnBias or a function (L, S) -> AttnBias; got "
                 f"{type(made).__name__}"
             )
+        if made.holds_pages:
+            raise TypeError(
+                f"check_bias runs biases on contiguous (B, H, S, E) keys and values; {made!r} "
+                f"holds a PagedKV, whose keys are page pools: compare its calls with "
+                f"attnbias.testing.oracle.paged_attention instead"
+            )
         gqa = shape[1] != shape[2]
         for dtype in dtypes:
             inputs = _inputs(shape, dtype, device, seed)
