@@ -10,6 +10,7 @@ Shape legend::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import sys
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias import plan_cache, routing
+from attnbias.backends.documents import call_documents
 from attnbias.biases import AttnBias, TensorBias
 from attnbias.biases.base import from_torch, set_router
 from attnbias.kinds import Form
@@ -212,9 +214,21 @@ def _decide(
 
 def plan_spec(spec: Spec) -> Plan:
     """The planner's decision for ``spec``, with the per-shape facts of the lowering that
-    planning reads worked out first (on the device: the reach of a ModBias mask,
-    :func:`~attnbias.spec.with_mask_reach`); planning itself launches nothing."""
-    return plan(with_mask_reach(spec) if needs_reach(spec) else spec)
+    planning reads worked out first, where the device holds what they read: the reach of a
+    ModBias mask (:func:`~attnbias.spec.with_mask_reach`, one launch and synchronisation) and
+    the layout of the call's documents (their ids read on the host once per bias). Planning
+    itself launches nothing and reads nothing from the device."""
+    if needs_reach(spec):
+        spec = with_mask_reach(spec)
+    if (
+        spec.form == Form.BIAS
+        and spec.terms.q_doc is not None
+        and len(spec.terms.doc_parts) == 1
+        and not (spec.compiling or spec.capturing)
+        and spec.documents is None
+    ):
+        spec = dataclasses.replace(spec, documents=call_documents(spec))
+    return plan(spec)
 
 
 def _planned(query: Tensor, is_causal: bool, scale: float | None) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnbias.backends import BACKENDS, ROUTES, Backend
-from attnbias.backends.documents import document_part, documents_layout
+from attnbias.backends.documents import call_documents, document_part
 from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.kinds import Form, Kind
 from attnbias.policy import (
@@ -342,7 +342,7 @@ def _kept_in_all_rows(spec: Spec) -> int:
     batch, _, length_q, length_kv = spec.shape
     lo, hi = spec.terms.band_lo, spec.terms.band_hi
     part = document_part(spec) if spec.terms.q_doc is not None and not spec.capturing else None
-    layout = None if part is None else documents_layout(part, spec.device, batch)
+    layout = None if part is None else call_documents(spec)
     if layout is None or layout.problem is not None:
         return batch * kept_pairs(length_q, length_kv, lo, hi)
     return sum(

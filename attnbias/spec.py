@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -111,6 +112,10 @@ class Spec:
     # (:func:`with_mask_reach`): the keys a ModBias mask's block lists visit per block of
     # query rows; None where not worked out.
     mask_reach: float | None = None
+    # Another: the one-sequence-per-document layout of the call's documents
+    # (``backends.documents.DocumentLayout``, read on the host once per bias), worked out by
+    # the dispatcher before planning where the terms hold documents; None where not.
+    documents: Any = None
 
     @property
     def program(self) -> MaskProgram:

@@ -1022,3 +1022,13 @@ def test_planning_launches_nothing(monkeypatch: pytest.MonkeyPatch, needs_grad: 
         spec = spec_of(make(), length_q=40, length_kv=40, needs_grad=needs_grad)
         chosen = plan(spec)
         assert chosen.backend.name in BACKENDS, kind
+    # the documents' layout (their ids read on the host) is a fact the dispatcher works out
+    # before planning: planning a spec that has it reads no ids
+    from attnbias.backends import documents as backend_documents
+
+    spec = spec_of(DocumentBias.from_seqlens([16, 24]) + causal_lower_right(), length_q=40,
+                   length_kv=40, needs_grad=needs_grad)  # fmt: skip
+    ready = attnbias.functional.plan_spec(spec).spec
+    assert ready.documents is not None
+    monkeypatch.setattr(backend_documents, "documents_layout", refuse)
+    assert plan(ready).backend.name in BACKENDS

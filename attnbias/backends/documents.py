@@ -120,6 +120,17 @@ def document_part(spec: Spec) -> Any:
     return parts[0] if len(parts) == 1 else None
 
 
+def call_documents(spec: Spec) -> DocumentLayout:
+    """The layout of the call's one document part for its batch: the spec's own
+    (:attr:`~attnbias.spec.Spec.documents`, worked out by the dispatcher before planning), or
+    :func:`documents_layout` (a host read of the ids, once per bias) where it has none."""
+    if spec.documents is not None:
+        return spec.documents
+    part = document_part(spec)
+    assert part is not None, "a call with one document part"
+    return documents_layout(part, spec.device, spec.shape[0])
+
+
 def flattens_as_view(x: Tensor, dim: int = 0) -> bool:
     """Whether ``(B, H, L, E)`` ``x`` flattens dimension ``dim`` (0: its batch rows, 1: its
     heads) with its positions into one, ``(B·L, H, E)`` or ``(B, H·L, E)``, as a view: that

@@ -34,8 +34,8 @@ from attnbias.backends import fa4_mods
 from attnbias.backends.base import Backend, LseGrads, Prepared, refuse_double_backward
 from attnbias.backends.documents import (
     DocumentLayout,
+    call_documents,
     document_part,
-    documents_layout,
     flattens_as_view,
 )
 from attnbias.spec import Spec
@@ -343,7 +343,7 @@ class FlashAttention4(Backend):
             )
         if spec.terms.slopes is not None:
             reasons.append("ALiBi with documents (its distances would restart per document)")
-        layout = documents_layout(documents, spec.device, batch)
+        layout = call_documents(spec)
         if layout.problem is not None:
             reasons.append(layout.problem)
         has_band = spec.terms.band_lo is not None or spec.terms.band_hi is not None
@@ -361,7 +361,7 @@ class FlashAttention4(Backend):
             return None
         documents = document_part(spec)
         assert documents is not None  # reasons() refuses calls without exactly one
-        return documents_layout(documents, spec.device, spec.shape[0])
+        return call_documents(spec)
 
     @staticmethod
     def _window(spec: Spec, layout: DocumentLayout | None) -> tuple[int | None, int | None]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
-from attnbias.backends.documents import document_part, documents_layout, flattens_as_view
+from attnbias.backends.documents import call_documents, document_part, flattens_as_view
 from attnbias.biases import AttnBias
 from attnbias.biases.base import materialize_masked
 from attnbias.kinds import Form
@@ -195,7 +195,7 @@ def _split_as_view(x: Tensor, into: Literal["batch", "heads"], count: int) -> bo
 def _sequences(spec: Spec) -> _Sequences | list[str]:
     """The call's documents as separate sequences of stock SDPA, or the reasons it cannot run
     them so. For terms of documents and a band alone."""
-    batch, heads_q, length_q, length_kv = spec.shape
+    _, heads_q, length_q, length_kv = spec.shape
     if spec.compiling or spec.capturing:
         return [
             "documents are read on the host to run them as separate sequences, which neither "
@@ -209,7 +209,7 @@ def _sequences(spec: Spec) -> _Sequences | list[str]:
             f"documents with L = {length_q} != S = {length_kv}: stock SDPA runs documents only "
             f"as separate sequences of equal length"
         ]
-    length = documents_layout(part, spec.device, batch).equal_length
+    length = call_documents(spec).equal_length
     if length is None:
         return [
             "documents of unequal lengths: stock SDPA runs documents only as separate sequences "
