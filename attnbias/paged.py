@@ -164,9 +164,12 @@ def check_pending(*, wait: bool = False) -> None:
     """Read the problems that earlier paged calls found on the device and raise the first,
     naming the call: those whose copy to the host is done (no synchronisation), or all of
     them with ``wait``."""
+    done: list[tuple[Tensor, Any, str]] = []
+    waiting: list[tuple[Tensor, Any, str]] = []
     with _PENDING_LOCK:
-        done = [entry for entry in _PENDING if wait or entry[1].query()]
-        _PENDING[:] = [entry for entry in _PENDING if entry not in done]
+        for entry in _PENDING:  # (sorted by identity: entries hold tensors, whose == is not)
+            (done if wait or entry[1].query() else waiting).append(entry)
+        _PENDING[:] = waiting
     for host, event, said in done:
         event.synchronize()
         _raise_problems(host, said, " (an earlier call: its output is not to be trusted)")

@@ -340,3 +340,30 @@ def test_a_compiled_paged_call_reads_the_tables_at_each_call() -> None:
             expected = paged_attention(query, k, v, table, lens, causal_lower_right())
             assert (out.double() - expected).abs().max().item() < 1e-5
             lens += 1
+
+
+def test_pending_checks_read_only_those_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device-side checks of earlier calls are read once their copy to the host is done, a
+    problem raised naming the call, and the ones still in flight kept for later."""
+    from attnbias import paged
+
+    class Event:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    ok = torch.zeros(4, dtype=torch.bool)
+    bad = torch.tensor([False, True, False, False])
+    later = (ok.clone(), Event(False), "the third call")
+    first, second = (ok, Event(True), "the first call"), (bad, Event(True), "the second call")
+    monkeypatch.setattr(paged, "_PENDING", [first, second, later])
+    with pytest.raises(ValueError, match="the second call .*seq_lens beyond"):
+        paged.check_pending()
+    assert len(paged._PENDING) == 1 and paged._PENDING[0] is later
+    paged.check_pending(wait=True)  # the last one, waited for: nothing wrong
+    assert paged._PENDING == []
