@@ -30,6 +30,7 @@ from attnbias.biases import (
     SoftcapBias,
     parts_of,
 )
+from attnbias.biases.mod import reindexed
 from attnbias.biases.paged import PagedKV
 
 __all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
@@ -183,26 +184,11 @@ def _in_row(part: ModBias, key_starts: Tensor, query_starts: Tensor) -> ModBias:
     ``(B,)`` int32 tensors written in place at each call (read by the generated code there);
     positions before a row's start, kept out by its key range or dropped from the output, read
     as 0."""
-    masks, scores = part.functions()
-    mask = masks[0] if masks else None
-    score = scores[0] if scores else None
-
-    def kv_of(b: Any, kv_idx: Any) -> Any:
-        return (kv_idx - key_starts[b]).clamp(min=0)
-
-    def q_of(b: Any, q_idx: Any) -> Any:
-        return (q_idx - query_starts[b]).clamp(min=0)
-
-    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        assert mask is not None
-        return mask(b, h, q_of(b, q_idx), kv_of(b, kv_idx))
-
-    def score_mod(score_: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        assert score is not None
-        return score(score_, b, h, q_of(b, q_idx), kv_of(b, kv_idx))
-
-    return ModBias(
-        mask_mod=None if mask is None else mask_mod, score_mod=None if score is None else score_mod
+    return reindexed(
+        part,
+        "[in its row]",
+        query=lambda b, q_idx: (q_idx - query_starts[b]).clamp(min=0),
+        key=lambda b, kv_idx: (kv_idx - key_starts[b]).clamp(min=0),
     )
 
 

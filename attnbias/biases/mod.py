@@ -511,21 +511,54 @@ class ModBias(KernelBias):
 
 def _shifted(bias: ModBias, q_start: int, kv_start: int, head_start: int = 0) -> ModBias:
     """``bias``'s functions with the query, key and head indices moved by the given offsets."""
+    return reindexed(
+        bias,
+        f"[+{q_start}, +{kv_start}]" if head_start == 0 else f"[h+{head_start}]",
+        head=lambda b, h: _plus(h, head_start),
+        query=lambda b, q_idx: q_idx + q_start,
+        key=lambda b, kv_idx: kv_idx + kv_start,
+    )
+
+
+#: How :func:`reindexed` moves an index: ``(b, index) -> the index the functions read``.
+Reindex = Callable[[Any, Any], Any]
+
+
+def reindexed(
+    bias: ModBias,
+    moved: str,
+    *,
+    head: Reindex | None = None,
+    query: Reindex | None = None,
+    key: Reindex | None = None,
+) -> ModBias:
+    """A ModBias of ``bias``'s functions reading moved indices: each of ``head``, ``query``
+    and ``key`` given maps ``(b, index)`` to the index the functions read (an index without
+    one is read as it is); ``moved`` is added to the functions' names. The numbers and tensors
+    the maps read are the new bias's own (a block's offsets, a paged row's starts)."""
     masks, scores = bias.functions()
+
+    def move(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, Any, Any, Any]:
+        return (
+            b,
+            h if head is None else head(b, h),
+            q_idx if query is None else query(b, q_idx),
+            kv_idx if key is None else key(b, kv_idx),
+        )
+
     mask_mod = score_mod = None
-    moved = f"[+{q_start}, +{kv_start}]" if head_start == 0 else f"[h+{head_start}]"
     if masks:
         mask = masks[0]
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return mask(b, _plus(h, head_start), q_idx + q_start, kv_idx + kv_start)
+            return mask(*move(b, h, q_idx, kv_idx))
 
         mask_mod.__name__ = mask_mod.__qualname__ = f"{_name(mask)}{moved}"
     if scores:
         score = scores[0]
 
         def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return score(s, b, _plus(h, head_start), q_idx + q_start, kv_idx + kv_start)
+            return score(s, *move(b, h, q_idx, kv_idx))
 
         score_mod.__name__ = score_mod.__qualname__ = f"{_name(score)}{moved}"
     return ModBias(mask_mod=mask_mod, score_mod=score_mod)
