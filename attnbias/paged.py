@@ -38,7 +38,6 @@ __all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_
 # the parts that align per row when each row's keys end the gathered cache (a ModBias reads
 # its row's own positions through per-row offsets: _in_row)
 _ALIGNED = (CausalBias, SlidingWindowBias, AlibiBias, SoftcapBias, ModBias)
-_MAX_KEPT = 8
 
 # The problems found on a GPU by earlier calls, copied to pinned host memory without waiting:
 # (host flags, the copy's event, the call in words), read once the copy is done
@@ -210,10 +209,9 @@ def _kept_layout(
             if isinstance(part, ModBias):
                 part = _in_row(part, key_offsets, query_offsets)
             bias = bias + part
-        if len(pages._kept) >= _MAX_KEPT:
-            pages._kept.pop(next(iter(pages._kept)))
         # the parts held with it: their ids in the key stay theirs
-        found = pages._kept[key] = (rest, bias, (starts, key_offsets, query_offsets))
+        found = (rest, bias, (starts, key_offsets, query_offsets))
+        pages._kept.put(key, found)
     return found[1], found[2]
 
 

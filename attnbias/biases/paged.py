@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from attnbias.biases.base import AttnBias, Device, Shape
+from attnbias.biases.mod_state import Bounded
 from attnbias.terms import Call
 
 __all__ = ["PagedKV"]
@@ -76,7 +77,9 @@ class PagedKV(AttnBias):
     seq_lens: Tensor = field(repr=False)
     cu_seqlens_q: Tensor | None = field(default=None, repr=False)
     # what a call works out once per layout and sum (attnbias.paged)
-    _kept: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+    _kept: Bounded[Any, Any] = field(
+        default_factory=lambda: Bounded(8), init=False, repr=False
+    )  # a few sums and layouts
     holds_pages: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
