@@ -895,6 +895,62 @@ def test_a_pair_keeps_only_the_rows_and_keys_that_keep_a_pair() -> None:
     assert [b for _, _, b in remote] == [attnbias.terms.Block(98304, 32768, 32768, 65536)]
 
 
+def test_a_cover_counts_the_results_reaching_each_stretch() -> None:
+    """Stretches of none, one and several results, clipped where a result meets them."""
+    cover = exchange.Cover.of([(0, 4), (2, 6), (3, 5)], 8)
+    assert cover.stretches == ((0, 2, 1), (2, 5, 2), (5, 6, 1), (6, 8, 0)), cover
+    assert cover.within(1, 3) == [(1, 2, 1, 0), (2, 3, 2, 2)]
+    assert cover.elements(2) == 3 and cover.elements(1) == 3 and cover.elements(0) == 2
+    assert exchange.Cover.of([], 3).stretches == ((0, 3, 0),)
+    # a window's rank 1 over two contiguous parts: the neighbour's pair reaches its first
+    # 4096 rows, its own part all of them
+    assert exchange.Cover.of([(0, 65536), (0, 4096)], 65536).stretches == (
+        (0, 4096, 2), (4096, 65536, 1),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_partial_results_sum_and_merge_as_in_the_compute_dtype_from_zero(
+    dtype: torch.dtype,
+) -> None:
+    """Gradients summed from pieces (some positions reached once, some twice, some never) are
+    the pieces summed in float32 from zeros, bit for bit; outputs merged by log-sum-exp are
+    the float64 merge of the pieces within the dtype's rounding, rows reached by one piece
+    exactly that piece, rows reached by none 0 with a log-sum-exp of -inf."""
+    generator = torch.Generator().manual_seed(0)
+    spans = [(0, 6), (4, 9), (11, 14)]
+    length, shape = 16, (2, 3, 16, 5)
+    pieces = [torch.randn(2, 3, b - a, 5, generator=generator).to(dtype) for a, b in spans]
+    total = exchange._Sum(exchange.Cover.of(spans, length), shape, dtype, torch.float32,
+                          torch.device("cpu"))  # fmt: skip
+    expected = torch.zeros(shape, dtype=torch.float32)
+    for (a, b), piece in zip(spans, pieces, strict=True):
+        total.add(a, piece)
+        expected[:, :, a:b] += piece
+    assert torch.equal(total.finish(), expected.to(dtype))
+
+    lses = [torch.randn(2, 3, b - a, generator=generator) for a, b in spans]
+    lses[0][0, 0, 1] = -float("inf")  # a row of the first piece that keeps nothing
+    pieces[0][0, 0, 1] = 0
+    merged = exchange._Merged(exchange.Cover.of(spans, length), shape, dtype, torch.float32,
+                              torch.device("cpu"))  # fmt: skip
+    weight = torch.zeros(2, 3, length, dtype=torch.float64)
+    numerator = torch.zeros(shape, dtype=torch.float64)
+    for (a, b), piece, lse in zip(spans, pieces, lses, strict=True):
+        merged.add(a, piece, lse)
+        numerator[:, :, a:b] += piece.double() * lse.double().exp()[..., None]
+        weight[:, :, a:b] += lse.double().exp()
+    out, lse = merged.finish()
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    expected_out = numerator / weight.clamp_min(1e-300)[..., None]
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse.double(), weight.log(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[:, :, 9:11], torch.zeros(2, 3, 2, 5, dtype=dtype))
+    assert torch.equal(out[:, :, 0:4], pieces[0][:, :, 0:4])  # one piece: as it came
+    assert torch.equal(lse[:, :, 14:], torch.full((2, 3, 2), -float("inf")))
+
+
 def test_the_mode_follows_the_predicted_time() -> None:
     """Training on two ranks (the rates fitted on two H100s): causal and prefix-LM at 32k take
     the head mode (the whole work halves, the all-to-all costs less than the sequence mode's

@@ -14,6 +14,7 @@ gradients straight to their owners.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,9 @@ class Schedule:
     needs_grad: bool
     needs: Needs
     pairs: list[list[Pair]]
+    rows: Cover
+    own_columns: Cover
+    held_columns: list[Cover]
 
     @classmethod
     def make(
@@ -101,8 +105,20 @@ class Schedule:
                 Pair(rows, cols, block, None if bias is None else bias.sub_block(call, block))
                 for rows, cols, block in shapes
             ])  # fmt: skip
-        return cls(rank, layout.world, group, bias, call, layout, scale, enable_gqa, needs_grad,
-                   needs, pairs)  # fmt: skip
+        world = layout.world
+        part_q, part_kv = call.length_q // world, call.length_kv // world
+        rows = Cover.of([_span_of(p.rows) for step in pairs for p in step], part_q)
+        # the own part's key/value gradients: its pairs at step 0, then those coming home
+        home = [run for receiver in range(world) if receiver != rank
+                for run in needs[receiver][rank]]  # fmt: skip
+        own_columns = Cover.of([_span_of(p.cols) for p in pairs[0]] + home, part_kv)
+        held_columns = [Cover.of([], 0)] + [
+            Cover.of([_span_of(p.cols) for p in pairs[step]],
+                     sum(b - a for a, b in needs[rank][(rank - step) % world]))
+            for step in range(1, world)
+        ]  # fmt: skip
+        return cls(rank, world, group, bias, call, layout, scale, enable_gqa, needs_grad,
+                   needs, pairs, rows, own_columns, held_columns)  # fmt: skip
 
     def received(self, rank: int) -> int:
         """The key/value positions ``rank`` receives in the forward."""
@@ -316,6 +332,133 @@ def _span(flags: list[bool], size: int) -> tuple[int, int]:
     return first * size, last * size
 
 
+@dataclass(frozen=True)
+class Cover:
+    """How many of a call's partial results reach each stretch of ``[0, length)`` (of a
+    rank's query rows, or of key/value columns): ``stretches`` ``(start, stop, count)`` in
+    order, ``count`` 0, 1 or 2 (two or more). Rows one result reaches take it as it comes;
+    only rows several reach are summed (or merged) in the compute dtype."""
+
+    length: int
+    stretches: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, spans: list[Run], length: int) -> Cover:
+        """The cover of ``[0, length)`` by ``spans`` (``[start, stop)`` each)."""
+        cuts = sorted({0, length, *(a for a, _ in spans), *(b for _, b in spans)})
+        stretches: list[tuple[int, int, int]] = []
+        for a, b in itertools.pairwise(cuts):
+            count = min(2, sum(1 for start, stop in spans if start <= a and b <= stop))
+            if stretches and stretches[-1][2] == count and stretches[-1][1] == a:
+                stretches[-1] = (stretches[-1][0], b, count)
+            else:
+                stretches.append((a, b, count))
+        return cls(length, tuple(stretches))
+
+    def within(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """The stretches ``[start, stop)`` meets, clipped to it: ``(a, b, count, stretch
+        start)``."""
+        return [
+            (max(a, start), min(b, stop), count, a)
+            for a, b, count in self.stretches
+            if a < stop and start < b
+        ]
+
+    def elements(self, count: int) -> int:
+        """The positions reached by ``count`` results (2: two or more)."""
+        return sum(b - a for a, b, c in self.stretches if c == count)
+
+
+class _Sum:
+    """The sum of partial results along dim 2 of a ``(B, H, n, ...)`` tensor of ``dtype``,
+    laid out by a :class:`Cover`: a position one result reaches is written as it comes, one
+    that several reach is summed in ``compute`` (the same numbers as summing everything in
+    ``compute`` from zeros, without its passes over the rest), one none reaches is 0."""
+
+    def __init__(
+        self, cover: Cover, shape: tuple[int, ...], dtype: torch.dtype, compute: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.cover = cover
+        self.result = torch.empty(shape, dtype=dtype, device=device)
+        self.sums: dict[int, Tensor] = {}
+        for a, b, count in cover.stretches:
+            if count == 0:
+                self.result[:, :, a:b].zero_()
+            elif count == 2:
+                if dtype == compute:
+                    self.sums[a] = self.result[:, :, a:b].zero_()
+                else:
+                    self.sums[a] = torch.zeros(
+                        (*shape[:2], b - a, *shape[3:]), dtype=compute, device=device
+                    )
+
+    def add(self, start: int, value: Tensor) -> None:
+        """Add ``value``, the result at positions ``[start, start + value.shape[2])``."""
+        for a, b, count, at in self.cover.within(start, start + value.shape[2]):
+            piece = value[:, :, a - start : b - start]
+            if count == 1:
+                self.result[:, :, a:b].copy_(piece)
+            else:
+                self.sums[at][:, :, a - at : b - at] += piece
+
+    def finish(self) -> Tensor:
+        for at, total in self.sums.items():
+            if total.dtype != self.result.dtype:
+                self.result[:, :, at : at + total.shape[2]].copy_(total)
+        return self.result
+
+
+class _Merged:
+    """The log-sum-exp merge of partial attention results over a rank's query rows, laid out
+    by a :class:`Cover`: rows one result reaches take its output and log-sum-exp as they come,
+    rows several reach merge in ``compute``, rows none reaches are 0 with a log-sum-exp of
+    ``-inf``. ``finish`` gives the output in ``dtype`` and the log-sum-exp in ``compute``."""
+
+    def __init__(
+        self, cover: Cover, shape: tuple[int, int, int, int], dtype: torch.dtype,
+        compute: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.cover = cover
+        self.out = torch.empty(shape, dtype=dtype, device=device)
+        self.lse = torch.empty(shape[:3], dtype=compute, device=device)
+        self.sums: dict[int, tuple[Tensor, Tensor]] = {}
+        for a, b, count in cover.stretches:
+            if count == 0:
+                self.out[:, :, a:b].zero_()
+                self.lse[:, :, a:b].fill_(-float("inf"))
+            elif count == 2:
+                self.sums[a] = (
+                    torch.zeros((*shape[:2], b - a, shape[3]), dtype=compute, device=device),
+                    torch.full((*shape[:2], b - a), -float("inf"), dtype=compute,
+                               device=device),
+                )  # fmt: skip
+
+    def add(self, start: int, out: Tensor, lse: Tensor) -> None:
+        """Merge a partial result at rows ``[start, start + out.shape[2])``: ``out``
+        ``(B, Hq, m, Ev)``, ``lse`` ``(B, Hq, m)``."""
+        for a, b, count, at in self.cover.within(start, start + out.shape[2]):
+            rows = slice(a - start, b - start)
+            if count == 1:
+                self.out[:, :, a:b].copy_(out[:, :, rows])
+                self.lse[:, :, a:b].copy_(lse[:, :, rows])
+            else:
+                total_out, total_lse = self.sums[at]
+                _merge(total_out, total_lse, slice(a - at, b - at), out[:, :, rows],
+                       lse[:, :, rows])  # fmt: skip
+
+    def finish(self) -> tuple[Tensor, Tensor]:
+        for at, (total_out, total_lse) in self.sums.items():
+            stop = at + total_out.shape[2]
+            self.out[:, :, at:stop].copy_(total_out)
+            self.lse[:, :, at:stop].copy_(total_lse)
+        return self.out, self.lse
+
+
+def _span_of(rows: slice) -> Run:
+    return (rows.start, rows.stop)
+
+
 class ExchangeAttention(torch.autograd.Function):
     """The exchange's forward and backward, with the bias's tensors as inputs of their own
     (their gradients)."""
@@ -326,11 +469,8 @@ class ExchangeAttention(torch.autograd.Function):
     ) -> Tensor:
         compute = compute_dtype(query.dtype)
         batch, heads_q, part_q, _ = query.shape
-        out = torch.zeros(
-            batch, heads_q, part_q, value.shape[-1], dtype=compute, device=query.device
-        )
-        lse = torch.full((batch, heads_q, part_q), -float("inf"), dtype=compute,
-                         device=query.device)  # fmt: skip
+        merged = _Merged(schedule.rows, (batch, heads_q, part_q, value.shape[-1]), query.dtype,
+                         compute, query.device)  # fmt: skip
         own = (key, value)
         held: tuple[Tensor, ...] | None = own
         for step in range(schedule.world):
@@ -340,10 +480,10 @@ class ExchangeAttention(torch.autograd.Function):
                 for pair in schedule.pairs[step]:
                     chosen = schedule.plan_pair(query, held[0], held[1], pair)
                     pair_out, pair_lse = chosen.backend.forward_lse(chosen.spec)
-                    _merge(out, lse, pair.rows, pair_out, pair_lse)
+                    merged.add(pair.rows.start, pair_out, pair_lse)
             _wait(works)
             held = incoming
-        result = out.to(query.dtype)
+        result, lse = merged.finish()
         ctx.schedule = schedule
         ctx.save_for_backward(query, key, value, result, lse, *params)
         return result
@@ -358,11 +498,18 @@ class ExchangeAttention(torch.autograd.Function):
         schedule: Schedule = ctx.schedule
         query, key, value, out, lse, *params = ctx.saved_tensors
         compute = compute_dtype(query.dtype)
-        grad_q = torch.zeros(query.shape, dtype=compute, device=query.device)
-        grad_own = [torch.zeros(t.shape, dtype=compute, device=t.device) for t in (key, value)]
+        device = query.device
+        grad_q = _Sum(schedule.rows, tuple(query.shape), query.dtype, compute, device)
+        grad_own = [
+            _Sum(schedule.own_columns, tuple(t.shape), t.dtype, compute, device)
+            for t in (key, value)
+        ]
         grad_params: list[Tensor | None] = [None] * len(params)
         own = (key, value)
-        template = tuple(grad_own)
+        # the shapes of the gradients coming home (in the compute dtype)
+        template = tuple(
+            torch.empty((*t.shape[:2], 0, *t.shape[3:]), dtype=compute, device=device) for t in own
+        )
         held: tuple[Tensor, ...] | None = own
         finished: tuple[Tensor, ...] | None = None
         for step in range(schedule.world + 1):
@@ -371,10 +518,11 @@ class ExchangeAttention(torch.autograd.Function):
             works = _start(ops + grad_ops)
             finished = None
             if step < schedule.world and held is not None:
-                # the own part's gradients in place; a received run's in a buffer of its own
+                # the own part's gradients where they are summed; a received run's in the
+                # compute dtype, to be sent home
                 grad_k, grad_v = grad_own if step == 0 else (
-                    torch.zeros(held[0].shape, dtype=compute, device=query.device),
-                    torch.zeros(held[1].shape, dtype=compute, device=query.device),
+                    _Sum(schedule.held_columns[step], tuple(t.shape), compute, compute, device)
+                    for t in held
                 )  # fmt: skip
                 for pair in schedule.pairs[step]:
                     with torch.enable_grad():
@@ -386,15 +534,15 @@ class ExchangeAttention(torch.autograd.Function):
                         lse[:, :, pair.rows],
                         params,
                     )
-                    grad_q[:, :, pair.rows] += dq
-                    grad_k[:, :, pair.cols] += dk
-                    grad_v[:, :, pair.cols] += dv
+                    grad_q.add(pair.rows.start, dq)
+                    grad_k.add(pair.cols.start, dk)
+                    grad_v.add(pair.cols.start, dv)
                     for i, grad in enumerate(dparams):
                         if grad is not None:
                             total = grad_params[i]
                             grad_params[i] = grad if total is None else total + grad
                 if step > 0:
-                    finished = (grad_k, grad_v)
+                    finished = (grad_k.finish(), grad_v.finish())
             _wait(works)
             if home is not None:
                 runs = schedule.home_runs(step)
@@ -402,9 +550,9 @@ class ExchangeAttention(torch.autograd.Function):
                 _unpack_add(grad_own[1], home[1], runs)
             held = incoming
         return (
-            grad_q.to(query.dtype),
-            grad_own[0].to(key.dtype),
-            grad_own[1].to(value.dtype),
+            grad_q.finish(),
+            grad_own[0].finish(),
+            grad_own[1].finish(),
             None,
             *(
                 None if g is None else g.to(p.dtype)
@@ -446,11 +594,11 @@ def _pack(x: Tensor, runs: list[Run]) -> Tensor:
     return torch.cat([x[:, :, a:b] for a, b in runs], 2).contiguous()
 
 
-def _unpack_add(whole: Tensor, packed: Tensor, runs: list[Run]) -> None:
+def _unpack_add(whole: _Sum, packed: Tensor, runs: list[Run]) -> None:
     """Add ``packed`` (the runs laid end to end) into ``whole`` at the runs."""
     column = 0
     for a, b in runs:
-        whole[:, :, a:b] += packed[:, :, column : column + b - a]
+        whole.add(a, packed[:, :, column : column + b - a])
         column += b - a
 
 
