@@ -337,7 +337,7 @@ def _kept_scores(
 
 
 def _finite_or_zero(lse: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype))
+    return torch.where(torch.isfinite(lse), lse, 0.0)
 
 
 def attention_with_lse(

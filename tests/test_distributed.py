@@ -910,34 +910,39 @@ def test_a_cover_counts_the_results_reaching_each_stretch() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "spans",
+    [[(0, 6), (4, 9), (11, 14)], [(0, 16), (4, 9), (11, 14)], [(4, 9), (0, 16)]],
+    ids=["gaps", "first-spans-all", "spanning-second"],
+)
 def test_partial_results_sum_and_merge_as_in_the_compute_dtype_from_zero(
-    dtype: torch.dtype,
+    dtype: torch.dtype, spans: list[tuple[int, int]]
 ) -> None:
-    """Gradients summed from pieces (some positions reached once, some twice, some never) are
-    the pieces summed in float32 from zeros, bit for bit; outputs merged by log-sum-exp are
-    the float64 merge of the pieces within the dtype's rounding, rows reached by one piece
-    exactly that piece, rows reached by none 0 with a log-sum-exp of -inf."""
+    """Gradients summed from pieces (some positions reached once, some several times, some
+    never; a first piece spanning every position taken as the result) are the pieces summed
+    in float32 from zeros, bit for bit; outputs merged by log-sum-exp are the float64 merge
+    of the pieces within the dtype's rounding, rows reached by one piece exactly that piece,
+    rows reached by none 0 with a log-sum-exp of -inf."""
     generator = torch.Generator().manual_seed(0)
-    spans = [(0, 6), (4, 9), (11, 14)]
     length, shape = 16, (2, 3, 16, 5)
+    cpu = torch.device("cpu")
     pieces = [torch.randn(2, 3, b - a, 5, generator=generator).to(dtype) for a, b in spans]
-    total = exchange._Sum(exchange.Cover.of(spans, length), shape, dtype, torch.float32,
-                          torch.device("cpu"))  # fmt: skip
+    total = exchange._Sum(exchange.Cover.of(spans, length), shape, dtype, torch.float32, cpu)
     expected = torch.zeros(shape, dtype=torch.float32)
     for (a, b), piece in zip(spans, pieces, strict=True):
-        total.add(a, piece)
+        total.add(a, piece.clone())
         expected[:, :, a:b] += piece
     assert torch.equal(total.finish(), expected.to(dtype))
 
     lses = [torch.randn(2, 3, b - a, generator=generator) for a, b in spans]
     lses[0][0, 0, 1] = -float("inf")  # a row of the first piece that keeps nothing
     pieces[0][0, 0, 1] = 0
-    merged = exchange._Merged(exchange.Cover.of(spans, length), shape, dtype, torch.float32,
-                              torch.device("cpu"))  # fmt: skip
+    cover = exchange.Cover.of(spans, length)
+    merged = exchange._Merged(cover, shape, dtype, torch.float32, cpu)
     weight = torch.zeros(2, 3, length, dtype=torch.float64)
     numerator = torch.zeros(shape, dtype=torch.float64)
     for (a, b), piece, lse in zip(spans, pieces, lses, strict=True):
-        merged.add(a, piece, lse)
+        merged.add(a, piece.clone(), lse.clone())
         numerator[:, :, a:b] += piece.double() * lse.double().exp()[..., None]
         weight[:, :, a:b] += lse.double().exp()
     out, lse = merged.finish()
@@ -946,9 +951,13 @@ def test_partial_results_sum_and_merge_as_in_the_compute_dtype_from_zero(
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(lse.double(), weight.log(), atol=1e-6, rtol=1e-6)
-    assert torch.equal(out[:, :, 9:11], torch.zeros(2, 3, 2, 5, dtype=dtype))
-    assert torch.equal(out[:, :, 0:4], pieces[0][:, :, 0:4])  # one piece: as it came
-    assert torch.equal(lse[:, :, 14:], torch.full((2, 3, 2), -float("inf")))
+    for a, b, count in cover.stretches:
+        if count == 0:
+            assert torch.equal(out[:, :, a:b], torch.zeros(2, 3, b - a, 5, dtype=dtype))
+            assert torch.equal(lse[:, :, a:b], torch.full((2, 3, b - a), -float("inf")))
+        elif count == 1:  # one piece: as it came
+            ((index, start),) = [(i, s) for i, (s, e) in enumerate(spans) if s <= a and b <= e]
+            assert torch.equal(out[:, :, a:b], pieces[index][:, :, a - start : b - start])
 
 
 def test_the_mode_follows_the_predicted_time() -> None:

@@ -17,7 +17,7 @@ from attnbias.spec import lower, with_causal
 from attnbias.terms import Call
 
 from .blocks import Kept, grain, keep_grid, layout_costs
-from .exchange import Needs, Schedule, exchange_sdpa, exchanged_runs, pair_shapes
+from .exchange import Cover, Needs, Schedule, exchange_sdpa, exchanged_runs, pair_shapes
 from .heads import heads_reasons, heads_sdpa
 from .layouts import Layout, as_group, world_of
 from .sharding import resolve_layout
@@ -141,9 +141,10 @@ def _sdpa(
         failure: Exception | None = None
     except (TypeError, ValueError) as error:
         local, failure = None, error
-    summary = _summary(local, _gather_device(group))
+    headers_group = _headers_group(group)
+    summary = _summary(local, _gather_device(headers_group))
     gathered = [torch.empty_like(summary) for _ in range(world)]
-    dist.all_gather(gathered, summary, group=group)
+    dist.all_gather(gathered, summary, group=headers_group)
     rows = [g.tolist() for g in gathered]
     if failure is not None:
         raise failure
@@ -330,9 +331,10 @@ def _choose(
     needs_grad: bool,
 ) -> Choice:
     """The mode of a call, by predicted time. The sequence mode: the slowest rank's kept
-    blocks' work, plus a cost per pair it runs (its host time and the log-sum-exp merge of
-    its rows), against its transfers, which overlap the work. The head mode: a W-th of the
-    whole work plus its all-to-all, which does not overlap. Rates from :data:`RATES`."""
+    blocks' work, plus a cost per pair it runs (its host time) and the log-sum-exp merge of
+    the rows several pairs reach, against its transfers, which overlap the work. The head
+    mode: a W-th of the whole work plus its all-to-all, which does not overlap. Rates from
+    :data:`RATES`."""
     world, asked = layout.world, mode
     refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
     if mode == "heads" and refused:
@@ -365,7 +367,10 @@ def _choose(
     sequence_s = 0.0
     for rank in range(world):
         shapes = [p for step in pair_shapes(grid, call, layout, rank, needs) for p in step]
-        merged = sum(rows.stop - rows.start for rows, _, _ in shapes) * call.heads * dim_v * batch
+        # rows that one pair reaches take its output as it comes; the others merge
+        spans = [(rows.start, rows.stop) for rows, _, _ in shapes]
+        once = Cover.of(spans, call.length_q // world).elements(1)
+        merged = (sum(b - a for a, b in spans) - once) * call.heads * dim_v * batch
         work = costs.compute[rank] * pair_block_s
         work += len(shapes) * rates.pair_s * pass_factor + merged * rates.merge_element_s
         sequence_s = max(sequence_s, work + rates.sequence_call_s * pass_factor,
@@ -482,6 +487,31 @@ def _summary(local: _Local | None, device: torch.device) -> Tensor:
 
 # room for the header and a layout of up to 256 chunks; a longer one is compared by its length
 _SUMMARY = 1 + 13 + 256 + 1
+
+
+_HEADERS_GROUPS: dict[Any, Any] = {}
+
+
+def _headers_group(group: Any) -> Any:
+    """The group the ranks' headers are gathered over: ``group`` itself where its collectives
+    take CPU tensors, else (NCCL) a gloo group of the same ranks, made at the group's first
+    call: reading a gather on NCCL back to the host would wait for every kernel queued before
+    it, and the GPU would then idle while the host plans the call (measured on two H100s:
+    ~0.7 ms a call). Only the group's ranks take part in making it (every rank of the group
+    makes the same call)."""
+    if dist.get_backend(group) != "nccl":
+        return group
+    found = _HEADERS_GROUPS.get(group)
+    if found is None:
+        try:
+            found = dist.new_group(
+                dist.get_process_group_ranks(group), backend="gloo",
+                use_local_synchronization=True,
+            )  # fmt: skip
+        except (RuntimeError, ValueError):  # no gloo in this build: gather over NCCL
+            found = group
+        _HEADERS_GROUPS[group] = found
+    return found
 
 
 def _gather_device(group: Any) -> torch.device:

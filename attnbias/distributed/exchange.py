@@ -32,7 +32,7 @@ from attnbias.terms import Block, Call
 from .blocks import grain, keep_grid
 from .layouts import Layout
 
-__all__ = ["Needs", "Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
+__all__ = ["Cover", "Needs", "Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
 
 Run = tuple[int, int]  # [start, stop) in a rank's part
 Needs = list[list[list[Run]]]  # needs[r][o]: the runs of rank o's part rank r receives
@@ -373,86 +373,123 @@ class _Sum:
     """The sum of partial results along dim 2 of a ``(B, H, n, ...)`` tensor of ``dtype``,
     laid out by a :class:`Cover`: a position one result reaches is written as it comes, one
     that several reach is summed in ``compute`` (the same numbers as summing everything in
-    ``compute`` from zeros, without its passes over the rest), one none reaches is 0."""
+    ``compute`` from zeros, without its passes over the rest), one none reaches is 0. A first
+    result that spans all ``n`` positions in ``dtype`` becomes the sum's tensor (no copy)."""
 
     def __init__(
         self, cover: Cover, shape: tuple[int, ...], dtype: torch.dtype, compute: torch.dtype,
         device: torch.device,
     ) -> None:  # fmt: skip
-        self.cover = cover
-        self.result = torch.empty(shape, dtype=dtype, device=device)
+        self.cover, self.shape, self.dtype, self.device = cover, shape, dtype, device
+        self.in_place = dtype == compute  # several results summed in the tensor itself
+        self.result: Tensor | None = None
         self.sums: dict[int, Tensor] = {}
-        for a, b, count in cover.stretches:
-            if count == 0:
-                self.result[:, :, a:b].zero_()
-            elif count == 2:
-                if dtype == compute:
-                    self.sums[a] = self.result[:, :, a:b].zero_()
-                else:
+        if self.in_place:
+            self._allocate()
+        else:
+            for a, b, count in cover.stretches:
+                if count == 2:
                     self.sums[a] = torch.zeros(
                         (*shape[:2], b - a, *shape[3:]), dtype=compute, device=device
                     )
 
+    def _allocate(self) -> Tensor:
+        result = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for a, b, count in self.cover.stretches:
+            if count == 0:
+                result[:, :, a:b].zero_()
+            elif count == 2 and self.in_place:
+                self.sums[a] = result[:, :, a:b].zero_()
+        self.result = result
+        return result
+
     def add(self, start: int, value: Tensor) -> None:
         """Add ``value``, the result at positions ``[start, start + value.shape[2])``."""
+        result, adopted = self.result, False
+        if result is None:
+            adopted = start == 0 and tuple(value.shape) == self.shape
+            adopted = adopted and value.dtype == self.dtype
+            result = self.result = value if adopted else self._allocate()
         for a, b, count, at in self.cover.within(start, start + value.shape[2]):
             piece = value[:, :, a - start : b - start]
-            if count == 1:
-                self.result[:, :, a:b].copy_(piece)
-            else:
+            if count == 2:
                 self.sums[at][:, :, a - at : b - at] += piece
+            elif not adopted:
+                result[:, :, a:b].copy_(piece)
 
     def finish(self) -> Tensor:
-        for at, total in self.sums.items():
-            if total.dtype != self.result.dtype:
-                self.result[:, :, at : at + total.shape[2]].copy_(total)
-        return self.result
+        result = self.result if self.result is not None else self._allocate()
+        if not self.in_place:
+            for at, total in self.sums.items():
+                result[:, :, at : at + total.shape[2]].copy_(total)
+        return result
 
 
 class _Merged:
     """The log-sum-exp merge of partial attention results over a rank's query rows, laid out
     by a :class:`Cover`: rows one result reaches take its output and log-sum-exp as they come,
     rows several reach merge in ``compute``, rows none reaches are 0 with a log-sum-exp of
-    ``-inf``. ``finish`` gives the output in ``dtype`` and the log-sum-exp in ``compute``."""
+    ``-inf``. ``finish`` gives the output in ``dtype`` and the log-sum-exp in ``compute``. A
+    first result that spans every row becomes the output (no copy)."""
 
     def __init__(
         self, cover: Cover, shape: tuple[int, int, int, int], dtype: torch.dtype,
         compute: torch.dtype, device: torch.device,
     ) -> None:  # fmt: skip
-        self.cover = cover
-        self.out = torch.empty(shape, dtype=dtype, device=device)
-        self.lse = torch.empty(shape[:3], dtype=compute, device=device)
+        self.cover, self.shape, self.dtype, self.compute = cover, shape, dtype, compute
+        self.device = device
+        self.out: Tensor | None = None
+        self.lse: Tensor | None = None
         self.sums: dict[int, tuple[Tensor, Tensor]] = {}
         for a, b, count in cover.stretches:
-            if count == 0:
-                self.out[:, :, a:b].zero_()
-                self.lse[:, :, a:b].fill_(-float("inf"))
-            elif count == 2:
+            if count == 2:
                 self.sums[a] = (
                     torch.zeros((*shape[:2], b - a, shape[3]), dtype=compute, device=device),
                     torch.full((*shape[:2], b - a), -float("inf"), dtype=compute,
                                device=device),
                 )  # fmt: skip
 
+    def _allocate(self) -> tuple[Tensor, Tensor]:
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.shape[:3], dtype=self.compute, device=self.device)
+        for a, b, count in self.cover.stretches:
+            if count == 0:
+                out[:, :, a:b].zero_()
+                lse[:, :, a:b].fill_(-float("inf"))
+        self.out, self.lse = out, lse
+        return out, lse
+
     def add(self, start: int, out: Tensor, lse: Tensor) -> None:
         """Merge a partial result at rows ``[start, start + out.shape[2])``: ``out``
         ``(B, Hq, m, Ev)``, ``lse`` ``(B, Hq, m)``."""
+        adopted = False
+        if self.out is None or self.lse is None:
+            adopted = start == 0 and tuple(out.shape) == self.shape and out.dtype == self.dtype
+            adopted = adopted and lse.dtype == self.compute
+            if adopted:
+                self.out, self.lse = out, lse
+            else:
+                self._allocate()
+        assert self.out is not None and self.lse is not None
         for a, b, count, at in self.cover.within(start, start + out.shape[2]):
             rows = slice(a - start, b - start)
-            if count == 1:
-                self.out[:, :, a:b].copy_(out[:, :, rows])
-                self.lse[:, :, a:b].copy_(lse[:, :, rows])
-            else:
+            if count == 2:
                 total_out, total_lse = self.sums[at]
                 _merge(total_out, total_lse, slice(a - at, b - at), out[:, :, rows],
                        lse[:, :, rows])  # fmt: skip
+            elif not adopted:
+                self.out[:, :, a:b].copy_(out[:, :, rows])
+                self.lse[:, :, a:b].copy_(lse[:, :, rows])
 
     def finish(self) -> tuple[Tensor, Tensor]:
+        out, lse = (self.out, self.lse) if self.out is not None and self.lse is not None else (
+            self._allocate()
+        )  # fmt: skip
         for at, (total_out, total_lse) in self.sums.items():
             stop = at + total_out.shape[2]
-            self.out[:, :, at:stop].copy_(total_out)
-            self.lse[:, :, at:stop].copy_(total_lse)
-        return self.out, self.lse
+            out[:, :, at:stop].copy_(total_out)
+            lse[:, :, at:stop].copy_(total_lse)
+        return out, lse
 
 
 def _span_of(rows: slice) -> Run:
@@ -576,7 +613,9 @@ def _merge(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Te
     current_out, current_lse = out[:, :, rows], lse[:, :, rows]
     part_lse = part_lse.to(lse.dtype)
     merged = torch.logaddexp(current_lse, part_lse)
-    finite = torch.where(torch.isfinite(merged), merged, torch.zeros((), dtype=merged.dtype))
+    # a Python zero: a CPU tensor here would be copied to the device, and the host would wait
+    # for every kernel queued before the copy
+    finite = torch.where(torch.isfinite(merged), merged, 0.0)
     weight = torch.exp(current_lse - finite)[..., None]
     part_weight = torch.exp(part_lse - finite)[..., None]
     out[:, :, rows] = current_out * weight + part_out.to(out.dtype) * part_weight
