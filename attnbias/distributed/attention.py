@@ -398,9 +398,10 @@ class Rates:
     with NVLink (bf16, B=1, H=16, E=128, S = 32k and 128k; benchmarks/NOTES.md, "Context
     parallelism"), checked on two and four at 32k-512k: attention's work at FlashAttention
     4's pace, and how much slower shard pairs with mask functions or documents run (on the
-    Triton kernel), a pair's fixed cost, the sequence mode's fixed cost per call (about 3 ms
-    a forward + backward step that no pair explains), the log-sum-exp merge per output
-    element, the all-to-all's fixed cost (per direction) and rate, and the point-to-point
+    Triton kernel), a pair's fixed cost, the sequence mode's fixed cost per call (about 2 ms
+    a forward + backward step beyond its pairs, refitted after partial results stopped being
+    summed where one reaches), the log-sum-exp merge per output element of the rows several
+    pairs reach, the all-to-all's fixed cost (per direction) and rate, and the point-to-point
     rate."""
 
     flops: float = 6.5e14
@@ -408,7 +409,7 @@ class Rates:
     functions_slowdown: float = 1.9
     documents_slowdown: float = 1.6
     pair_s: float = 0.35e-3
-    sequence_call_s: float = 0.85e-3
+    sequence_call_s: float = 0.55e-3
     merge_element_s: float = 2.6e-11
     all_to_all_s: float = 1.0e-3
     all_to_all_bytes: float = 1.4e11
