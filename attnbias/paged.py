@@ -264,7 +264,10 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
 
 def _prepare(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
-) -> tuple[Tensor, Tensor, Tensor, AttnBias, Tensor | None]:
+) -> tuple[Tensor, Tensor, AttnBias, Tensor | None]:
+    """The call on a contiguous cache: the query placed (ragged rows at the end of theirs),
+    the ``(B, keys)`` int64 pool rows of each row's last ``keys`` tokens (its last token
+    last), the bias of that call and, for ragged queries, where each packed query lands."""
     pages, rest = _split(attn_mask)
     if is_causal:
         raise ValueError(
@@ -312,13 +315,46 @@ def _prepare(
         torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
     rows = _token_rows(pages.block_table, lens, page_size, keys, num_pages)  # once for both
-    return (
-        placed,
-        _gathered(key, rows),
-        _gathered(value, rows),
-        bias,
-        where,
+    return placed, rows, bias, where
+
+
+def _pool_rows(pool: Tensor) -> Tensor | None:
+    """A ``(num_pages, page_size, Hkv, E)`` pool as ``(1, Hkv, num_pages * page_size, E)``
+    without a copy (``None`` where its strides do not allow one, or its rows would not fit
+    the kernel's int32 row numbers)."""
+    rows = pool.shape[0] * pool.shape[1]
+    if rows >= 2**31 or pool.stride(0) != pool.shape[1] * pool.stride(1):
+        return None
+    return pool.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+
+
+def _in_place(
+    placed: Tensor, key: Tensor, value: Tensor, rows: Tensor, bias: AttnBias,
+    scale: float | None, enable_gqa: bool,
+) -> tuple[Any, Tensor, Tensor] | None:  # fmt: skip
+    """Where the planner gives the call on the contiguous cache to the decode kernel, that
+    plan and the pools as the kernel reads them in place (``(1, Hkv, R, E)``): the call then
+    runs without gathering the pages. ``None`` otherwise (other backends read the gathered
+    cache), also while ``torch.compile`` traces the call (the traced op takes contiguous
+    keys)."""
+    from attnbias.functional import plan_spec
+    from attnbias.spec import make_spec
+
+    if torch.compiler.is_compiling():
+        return None
+    key_rows, value_rows = _pool_rows(key), _pool_rows(value)
+    if key_rows is None or value_rows is None:
+        return None
+    batch, keys = rows.shape
+    # stand-ins of the gathered cache's shape for planning (planning reads no values)
+    key_like, value_like = (
+        t[:, :, :1].expand(batch, t.shape[1], keys, t.shape[3]) for t in (key_rows, value_rows)
     )
+    spec = make_spec(placed, key_like, value_like, bias, False, scale, 0.0, enable_gqa)
+    chosen = plan_spec(spec)
+    if chosen.backend.name != "triton-decode":
+        return None
+    return chosen, key_rows, value_rows
 
 
 def paged_sdpa(
@@ -334,14 +370,24 @@ def paged_sdpa(
     """:func:`attnbias.sdpa` of a call whose bias holds a :class:`PagedKV`: ``(B, Hq, L, Ev)``,
     or ``(1, Hq, total, Ev)`` for ragged queries."""
     from attnbias.functional import sdpa
+    from attnbias.kernels.decode import decode_forward
 
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
-    placed, keys, values, bias, where = _prepare(query, key, value, attn_mask, is_causal)
-    out = sdpa(
-        placed, keys, values, attn_mask=bias, dropout_p=dropout_p, scale=scale,
-        enable_gqa=enable_gqa,
-    )  # fmt: skip
+    placed, rows, bias, where = _prepare(query, key, value, attn_mask, is_causal)
+    found = _in_place(placed, key, value, rows, bias, scale, enable_gqa)
+    if found is not None:  # the decode kernel reads the pages where they are
+        chosen, key_rows, value_rows = found
+        spec = chosen.spec
+        out = decode_forward(
+            spec.query, key_rows, value_rows, spec.program, scale=spec.resolved_scale,
+            kv_rows=rows.to(torch.int32),
+        )  # fmt: skip
+    else:
+        out = sdpa(
+            placed, _gathered(key, rows), _gathered(value, rows), attn_mask=bias,
+            dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+        )  # fmt: skip
     if where is None:
         return out
     # each packed query's row of the output: (B * total, Hq, Ev) rows read at ``where``
@@ -363,13 +409,22 @@ def paged_explain(
     the call on them."""
     from attnbias.functional import explain
 
-    placed, keys, values, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
+    placed, rows, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
+    pages, count = _split(attn_mask)[0], rows.shape[1]
+    found = _in_place(placed, key, value, rows, bias, scale, enable_gqa)
+    if found is not None:
+        chosen = found[0]
+        return (
+            f"{pages!r}: the decode kernel reads each row's last {count} tokens in place, "
+            f"through their rows in the pools (no copy), kept by a key range\n"
+            f"{chosen.backend.name}: {chosen.backend.how(chosen.spec)}"
+        )
     head = (
-        f"{_split(attn_mask)[0]!r}: each row's pages gathered on the device into a contiguous "
-        f"cache of {keys.shape[2]} keys, its tokens at the end, kept by a key range"
+        f"{pages!r}: each row's pages gathered on the device into a contiguous cache of "
+        f"{count} keys, its tokens at the end, kept by a key range"
     )
     route = explain(
-        placed, keys, values, attn_mask=bias, dropout_p=dropout_p, scale=scale,
-        enable_gqa=enable_gqa,
+        placed, _gathered(key, rows), _gathered(value, rows), attn_mask=bias,
+        dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
     )  # fmt: skip
     return f"{head}\n{route}"

@@ -381,8 +381,10 @@ class DecodePlan:
             check_identity("decode", self.identity, q, k, v)
         return self.run(q, k, v)
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """:meth:`launch` without the identity check."""
+    def run(self, q: Tensor, k: Tensor, v: Tensor, kv_rows: Tensor | None = None) -> Tensor:
+        """:meth:`launch` without the identity check; ``kv_rows``: for a plan made with
+        them (:func:`plan_decode`), this call's map of key positions to rows of ``k`` and
+        ``v``."""
         out = empty_contiguous(q)  # (B, Hq, L, E): the strides the plan holds
         kernel, merge = self.kernel, None
         if kernel is None:
@@ -421,7 +423,7 @@ class DecodePlan:
         else:
             call_key = None
         kernel(
-            call_key, q, k, v, out, parts, counters, *self.mask_tensors,
+            call_key, q, k, v, out, parts, counters, *self.mask_tensors, kv_rows,
             *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
         if merge is not None:
@@ -455,15 +457,20 @@ def plan_decode(
     *,
     scale: float,
     num_splits: int | None = None,
+    kv_rows: Tensor | None = None,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of :func:`decode_forward` with these arguments; ``q``, ``k``,
-    ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    ``v`` (and ``kv_rows``) give only their shapes, dtypes and devices (the plan keeps none
+    of them)."""
     if program.blocks is not None:
         raise ValueError(
             "the decode kernel iterates the analytic band only; a mask program with block "
             "lists runs in the training kernel (attention_forward)"
         )
     batch, num_heads, seq_q, head_dim = q.shape
+    if kv_rows is not None:
+        # the call's keys as the mask and the layout see them: (B, Hkv, S, E), S mapped
+        k, v = (_virtual(t, batch, kv_rows.shape[1]) for t in (k, v))
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
@@ -484,6 +491,7 @@ def plan_decode(
         BLOCK_N=cfg.block_n,
         **mask.flags(q),
         **mask.mod_options(backward=False, decode=True),
+        KV_ROWS=kv_rows is not None,
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,
@@ -515,6 +523,7 @@ def plan_decode(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
+            0 if kv_rows is None else kv_rows.stride(0),
             layout.group_size,
             layout.row_tiles,
             seq_q,
@@ -543,6 +552,7 @@ def decode_forward(
     *,
     scale: float,
     num_splits: int | None = None,
+    kv_rows: Tensor | None = None,
 ) -> Tensor:
     """Attention forward for short queries, the arguments of ``attention_forward``:
     :func:`plan_decode`, then its launch.
@@ -555,6 +565,11 @@ def decode_forward(
         scale: multiplies ``q @ k^T`` (any finite value).
         num_splits: programs per tile of packed rows over its keys; ``None`` picks it from
             the shapes, the band and the GPU (:func:`num_splits`).
+        kv_rows: ``(B, S)`` int32, for keys laid out elsewhere (a paged cache read in
+            place): key position ``n`` of batch row ``b`` is row ``kv_rows[b, n]`` along dim 2
+            of ``k`` and ``v``, then ``(1 | B, Hkv, R, E)`` with a batch stride of 0 (one pool
+            of ``R`` rows for every batch row); each entry must be a row of the pool, also
+            for positions outside a row's key range (they are read, never kept).
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous); a row that keeps no key is 0.
@@ -562,4 +577,14 @@ def decode_forward(
     No host synchronisation: everything on the host depends on shapes, dtypes and the band,
     so a call can be captured in a CUDA graph. Inputs are assumed valid.
     """
-    return plan_decode(q, k, v, program, scale=scale, num_splits=num_splits).launch(q, k, v)
+    if kv_rows is None:
+        return plan_decode(q, k, v, program, scale=scale, num_splits=num_splits).launch(q, k, v)
+    plan = plan_decode(q, k, v, program, scale=scale, num_splits=num_splits, kv_rows=kv_rows)
+    return plan.run(q, k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:]),
+                    kv_rows)  # fmt: skip
+
+
+def _virtual(pool: Tensor, batch: int, keys: int) -> Tensor:
+    """A ``(B, Hkv, keys, E)`` stand-in of a pool's first row, for what reads only shapes,
+    dtypes and devices."""
+    return pool[:, :, :1].expand(batch, pool.shape[1], keys, pool.shape[3])

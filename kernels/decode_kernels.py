@@ -32,12 +32,14 @@ def _decode_fwd(
     KvStart,
     KvEnd,
     Slopes,
+    KvRows,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
     stride_db,
     stride_sb, stride_sh,
+    stride_rb,
     group_size,
     row_tiles,
     seq_q,
@@ -68,6 +70,7 @@ def _decode_fwd(
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
     HEADLESS_TILE_FN: tl.constexpr = None,
+    KV_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
@@ -82,6 +85,10 @@ def _decode_fwd(
     of the tile to finish, counted on ``Counters`` ``(B * Hkv * tiles,)`` (int32, zero on
     entry and on exit), merges them into the output, and without it :func:`_decode_merge`
     does. With one share it stores the output itself.
+
+    With ``KV_ROWS`` the keys are laid out elsewhere (a paged cache): key position ``n`` of
+    batch row ``b`` is row ``KvRows[b, n]`` (int32, batch stride ``stride_rb``) along dim 2
+    of ``K`` and ``V``, whose batch stride is then 0 (one pool for every row).
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -110,6 +117,10 @@ def _decode_fwd(
     q = tl.load(q_ptrs, mask=in_tile, other=0.0)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
+    if KV_ROWS:  # noqa: SIM108 (one branch compiled: a pointer or a placeholder)
+        kv_rows = KvRows + off_b * stride_rb
+    else:
+        kv_rows = 0
 
     doc_off = off_b * stride_db
     first_q = start_r // group_size
@@ -176,7 +187,7 @@ def _decode_fwd(
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -83,12 +83,16 @@ def _attn_fwd_inner(
     LISTED_TILES: tl.constexpr = 0,
     BOUNDED: tl.constexpr = True,
     TILED_SCORES: tl.constexpr = False,
+    kv_rows=0,
+    KV_ROWS: tl.constexpr = False,
 ):
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
     in list order, so that one loop (one software pipeline) runs over every listed block.
     ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``).
-    ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``)."""
+    ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``).
+    ``KV_ROWS``: the keys are laid out elsewhere (a paged cache): key position ``n`` is row
+    ``kv_rows[n]`` (int32) of ``k_head`` / ``v_head``."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -107,6 +111,12 @@ def _attn_fwd_inner(
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+        if KV_ROWS:
+            # positions past the end read row 0 (their loads are masked or never kept)
+            rows = tl.load(kv_rows + offs_n, mask=offs_n < seq_k, other=0).to(tl.int64)
+            offs_e = tl.arange(0, BLOCK_E)[None, :]
+            k_ptrs = k_head + rows[:, None] * stride_kn + offs_e * stride_kk
+            v_ptrs = v_head + rows[:, None] * stride_vn + offs_e * stride_vk
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -170,10 +180,12 @@ def _attn_fwd_runs(
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False,
+    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False, kv_rows=0,
+    KV_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
-    mask) and a partial suffix, each ``[first, end)`` in blocks."""
+    mask) and a partial suffix, each ``[first, end)`` in blocks (``KV_ROWS``, ``kv_rows``: as
+    :func:`_attn_fwd_inner` takes them)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
@@ -182,7 +194,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES,
+        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -192,7 +204,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES,
+        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -202,7 +214,7 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES,
+        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
     )  # fmt: skip
     return acc, l_i, m_i
 

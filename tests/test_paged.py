@@ -4,6 +4,7 @@ queries, GQA, shared pages, the parts that compose, in-place table updates, and 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -179,11 +180,63 @@ def test_a_paged_call_explains_its_route() -> None:
     k, v = pools(4, 4, 1, 8, seed=6)
     pages = PagedKV(table_of([[0, 1]]), lens_of([6]))
     query = torch.randn(1, 1, 2, 8, device=DEVICE)
-    text = attnbias.explain(query, k, v, attn_mask=pages + causal_lower_right())
-    assert text.startswith("PagedKV(B=1, max_pages=2): each row's pages gathered")
-    assert "cache of 8 keys" in text and "key range" in text
-    window = pages + causal_lower_right() + SlidingWindowBias(3)
-    assert "cache of 5 keys" in attnbias.explain(query, k, v, attn_mask=window)
+    with attnbias.use_backends(exclude=["triton-decode"]):
+        text = attnbias.explain(query, k, v, attn_mask=pages + causal_lower_right())
+        assert text.startswith("PagedKV(B=1, max_pages=2): each row's pages gathered")
+        assert "cache of 8 keys" in text and "key range" in text
+        window = pages + causal_lower_right() + SlidingWindowBias(3)
+        assert "cache of 5 keys" in attnbias.explain(query, k, v, attn_mask=window)
+    with attnbias.use_backends("triton-decode"):
+        text = attnbias.explain(query, k, v, attn_mask=window)
+    assert text.startswith("PagedKV(B=1, max_pages=2): the decode kernel reads each row's last 5 "
+                           "tokens in place"), text  # fmt: skip
+    assert "triton-decode: the Triton decode kernel" in text
+
+
+_IN_PLACE = {
+    **{name: lambda lens, length_q, table, make=make: make() for name, make in RESTS.items()},
+    **{
+        f"mod {name}": lambda lens, length_q, table, name=name: _mod_parts(lens, length_q, table)[
+            name
+        ]
+        for name in ("mask", "score in a window")
+    },
+}
+
+
+@pytest.mark.parametrize("rest", list(_IN_PLACE))
+@pytest.mark.parametrize("length_q", [1, 3])
+def test_the_decode_kernel_reads_the_pages_in_place(
+    rest: str, length_q: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the decode kernel takes the call (pinned here; on the CPU through Triton's
+    interpreter), it reads each key through its row in the pools: nothing is gathered (a
+    gather fails the test), and the result is the oracle's, for every part that composes
+    and a ModBias reading each row's own positions (a window: only the last tokens mapped)."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    k, v = pools(10, 4, 2, 16, seed=20 + length_q)
+    lens = lens_of([13, 10, 6])
+    pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
+    table = torch.randn(4, 32, device=DEVICE)
+    query = torch.randn(3, 4, length_q, 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, _IN_PLACE[rest](lens, length_q, table))
+
+
+def test_the_decode_kernel_reads_ragged_rows_pages_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill and decode rows packed in one query, read in place."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    k, v = pools(12, 4, 2, 16, seed=31)
+    table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11], [2, 0, 0, 0]])
+    cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
+    pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu)
+    query = torch.randn(1, 4, 9, 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, RESTS["window alibi softcap"]())
 
 
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
