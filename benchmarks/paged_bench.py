@@ -1,0 +1,120 @@
+"""Decode over a paged key/value cache (``PagedKV``): the route ``attnbias.sdpa`` takes (the
+decode kernel reading the pages in place), the same call through the gather route (each row's
+pages copied into a contiguous cache first), and the same tokens already contiguous (each
+row's at the end of its cache, a key range keeping them), as CUDA-graph replays.
+
+B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row), Hq / Hkv = 32 / 8, E = 128, bf16,
+``PagedKV + causal_lower_right()`` with or without a sliding window of 4096, pages in a random
+order in the pool. Each case: the largest difference between the three outputs, then ms per
+call (mean of two rounds, the routes alternating) and the bytes floor (the keys and values the
+rows keep, read once at 3.35 TB/s).
+
+    python benchmarks/paged_bench.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attnbias
+from attnbias import KeyRangeBias, PagedKV, SlidingWindowBias, causal_lower_right
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_bench import graph_ms
+
+BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
+LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
+CAPACITY = 32768
+CASES = [(16, 1, None), (64, 1, None), (256, 1, None), (16, 16, None), (16, 1, 4095),
+         (256, 16, 4095)]  # fmt: skip
+
+
+def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    need = [-(-n // page) for n in LENGTHS]
+    pages = sum(need) + 8
+    order = torch.randperm(pages)
+    table = torch.zeros(BATCH, CAPACITY // page, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[at : at + n].int()
+        at += n
+    table = table.to(device)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device=device)
+    pool_k = torch.randn(pages, page, HEADS_KV, HEAD_DIM, device=device, dtype=DTYPE)
+    pool_v = torch.randn_like(pool_k)
+    q = torch.randn(BATCH, HEADS_Q, length_q, HEAD_DIM, device=device, dtype=DTYPE)
+    extra = causal_lower_right()
+    if window is not None:
+        extra = extra + SlidingWindowBias(window)
+    bias = PagedKV(table, lens) + extra
+    # the same tokens contiguous, each row's at the end of its cache
+    k = torch.zeros(BATCH, HEADS_KV, CAPACITY, HEAD_DIM, device=device, dtype=DTYPE)
+    v = torch.zeros_like(k)
+    for b, n in enumerate(LENGTHS):
+        t = torch.arange(n, device=device)
+        rows = table[b, t // page].long() * page + t % page
+        k[b, :, CAPACITY - n :] = pool_k.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
+        v[b, :, CAPACITY - n :] = pool_v.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
+    contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
+    route = importlib.import_module("attnbias.paged")
+    in_place = route._in_place
+
+    def paged() -> Any:
+        return attnbias.sdpa(q, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
+
+    def gathered() -> Any:
+        route._in_place = lambda *_: None
+        try:
+            return paged()
+        finally:
+            route._in_place = in_place
+
+    def contiguous() -> Any:
+        return attnbias.sdpa(q, k, v, attn_mask=contiguous_bias, enable_gqa=True)
+
+    runs: dict[str, Callable[[], Any]] = {
+        "in place": paged, "gather": gathered, "contiguous": contiguous,
+    }  # fmt: skip
+    with torch.no_grad():
+        outs = {name: run().float() for name, run in runs.items()}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for round_index in range(2):
+            for name in list(runs) if round_index == 0 else list(runs)[::-1]:
+                times[name].append(graph_ms(runs[name]))
+        how = attnbias.explain(q, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
+    kept = sum(LENGTHS) if window is None else sum(min(n, window + length_q) for n in LENGTHS)
+    return {
+        "page": page, "L": length_q, "window": window,
+        **{name: sum(t) / len(t) for name, t in times.items()},
+        "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / 3.35e12 * 1e3,
+        "diff": max(float((outs[a] - outs["contiguous"]).abs().max()) for a in ("in place",
+                                                                             "gather")),
+        "route": how.splitlines()[0],
+    }  # fmt: skip
+
+
+def main() -> None:
+    rows = [case(*c) for c in CASES]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(rows[0]["route"])
+    print("| page | L | window | in place ms | gather ms | contiguous ms | in place / contiguous "
+          "| bytes floor ms | max diff |")  # fmt: skip
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for r in rows:
+        print(
+            f"| {r['page']} | {r['L']} | {r['window'] or '-'} | {r['in place']:.3f} | "
+            f"{r['gather']:.3f} | {r['contiguous']:.3f} | {r['in place'] / r['contiguous']:.2f} "
+            f"| {r['floor']:.3f} | {r['diff']:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
