@@ -105,6 +105,11 @@ def _attn_fwd_inner(
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+    if KV_ROWS:
+        tl.static_assert(LISTED_TILES == 0, "a key row map is read over contiguous tiles")
+        # each tile's row numbers are loaded one tile ahead, so that its key and value loads
+        # do not wait for them
+        next_rows = tl.load(kv_rows + offs_n, mask=offs_n < seq_k, other=0)
     for t in range(block_first, block_end):
         if LISTED_TILES > 0:
             tile = _listed_tile(entries, t, LISTED_TILES)
@@ -113,10 +118,12 @@ def _attn_fwd_inner(
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
         if KV_ROWS:
             # positions past the end read row 0 (their loads are masked or never kept)
-            rows = tl.load(kv_rows + offs_n, mask=offs_n < seq_k, other=0).to(tl.int64)
+            rows = next_rows.to(tl.int64)
             offs_e = tl.arange(0, BLOCK_E)[None, :]
             k_ptrs = k_head + rows[:, None] * stride_kn + offs_e * stride_kk
             v_ptrs = v_head + rows[:, None] * stride_vn + offs_e * stride_vk
+            ahead = offs_n + BLOCK_N
+            next_rows = tl.load(kv_rows + ahead, mask=ahead < seq_k, other=0)
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
