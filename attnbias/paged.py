@@ -332,11 +332,12 @@ def _in_place(
     placed: Tensor, key: Tensor, value: Tensor, rows: Tensor, bias: AttnBias,
     scale: float | None, enable_gqa: bool,
 ) -> tuple[Any, Tensor, Tensor] | None:  # fmt: skip
-    """Where the planner gives the call on the contiguous cache to the decode kernel, that
-    plan and the pools as the kernel reads them in place (``(1, Hkv, R, E)``): the call then
-    runs without gathering the pages. ``None`` otherwise (other backends read the gathered
-    cache), also while ``torch.compile`` traces the call (the traced op takes contiguous
-    keys)."""
+    """Where the planner gives the call on the contiguous cache to one of the library's
+    kernels that read keys through a row map (the decode kernel; the training kernel's
+    forward without block lists, for longer queries), that plan and the pools as the kernel
+    reads them in place (``(1, Hkv, R, E)``): the call then runs without gathering the pages.
+    ``None`` otherwise (other backends read the gathered cache), also while ``torch.compile``
+    traces the call (the traced ops take contiguous keys)."""
     from attnbias.functional import plan_spec
     from attnbias.spec import make_spec
 
@@ -352,9 +353,13 @@ def _in_place(
     )
     spec = make_spec(placed, key_like, value_like, bias, False, scale, 0.0, enable_gqa)
     chosen = plan_spec(spec)
-    if chosen.backend.name != "triton-decode":
-        return None
-    return chosen, key_rows, value_rows
+    name, program = chosen.backend.name, chosen.spec.program
+    # the training kernel settles the tiles of mask functions by block lists over contiguous
+    # keys: those calls read the gathered cache
+    masks = program.blocks is not None or (program.mods is not None and program.mods.has_mask)
+    if name == "triton-decode" or (name == "triton" and not masks):
+        return chosen, key_rows, value_rows
+    return None
 
 
 def paged_sdpa(
@@ -371,15 +376,20 @@ def paged_sdpa(
     or ``(1, Hq, total, Ev)`` for ragged queries."""
     from attnbias.functional import sdpa
     from attnbias.kernels.decode import decode_forward
+    from attnbias.kernels.forward import attention_forward
+
+    def _forward(*args: Any, **kwargs: Any) -> Tensor:
+        return attention_forward(*args, **kwargs)[0]
 
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
     placed, rows, bias, where = _prepare(query, key, value, attn_mask, is_causal)
     found = _in_place(placed, key, value, rows, bias, scale, enable_gqa)
-    if found is not None:  # the decode kernel reads the pages where they are
+    if found is not None:  # a kernel reads the pages where they are
         chosen, key_rows, value_rows = found
         spec = chosen.spec
-        out = decode_forward(
+        read = decode_forward if chosen.backend.name == "triton-decode" else _forward
+        out = read(
             spec.query, key_rows, value_rows, spec.program, scale=spec.resolved_scale,
             kv_rows=rows.to(torch.int32),
         )  # fmt: skip
@@ -415,8 +425,8 @@ def paged_explain(
     if found is not None:
         chosen = found[0]
         return (
-            f"{pages!r}: the decode kernel reads each row's last {count} tokens in place, "
-            f"through their rows in the pools (no copy), kept by a key range\n"
+            f"{pages!r}: the kernel reads each row's last {count} tokens in place, through "
+            f"their rows in the pools (no copy), kept by a key range\n"
             f"{chosen.backend.name}: {chosen.backend.how(chosen.spec)}"
         )
     head = (

@@ -55,7 +55,7 @@ from torch import Tensor
 from .common import FP32_TINY
 from .configs import padded_head_dim
 from .decode_kernels import _decode_fwd, _decode_merge
-from .forward import check_identity, identity_of
+from .forward import check_identity, identity_of, stand_in
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
@@ -470,7 +470,7 @@ def plan_decode(
     batch, num_heads, seq_q, head_dim = q.shape
     if kv_rows is not None:
         # the call's keys as the mask and the layout see them: (B, Hkv, S, E), S mapped
-        k, v = (_virtual(t, batch, kv_rows.shape[1]) for t in (k, v))
+        k, v = (stand_in(t, batch, kv_rows.shape[1]) for t in (k, v))
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
@@ -582,9 +582,3 @@ def decode_forward(
     plan = plan_decode(q, k, v, program, scale=scale, num_splits=num_splits, kv_rows=kv_rows)
     return plan.run(q, k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:]),
                     kv_rows)  # fmt: skip
-
-
-def _virtual(pool: Tensor, batch: int, keys: int) -> Tensor:
-    """A ``(B, Hkv, keys, E)`` stand-in of a pool's first row, for what reads only shapes,
-    dtypes and devices."""
-    return pool[:, :, :1].expand(batch, pool.shape[1], keys, pool.shape[3])

@@ -36,7 +36,10 @@ from .launch import PreparedLaunch, empty_contiguous, empty_rows
 from .masks import doc_stride, late_rows_first, mask_args
 from .program import MaskProgram
 
-__all__ = ["ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward"]
+__all__ = [
+    "ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward",
+    "stand_in",
+]  # fmt: skip
 
 
 @triton.jit
@@ -270,12 +273,14 @@ def _attn_fwd(
     KvStart,
     KvEnd,
     Lists,
+    KvRows,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
     stride_db,
     stride_sb, stride_sh,
+    stride_rb,
     num_heads,
     group_size,
     seq_q,
@@ -309,7 +314,12 @@ def _attn_fwd(
     SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
+    KV_ROWS: tl.constexpr = False,
 ):  # fmt: skip
+    """One tile of query rows of one head and batch row (grid: query tiles, Hq, B). With
+    ``KV_ROWS`` the keys are laid out elsewhere (a paged cache): key position ``n`` of batch
+    row ``b`` is row ``KvRows[b, n]`` (int32, batch stride ``stride_rb``) along dim 2 of ``K``
+    and ``V``, whose batch stride is then 0; not with block lists."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
@@ -333,6 +343,11 @@ def _attn_fwd(
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
+    if KV_ROWS:
+        tl.static_assert(not HAS_BLOCK_LISTS, "a key row map is read over contiguous tiles")
+        kv_rows = KvRows + off_b * stride_rb
+    else:
+        kv_rows = 0
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
@@ -396,7 +411,7 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-            TILED_SCORES=True,
+            TILED_SCORES=True, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
         )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -411,6 +426,12 @@ def _attn_fwd(
     tl.store(
         o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
     )
+
+
+def stand_in(pool: Tensor, batch: int, keys: int) -> Tensor:
+    """A ``(B, Hkv, keys, E)`` stand-in of a pool's first row (a view), for what reads only
+    shapes, dtypes and devices."""
+    return pool[:, :, :1].expand(batch, pool.shape[1], keys, pool.shape[3])
 
 
 def identity_of(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
@@ -447,12 +468,15 @@ class ForwardPlan:
     kernel: PreparedLaunch | None  # None: an empty output, nothing to launch
 
     def launch(
-        self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True
-    ) -> tuple[Tensor, Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True,
+        kv_rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """``(out, lse)`` as :func:`attention_forward` returns them. No host synchronisation.
 
         ``checked=False`` skips checking that the tensors are of the plan's identity, for a
-        caller that has (the plan cache keys on it)."""
+        caller that has (the plan cache keys on it). ``kv_rows``: for a plan made with them
+        (:func:`plan_forward`), this call's map of key positions to rows of ``k`` and ``v``
+        (which the identity check does not see)."""
         if checked:
             check_identity("forward", self.identity, q, k, v)
         out = empty_contiguous(q)  # (B, Hq, L, E)
@@ -474,8 +498,8 @@ class ForwardPlan:
                     *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)),
                 )
         self.kernel(
-            call_key, q, k, v, out, lse, *self.mask_tensors, *q_stride, *k_stride, *v_stride,
-            *out.stride(), *self.scalars,
+            call_key, q, k, v, out, lse, *self.mask_tensors, kv_rows, *q_stride, *k_stride,
+            *v_stride, *out.stride(), *self.scalars,
         )  # fmt: skip
         return out, lse
 
@@ -487,10 +511,22 @@ def plan_forward(
     program: MaskProgram,
     *,
     scale: float,
+    kv_rows: Tensor | None = None,
 ) -> ForwardPlan:
     """The :class:`ForwardPlan` of :func:`attention_forward` with these arguments; ``q``,
-    ``k``, ``v`` give only their shapes, dtypes and devices (the plan keeps none of them)."""
+    ``k``, ``v`` (and ``kv_rows``) give only their shapes, dtypes and devices (the plan keeps
+    none of them)."""
     batch, num_heads, seq_q, head_dim = q.shape
+    if kv_rows is not None:
+        mods = program.mods
+        if program.blocks is not None or (mods is not None and mods.has_mask):
+            raise ValueError(
+                "a key row map (kv_rows) is read over contiguous key tiles; a mask program "
+                "with block lists or mask functions (settled by block lists) needs "
+                "contiguous keys"
+            )
+        # the call's keys as the mask and the tiles see them: (B, Hkv, S, E), S mapped
+        k, v = (stand_in(t, batch, kv_rows.shape[1]) for t in (k, v))
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q == 0:
@@ -511,6 +547,7 @@ def plan_forward(
         **mask.mod_options(backward=False),
         EVEN_N=seq_k % block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
+        KV_ROWS=kv_rows is not None,
         num_warps=cfg.num_warps,
         num_stages=mask.stages(cfg.num_stages),
     )
@@ -521,6 +558,7 @@ def plan_forward(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
+            0 if kv_rows is None else kv_rows.stride(0),
             num_heads,
             num_heads // num_kv_heads,
             seq_q,
@@ -543,6 +581,7 @@ def attention_forward(
     program: MaskProgram,
     *,
     scale: float,
+    kv_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward: :func:`plan_forward`, then its launch.
 
@@ -552,6 +591,11 @@ def attention_forward(
         program: the mask and score terms (:class:`~.program.MaskProgram`); keys and values
             outside a batch row's key range are never read.
         scale: multiplies ``q @ k^T``.
+        kv_rows: ``(B, S)`` int32, for keys laid out elsewhere (a paged cache read in
+            place): key position ``n`` of batch row ``b`` is row ``kv_rows[b, n]`` along dim 2
+            of ``k`` and ``v``, then ``(1 | B, Hkv, R, E)`` (one pool of ``R`` rows for every
+            batch row); each entry a row of the pool, also outside a row's key range. Not
+            with block lists or mask functions.
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
@@ -559,4 +603,8 @@ def attention_forward(
 
     Inputs are assumed valid (the caller validates them).
     """
-    return plan_forward(q, k, v, program, scale=scale).launch(q, k, v)
+    if kv_rows is None:
+        return plan_forward(q, k, v, program, scale=scale).launch(q, k, v)
+    plan = plan_forward(q, k, v, program, scale=scale, kv_rows=kv_rows)
+    k, v = (t.expand(q.shape[0], *t.shape[1:]) for t in (k, v))
+    return plan.launch(q, k, v, checked=False, kv_rows=kv_rows)

@@ -180,7 +180,7 @@ def test_a_paged_call_explains_its_route() -> None:
     k, v = pools(4, 4, 1, 8, seed=6)
     pages = PagedKV(table_of([[0, 1]]), lens_of([6]))
     query = torch.randn(1, 1, 2, 8, device=DEVICE)
-    with attnbias.use_backends(exclude=["triton-decode"]):
+    with attnbias.use_backends(exclude=["triton-decode", "triton"]):
         text = attnbias.explain(query, k, v, attn_mask=pages + causal_lower_right())
         assert text.startswith("PagedKV(B=1, max_pages=2): each row's pages gathered")
         assert "cache of 8 keys" in text and "key range" in text
@@ -188,7 +188,7 @@ def test_a_paged_call_explains_its_route() -> None:
         assert "cache of 5 keys" in attnbias.explain(query, k, v, attn_mask=window)
     with attnbias.use_backends("triton-decode"):
         text = attnbias.explain(query, k, v, attn_mask=window)
-    assert text.startswith("PagedKV(B=1, max_pages=2): the decode kernel reads each row's last 5 "
+    assert text.startswith("PagedKV(B=1, max_pages=2): the kernel reads each row's last 5 "
                            "tokens in place"), text  # fmt: skip
     assert "triton-decode: the Triton decode kernel" in text
 
@@ -205,14 +205,18 @@ _IN_PLACE = {
 
 
 @pytest.mark.parametrize("rest", list(_IN_PLACE))
-@pytest.mark.parametrize("length_q", [1, 3])
-def test_the_decode_kernel_reads_the_pages_in_place(
-    rest: str, length_q: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("backend", "length_q"),
+    [("triton-decode", 1), ("triton-decode", 3), ("triton", 1), ("triton", 6)],
+)
+def test_the_kernels_read_the_pages_in_place(
+    rest: str, backend: str, length_q: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the decode kernel takes the call (pinned here; on the CPU through Triton's
-    interpreter), it reads each key through its row in the pools: nothing is gathered (a
-    gather fails the test), and the result is the oracle's, for every part that composes
-    and a ModBias reading each row's own positions (a window: only the last tokens mapped)."""
+    """Where the decode kernel or the training kernel's forward takes the call (pinned here;
+    on the CPU through Triton's interpreter), it reads each key through its row in the
+    pools: nothing is gathered (a gather fails the test), and the result is the oracle's, for
+    every part that composes and a ModBias reading each row's own positions (a window: only
+    the last tokens mapped)."""
     route = importlib.import_module("attnbias.paged")
     monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
     k, v = pools(10, 4, 2, 16, seed=20 + length_q)
@@ -220,12 +224,29 @@ def test_the_decode_kernel_reads_the_pages_in_place(
     pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
     table = torch.randn(4, 32, device=DEVICE)
     query = torch.randn(3, 4, length_q, 16, device=DEVICE)
-    with attnbias.use_backends("triton-decode"):
+    if backend == "triton" and rest == "mod mask":
+        # mask functions: the training kernel settles their tiles by block lists over
+        # contiguous keys, so that call reads the gathered cache
+        monkeypatch.undo()
+    with attnbias.use_backends(backend):
         run_and_check(query, k, v, pages, _IN_PLACE[rest](lens, length_q, table))
 
 
-def test_the_decode_kernel_reads_ragged_rows_pages_in_place(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
+def test_backends_that_read_a_contiguous_cache_get_the_pages_gathered(rest: str) -> None:
+    """The exact path (as stock SDPA and FlashAttention 4 would) reads the gathered cache."""
+    k, v = pools(10, 4, 2, 16, seed=40)
+    pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens_of([13, 10, 6]))
+    query = torch.randn(3, 4, 2, 16, device=DEVICE)
+    with attnbias.use_backends("reference"):
+        text = attnbias.explain(query, k, v, attn_mask=pages + RESTS[rest](), enable_gqa=True)
+        assert "each row's pages gathered" in text, text
+        run_and_check(query, k, v, pages, RESTS[rest]())
+
+
+@pytest.mark.parametrize("backend", ["triton-decode", "triton"])
+def test_the_kernels_read_ragged_rows_pages_in_place(
+    backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and decode rows packed in one query, read in place."""
     route = importlib.import_module("attnbias.paged")
@@ -235,7 +256,7 @@ def test_the_decode_kernel_reads_ragged_rows_pages_in_place(
     cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
     pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu)
     query = torch.randn(1, 4, 9, 16, device=DEVICE)
-    with attnbias.use_backends("triton-decode"):
+    with attnbias.use_backends(backend):
         run_and_check(query, k, v, pages, RESTS["window alibi softcap"]())
 
 
