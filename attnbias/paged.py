@@ -32,6 +32,7 @@ from attnbias.biases import (
 )
 from attnbias.biases.mod import reindexed
 from attnbias.biases.paged import PagedKV
+from attnbias.kernels.forward import Pages
 
 __all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
 
@@ -238,6 +239,13 @@ def _token_rows(table: Tensor, lens: Tensor, page_size: int, keys: int, pages: i
     return page * page_size + token % page_size
 
 
+def _rows(layout: Pages) -> Tensor:
+    """:func:`_token_rows` of a layout."""
+    return _token_rows(
+        layout.table, layout.seq_lens, layout.page_size, layout.keys, layout.num_pages
+    )
+
+
 def _gathered(pool: Tensor, rows: Tensor) -> Tensor:
     """``(B, Hkv, keys, E)``, a view of the ``(B, keys, Hkv, E)`` gather of ``rows``."""
     return pool.reshape(-1, *pool.shape[2:])[rows].transpose(1, 2)
@@ -264,10 +272,11 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
 
 def _prepare(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
-) -> tuple[Tensor, Tensor, AttnBias, Tensor | None]:
+) -> tuple[Tensor, Pages, AttnBias, Tensor | None]:
     """The call on a contiguous cache: the query placed (ragged rows at the end of theirs),
-    the ``(B, keys)`` int64 pool rows of each row's last ``keys`` tokens (its last token
-    last), the bias of that call and, for ragged queries, where each packed query lands."""
+    where that cache's ``keys`` positions lie in the pools (each row's last tokens, its last
+    token last), the bias of that call and, for ragged queries, where each packed query
+    lands."""
     pages, rest = _split(attn_mask)
     if is_causal:
         raise ValueError(
@@ -314,8 +323,7 @@ def _prepare(
         cu = pages.cu_seqlens_q
         torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
-    rows = _token_rows(pages.block_table, lens, page_size, keys, num_pages)  # once for both
-    return placed, rows, bias, where
+    return placed, Pages(pages.block_table, lens, page_size, num_pages, keys), bias, where
 
 
 def _pool_rows(pool: Tensor) -> Tensor | None:
@@ -329,13 +337,14 @@ def _pool_rows(pool: Tensor) -> Tensor | None:
 
 
 def _in_place(
-    placed: Tensor, key: Tensor, value: Tensor, rows: Tensor, bias: AttnBias,
+    placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
     scale: float | None, enable_gqa: bool,
 ) -> tuple[Any, Tensor, Tensor] | None:  # fmt: skip
     """Where the planner gives the call on the contiguous cache to one of the library's
-    kernels that read keys through a row map (the decode kernel; the training kernel's
-    forward without block lists, for longer queries), that plan and the pools as the kernel
-    reads them in place (``(1, Hkv, R, E)``): the call then runs without gathering the pages.
+    kernels that read keys from pages (the decode kernel; the training kernel's forward
+    without block lists or mask functions, for longer queries), that plan and the pools as
+    the kernel reads them in place (``(1, Hkv, R, E)``): the call then runs without gathering
+    the pages.
     ``None`` otherwise (other backends read the gathered cache), also while ``torch.compile``
     traces the call (the traced ops take contiguous keys)."""
     from attnbias.functional import plan_spec
@@ -346,7 +355,7 @@ def _in_place(
     key_rows, value_rows = _pool_rows(key), _pool_rows(value)
     if key_rows is None or value_rows is None:
         return None
-    batch, keys = rows.shape
+    batch, keys = layout.table.shape[0], layout.keys
     # stand-ins of the gathered cache's shape for planning (planning reads no values)
     key_like, value_like = (
         t[:, :, :1].expand(batch, t.shape[1], keys, t.shape[3]) for t in (key_rows, value_rows)
@@ -383,17 +392,18 @@ def paged_sdpa(
 
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
-    placed, rows, bias, where = _prepare(query, key, value, attn_mask, is_causal)
-    found = _in_place(placed, key, value, rows, bias, scale, enable_gqa)
+    placed, layout, bias, where = _prepare(query, key, value, attn_mask, is_causal)
+    found = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
     if found is not None:  # a kernel reads the pages where they are
         chosen, key_rows, value_rows = found
         spec = chosen.spec
         read = decode_forward if chosen.backend.name == "triton-decode" else _forward
         out = read(
             spec.query, key_rows, value_rows, spec.program, scale=spec.resolved_scale,
-            kv_rows=rows.to(torch.int32),
+            pages=layout,
         )  # fmt: skip
     else:
+        rows = _rows(layout)  # once for both
         out = sdpa(
             placed, _gathered(key, rows), _gathered(value, rows), attn_mask=bias,
             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
@@ -419,9 +429,9 @@ def paged_explain(
     the call on them."""
     from attnbias.functional import explain
 
-    placed, rows, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
-    pages, count = _split(attn_mask)[0], rows.shape[1]
-    found = _in_place(placed, key, value, rows, bias, scale, enable_gqa)
+    placed, layout, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
+    pages, count = _split(attn_mask)[0], layout.keys
+    found = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
     if found is not None:
         chosen = found[0]
         return (
@@ -433,6 +443,7 @@ def paged_explain(
         f"{pages!r}: each row's pages gathered on the device into a contiguous cache of "
         f"{count} keys, its tokens at the end, kept by a key range"
     )
+    rows = _rows(layout)
     route = explain(
         placed, _gathered(key, rows), _gathered(value, rows), attn_mask=bias,
         dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,

@@ -280,6 +280,32 @@ def _listed_tile(entries, t, TILES: tl.constexpr):
 
 
 @triton.jit
+def _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE: tl.constexpr):
+    """Batch row ``off_b``'s page table and the token at its key position 0 (``seq_lens[b]
+    - seq_k``: its tokens end at the last position); placeholders without pages."""
+    if PAGE > 0:
+        table = PageTable + off_b * stride_tb
+        shift = tl.load(SeqLens + off_b) - seq_k
+    else:
+        table = 0
+        shift = 0
+    return table, shift
+
+
+@triton.jit
+def _paged_rows(table, tokens, capacity, pool_pages, PAGE: tl.constexpr):
+    """The pool rows of a row's ``tokens`` in pages of ``PAGE``: token ``t`` is slot
+    ``t % PAGE`` of page ``table[t // PAGE]``, row ``page * PAGE + slot`` of the pool. Tokens
+    are clamped into the row's ``capacity`` and pages into the pool's ``pool_pages`` (a bad
+    entry is flagged where the tables are checked, never read out of bounds); positions
+    before the row's first token read that token (they are outside its key range)."""
+    t = tl.minimum(tl.maximum(tokens, 0), capacity - 1)
+    page = tl.load(table + t // PAGE)
+    page = tl.minimum(tl.maximum(page, 0), pool_pages - 1)
+    return page.to(tl.int64) * PAGE + t % PAGE
+
+
+@triton.jit
 def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
     matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""

@@ -55,7 +55,7 @@ from torch import Tensor
 from .common import FP32_TINY
 from .configs import padded_head_dim
 from .decode_kernels import _decode_fwd, _decode_merge
-from .forward import check_identity, identity_of, stand_in
+from .forward import Pages, check_identity, identity_of, stand_in
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
@@ -381,10 +381,9 @@ class DecodePlan:
             check_identity("decode", self.identity, q, k, v)
         return self.run(q, k, v)
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, kv_rows: Tensor | None = None) -> Tensor:
-        """:meth:`launch` without the identity check; ``kv_rows``: for a plan made with
-        them (:func:`plan_decode`), this call's map of key positions to rows of ``k`` and
-        ``v``."""
+    def run(self, q: Tensor, k: Tensor, v: Tensor, pages: Pages | None = None) -> Tensor:
+        """:meth:`launch` without the identity check; ``pages``: for a plan made with them
+        (:func:`plan_decode`), where this call's keys lie in ``k`` and ``v``."""
         out = empty_contiguous(q)  # (B, Hq, L, E): the strides the plan holds
         kernel, merge = self.kernel, None
         if kernel is None:
@@ -423,7 +422,8 @@ class DecodePlan:
         else:
             call_key = None
         kernel(
-            call_key, q, k, v, out, parts, counters, *self.mask_tensors, kv_rows,
+            call_key, q, k, v, out, parts, counters, *self.mask_tensors,
+            *((None, None) if pages is None else pages.launch_args()),
             *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
         if merge is not None:
@@ -457,10 +457,10 @@ def plan_decode(
     *,
     scale: float,
     num_splits: int | None = None,
-    kv_rows: Tensor | None = None,
+    pages: Pages | None = None,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of :func:`decode_forward` with these arguments; ``q``, ``k``,
-    ``v`` (and ``kv_rows``) give only their shapes, dtypes and devices (the plan keeps none
+    ``v`` (and ``pages``) give only their shapes, dtypes and devices (the plan keeps none
     of them)."""
     if program.blocks is not None:
         raise ValueError(
@@ -468,9 +468,9 @@ def plan_decode(
             "lists runs in the training kernel (attention_forward)"
         )
     batch, num_heads, seq_q, head_dim = q.shape
-    if kv_rows is not None:
-        # the call's keys as the mask and the layout see them: (B, Hkv, S, E), S mapped
-        k, v = (stand_in(t, batch, kv_rows.shape[1]) for t in (k, v))
+    if pages is not None:
+        # the call's keys as the mask and the layout see them: (B, Hkv, S, E)
+        k, v = (stand_in(t, batch, pages.keys) for t in (k, v))
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
@@ -491,7 +491,7 @@ def plan_decode(
         BLOCK_N=cfg.block_n,
         **mask.flags(q),
         **mask.mod_options(backward=False, decode=True),
-        KV_ROWS=kv_rows is not None,
+        PAGE=0 if pages is None else pages.page_size,
         EVEN_N=seq_k % cfg.block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,
@@ -523,7 +523,7 @@ def plan_decode(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
-            0 if kv_rows is None else kv_rows.stride(0),
+            *((0, 0, 0) if pages is None else pages.scalars()),
             layout.group_size,
             layout.row_tiles,
             seq_q,
@@ -552,7 +552,7 @@ def decode_forward(
     *,
     scale: float,
     num_splits: int | None = None,
-    kv_rows: Tensor | None = None,
+    pages: Pages | None = None,
 ) -> Tensor:
     """Attention forward for short queries, the arguments of ``attention_forward``:
     :func:`plan_decode`, then its launch.
@@ -565,11 +565,8 @@ def decode_forward(
         scale: multiplies ``q @ k^T`` (any finite value).
         num_splits: programs per tile of packed rows over its keys; ``None`` picks it from
             the shapes, the band and the GPU (:func:`num_splits`).
-        kv_rows: ``(B, S)`` int32, for keys laid out elsewhere (a paged cache read in
-            place): key position ``n`` of batch row ``b`` is row ``kv_rows[b, n]`` along dim 2
-            of ``k`` and ``v``, then ``(1 | B, Hkv, R, E)`` with a batch stride of 0 (one pool
-            of ``R`` rows for every batch row); each entry must be a row of the pool, also
-            for positions outside a row's key range (they are read, never kept).
+        pages: for keys in a paged pool (:class:`~.forward.Pages`, read in place): ``k``
+            and ``v`` are then the pools' rows ``(1 | B, Hkv, R, E)``.
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous); a row that keeps no key is 0.
@@ -577,8 +574,8 @@ def decode_forward(
     No host synchronisation: everything on the host depends on shapes, dtypes and the band,
     so a call can be captured in a CUDA graph. Inputs are assumed valid.
     """
-    if kv_rows is None:
+    if pages is None:
         return plan_decode(q, k, v, program, scale=scale, num_splits=num_splits).launch(q, k, v)
-    plan = plan_decode(q, k, v, program, scale=scale, num_splits=num_splits, kv_rows=kv_rows)
+    plan = plan_decode(q, k, v, program, scale=scale, num_splits=num_splits, pages=pages)
     return plan.run(q, k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:]),
-                    kv_rows)  # fmt: skip
+                    pages)  # fmt: skip

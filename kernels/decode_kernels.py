@@ -10,7 +10,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E_K, _key_range, _mod_context, _row_bounds, _rows_key_blocks
+from .common import (
+    LOG2E_K,
+    _key_range,
+    _mod_context,
+    _page_row,
+    _row_bounds,
+    _rows_key_blocks,
+)
 from .forward import _attn_fwd_runs
 
 __all__: list[str] = []
@@ -32,14 +39,17 @@ def _decode_fwd(
     KvStart,
     KvEnd,
     Slopes,
-    KvRows,
+    PageTable,
+    SeqLens,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
     stride_db,
     stride_sb, stride_sh,
-    stride_rb,
+    stride_tb,
+    kv_capacity,
+    kv_pool,
     group_size,
     row_tiles,
     seq_q,
@@ -70,7 +80,7 @@ def _decode_fwd(
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
     HEADLESS_TILE_FN: tl.constexpr = None,
-    KV_ROWS: tl.constexpr = False,
+    PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
@@ -86,9 +96,10 @@ def _decode_fwd(
     entry and on exit), merges them into the output, and without it :func:`_decode_merge`
     does. With one share it stores the output itself.
 
-    With ``KV_ROWS`` the keys are laid out elsewhere (a paged cache): key position ``n`` of
-    batch row ``b`` is row ``KvRows[b, n]`` (int32, batch stride ``stride_rb``) along dim 2
-    of ``K`` and ``V``, whose batch stride is then 0 (one pool for every row).
+    With ``PAGE`` the keys lie in pages of that many tokens (a paged cache): ``K`` and ``V``
+    are the pools' rows along dim 2 (batch stride 0), batch row ``b``'s pages are listed in
+    ``PageTable[b]`` (int32, batch stride ``stride_tb``, ``kv_capacity / PAGE`` entries) and
+    its ``SeqLens[b]`` tokens end at key position ``seq_k`` (see ``_paged_rows``).
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
@@ -117,10 +128,7 @@ def _decode_fwd(
     q = tl.load(q_ptrs, mask=in_tile, other=0.0)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
-    if KV_ROWS:  # noqa: SIM108 (one branch compiled: a pointer or a placeholder)
-        kv_rows = KvRows + off_b * stride_rb
-    else:
-        kv_rows = 0
+    kv_table, kv_shift = _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE=PAGE)
 
     doc_off = off_b * stride_db
     first_q = start_r // group_size
@@ -187,7 +195,8 @@ def _decode_fwd(
         EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
         ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
+        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_table=kv_table, kv_shift=kv_shift,
+        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

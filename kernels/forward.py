@@ -27,6 +27,8 @@ from .common import (
     _log2_scores,
     _mod_context,
     _mod_score,
+    _page_row,
+    _paged_rows,
     _partial_keep,
     _row_bounds,
     _tile_ptrs,
@@ -37,8 +39,8 @@ from .masks import doc_stride, late_rows_first, mask_args
 from .program import MaskProgram
 
 __all__ = [
-    "ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward",
-    "stand_in",
+    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of",
+    "plan_forward", "stand_in",
 ]  # fmt: skip
 
 
@@ -86,16 +88,21 @@ def _attn_fwd_inner(
     LISTED_TILES: tl.constexpr = 0,
     BOUNDED: tl.constexpr = True,
     TILED_SCORES: tl.constexpr = False,
-    kv_rows=0,
-    KV_ROWS: tl.constexpr = False,
+    kv_table=0,
+    kv_shift=0,
+    kv_capacity=0,
+    kv_pool=0,
+    PAGE: tl.constexpr = 0,
 ):
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
     in list order, so that one loop (one software pipeline) runs over every listed block.
     ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``).
     ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``).
-    ``KV_ROWS``: the keys are laid out elsewhere (a paged cache): key position ``n`` is row
-    ``kv_rows[n]`` (int32) of ``k_head`` / ``v_head``."""
+    ``PAGE``: the keys lie in pages of ``PAGE`` tokens (a paged cache): key position ``n`` is
+    the row's token ``n + kv_shift``, read where ``kv_table`` (its page table) puts it among
+    the rows of ``k_head`` / ``v_head`` (:func:`_paged_rows`; ``kv_capacity`` tokens a row,
+    ``kv_pool`` pages in the pool)."""
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
@@ -108,25 +115,25 @@ def _attn_fwd_inner(
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
-    if KV_ROWS:
-        tl.static_assert(LISTED_TILES == 0, "a key row map is read over contiguous tiles")
-        # each tile's row numbers are loaded one tile ahead, so that its key and value loads
-        # do not wait for them
-        next_rows = tl.load(kv_rows + offs_n, mask=offs_n < seq_k, other=0)
+    if PAGE > 0:
+        tl.static_assert(LISTED_TILES == 0, "paged keys are read over contiguous tiles")
+        # each tile's rows are worked out one tile ahead, so that its key and value loads do
+        # not wait for its page numbers
+        next_rows = _paged_rows(kv_table, offs_n + kv_shift, kv_capacity, kv_pool, PAGE)
     for t in range(block_first, block_end):
         if LISTED_TILES > 0:
             tile = _listed_tile(entries, t, LISTED_TILES)
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
-        if KV_ROWS:
-            # positions past the end read row 0 (their loads are masked or never kept)
-            rows = next_rows.to(tl.int64)
+        if PAGE > 0:
+            # positions past the end read the row's last token (masked, or never kept)
+            rows = next_rows
             offs_e = tl.arange(0, BLOCK_E)[None, :]
             k_ptrs = k_head + rows[:, None] * stride_kn + offs_e * stride_kk
             v_ptrs = v_head + rows[:, None] * stride_vn + offs_e * stride_vk
-            ahead = offs_n + BLOCK_N
-            next_rows = tl.load(kv_rows + ahead, mask=ahead < seq_k, other=0)
+            ahead = offs_n + BLOCK_N + kv_shift
+            next_rows = _paged_rows(kv_table, ahead, kv_capacity, kv_pool, PAGE)
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -190,12 +197,12 @@ def _attn_fwd_runs(
     HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False, kv_rows=0,
-    KV_ROWS: tl.constexpr = False,
+    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False, kv_table=0, kv_shift=0,
+    kv_capacity=0, kv_pool=0, PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
-    mask) and a partial suffix, each ``[first, end)`` in blocks (``KV_ROWS``, ``kv_rows``: as
-    :func:`_attn_fwd_inner` takes them)."""
+    mask) and a partial suffix, each ``[first, end)`` in blocks (``PAGE`` and the ``kv_``
+    page arguments: as :func:`_attn_fwd_inner` takes them)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
@@ -204,7 +211,8 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -214,7 +222,8 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -224,7 +233,8 @@ def _attn_fwd_runs(
         HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
         BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
         POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -273,14 +283,17 @@ def _attn_fwd(
     KvStart,
     KvEnd,
     Lists,
-    KvRows,
+    PageTable,
+    SeqLens,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
     stride_db,
     stride_sb, stride_sh,
-    stride_rb,
+    stride_tb,
+    kv_capacity,
+    kv_pool,
     num_heads,
     group_size,
     seq_q,
@@ -314,12 +327,13 @@ def _attn_fwd(
     SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
-    KV_ROWS: tl.constexpr = False,
+    PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """One tile of query rows of one head and batch row (grid: query tiles, Hq, B). With
-    ``KV_ROWS`` the keys are laid out elsewhere (a paged cache): key position ``n`` of batch
-    row ``b`` is row ``KvRows[b, n]`` (int32, batch stride ``stride_rb``) along dim 2 of ``K``
-    and ``V``, whose batch stride is then 0; not with block lists."""
+    ``PAGE`` the keys lie in pages of that many tokens (a paged cache): ``K`` and ``V`` are
+    the pools' rows along dim 2 (batch stride 0), batch row ``b``'s pages are listed in
+    ``PageTable[b]`` (int32, batch stride ``stride_tb``, ``kv_capacity / PAGE`` entries) and
+    its ``SeqLens[b]`` tokens end at key position ``seq_k``; not with block lists."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
@@ -343,11 +357,8 @@ def _attn_fwd(
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
-    if KV_ROWS:
-        tl.static_assert(not HAS_BLOCK_LISTS, "a key row map is read over contiguous tiles")
-        kv_rows = KvRows + off_b * stride_rb
-    else:
-        kv_rows = 0
+    kv_table, kv_shift = _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE=PAGE)
+    tl.static_assert(PAGE == 0 or not HAS_BLOCK_LISTS, "paged keys are read over contiguous tiles")
 
     doc_off = off_b * stride_db
     kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
@@ -411,7 +422,8 @@ def _attn_fwd(
             HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
             BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
             POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-            TILED_SCORES=True, kv_rows=kv_rows, KV_ROWS=KV_ROWS,
+            TILED_SCORES=True, kv_table=kv_table, kv_shift=kv_shift, kv_capacity=kv_capacity,
+            kv_pool=kv_pool, PAGE=PAGE,
         )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -426,6 +438,32 @@ def _attn_fwd(
     tl.store(
         o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
     )
+
+
+@dataclass(frozen=True, eq=False)
+class Pages:
+    """Where a call's keys lie in a paged pool (the kernels read them there): ``k`` and ``v``
+    are the pools' rows ``(1 | B, Hkv, R, E)`` (``R = num_pages * page_size``, batch stride
+    0); batch row ``b``'s pages are listed in ``table[b]`` (int32 ``(B, max_pages)``) and its
+    ``seq_lens[b]`` tokens (int32 ``(B,)``) end at the call's last key position (``keys``
+    positions, the call's ``S``). Read at each launch (in-place updates are seen)."""
+
+    table: Tensor
+    seq_lens: Tensor
+    page_size: int
+    num_pages: int
+    keys: int
+
+    def launch_args(self) -> tuple[Tensor, Tensor]:
+        return self.table, self.seq_lens
+
+    def scalars(self) -> tuple[int, int, int]:
+        """The kernels' ``stride_tb``, ``kv_capacity`` and ``kv_pool``."""
+        return self.table.stride(0), self.table.shape[1] * self.page_size, self.num_pages
+
+
+_NO_PAGES = (None, None)
+_NO_PAGE_SCALARS = (0, 0, 0)
 
 
 def stand_in(pool: Tensor, batch: int, keys: int) -> Tensor:
@@ -469,14 +507,14 @@ class ForwardPlan:
 
     def launch(
         self, q: Tensor, k: Tensor, v: Tensor, *, checked: bool = True,
-        kv_rows: Tensor | None = None,
+        pages: Pages | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """``(out, lse)`` as :func:`attention_forward` returns them. No host synchronisation.
 
         ``checked=False`` skips checking that the tensors are of the plan's identity, for a
-        caller that has (the plan cache keys on it). ``kv_rows``: for a plan made with them
-        (:func:`plan_forward`), this call's map of key positions to rows of ``k`` and ``v``
-        (which the identity check does not see)."""
+        caller that has (the plan cache keys on it). ``pages``: for a plan made with them
+        (:func:`plan_forward`), where this call's keys lie in ``k`` and ``v`` (the identity
+        check does not see them)."""
         if checked:
             check_identity("forward", self.identity, q, k, v)
         out = empty_contiguous(q)  # (B, Hq, L, E)
@@ -498,7 +536,8 @@ class ForwardPlan:
                     *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)),
                 )
         self.kernel(
-            call_key, q, k, v, out, lse, *self.mask_tensors, kv_rows, *q_stride, *k_stride,
+            call_key, q, k, v, out, lse, *self.mask_tensors,
+            *(_NO_PAGES if pages is None else pages.launch_args()), *q_stride, *k_stride,
             *v_stride, *out.stride(), *self.scalars,
         )  # fmt: skip
         return out, lse
@@ -511,22 +550,21 @@ def plan_forward(
     program: MaskProgram,
     *,
     scale: float,
-    kv_rows: Tensor | None = None,
+    pages: Pages | None = None,
 ) -> ForwardPlan:
     """The :class:`ForwardPlan` of :func:`attention_forward` with these arguments; ``q``,
-    ``k``, ``v`` (and ``kv_rows``) give only their shapes, dtypes and devices (the plan keeps
+    ``k``, ``v`` (and ``pages``) give only their shapes, dtypes and devices (the plan keeps
     none of them)."""
     batch, num_heads, seq_q, head_dim = q.shape
-    if kv_rows is not None:
+    if pages is not None:
         mods = program.mods
         if program.blocks is not None or (mods is not None and mods.has_mask):
             raise ValueError(
-                "a key row map (kv_rows) is read over contiguous key tiles; a mask program "
-                "with block lists or mask functions (settled by block lists) needs "
-                "contiguous keys"
+                "paged keys are read over contiguous key tiles; a mask program with block "
+                "lists or mask functions (settled by block lists) needs contiguous keys"
             )
-        # the call's keys as the mask and the tiles see them: (B, Hkv, S, E), S mapped
-        k, v = (stand_in(t, batch, kv_rows.shape[1]) for t in (k, v))
+        # the call's keys as the mask and the tiles see them: (B, Hkv, S, E)
+        k, v = (stand_in(t, batch, pages.keys) for t in (k, v))
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q == 0:
@@ -547,7 +585,7 @@ def plan_forward(
         **mask.mod_options(backward=False),
         EVEN_N=seq_k % block_n == 0,
         POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
-        KV_ROWS=kv_rows is not None,
+        PAGE=0 if pages is None else pages.page_size,
         num_warps=cfg.num_warps,
         num_stages=mask.stages(cfg.num_stages),
     )
@@ -558,7 +596,7 @@ def plan_forward(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
-            0 if kv_rows is None else kv_rows.stride(0),
+            *(_NO_PAGE_SCALARS if pages is None else pages.scalars()),
             num_heads,
             num_heads // num_kv_heads,
             seq_q,
@@ -581,7 +619,7 @@ def attention_forward(
     program: MaskProgram,
     *,
     scale: float,
-    kv_rows: Tensor | None = None,
+    pages: Pages | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Block-sparse attention forward: :func:`plan_forward`, then its launch.
 
@@ -591,11 +629,8 @@ def attention_forward(
         program: the mask and score terms (:class:`~.program.MaskProgram`); keys and values
             outside a batch row's key range are never read.
         scale: multiplies ``q @ k^T``.
-        kv_rows: ``(B, S)`` int32, for keys laid out elsewhere (a paged cache read in
-            place): key position ``n`` of batch row ``b`` is row ``kv_rows[b, n]`` along dim 2
-            of ``k`` and ``v``, then ``(1 | B, Hkv, R, E)`` (one pool of ``R`` rows for every
-            batch row); each entry a row of the pool, also outside a row's key range. Not
-            with block lists or mask functions.
+        pages: for keys in a paged pool (:class:`Pages`): ``k`` and ``v`` are then the pools'
+            rows ``(1 | B, Hkv, R, E)``. Not with block lists or mask functions.
 
     Returns:
         ``out`` ``(B, Hq, L, E)`` in ``q.dtype`` (contiguous) and ``lse`` ``(B, Hq, L)`` fp32,
@@ -603,8 +638,8 @@ def attention_forward(
 
     Inputs are assumed valid (the caller validates them).
     """
-    if kv_rows is None:
+    if pages is None:
         return plan_forward(q, k, v, program, scale=scale).launch(q, k, v)
-    plan = plan_forward(q, k, v, program, scale=scale, kv_rows=kv_rows)
+    plan = plan_forward(q, k, v, program, scale=scale, pages=pages)
     k, v = (t.expand(q.shape[0], *t.shape[1:]) for t in (k, v))
-    return plan.launch(q, k, v, checked=False, kv_rows=kv_rows)
+    return plan.launch(q, k, v, checked=False, pages=pages)
