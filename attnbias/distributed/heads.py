@@ -113,10 +113,15 @@ def heads_sdpa(
     batch, heads_q, part_q, _ = query.shape
     part_kv = key.shape[2]
     per_rank = heads_q // world
-    whole_q = _heads_to_sequence(_by_head(query, world), layout, group)
-    whole_k, whole_v = (
-        _heads_to_sequence(_by_head(_kv_for_ranks(t, world), world), layout, group)
-        for t in (key, value)
+    # q, k and v in one exchange (and their gradients in one, back)
+    whole_q, whole_k, whole_v = (
+        layout.assemble(list(received.unbind(0)), 2)
+        for received in _AllToAllMany.apply(
+            group,
+            _by_head(query, world),
+            _by_head(_kv_for_ranks(key, world), world),
+            _by_head(_kv_for_ranks(value, world), world),
+        )
     )
     call = Call(batch, heads_q, part_q * world, part_kv * world, query.device)
     own = None if bias is None else bias.sub_heads(call, rank * per_rank, per_rank)
@@ -156,13 +161,6 @@ def _kv_for_ranks(x: Tensor, world: int) -> Tensor:
     )
 
 
-def _heads_to_sequence(x: Tensor, layout: Layout, group: Any) -> Tensor:
-    """``(W, B, h, n, E)``, the heads for each rank of this rank's part of the sequence, to
-    ``(B, h, W n, E)``: this rank's heads over the whole sequence, in global order."""
-    received = _AllToAll.apply(x, group)
-    return layout.assemble(list(received.unbind(0)), 2)
-
-
 class _AllToAll(torch.autograd.Function):
     """``out[j]`` = rank ``j``'s ``x[rank]``, for ``x`` of shape ``(W, ...)``. The exchange is
     its own adjoint: the gradient goes back by the same exchange (differentiable too, so
@@ -176,6 +174,40 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
         return _AllToAll.apply(grad, ctx.group), None
+
+
+class _AllToAllMany(torch.autograd.Function):
+    """:class:`_AllToAll` of several ``(W, ...)`` tensors of one dtype in one exchange: each
+    rank's share of every tensor laid end to end in one buffer (one collective instead of
+    one per tensor, each with its fixed cost). Its own adjoint, as :class:`_AllToAll`."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return _exchange_many(xs, group)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        # (an output without a gradient gets zeros: autograd materializes them)
+        return (None, *_AllToAllMany.apply(ctx.group, *grads))
+
+
+def _exchange_many(xs: tuple[Tensor, ...], group: Any) -> tuple[Tensor, ...]:
+    """``found[i][j]`` = rank ``j``'s ``xs[i][rank]``, through one buffer each way."""
+    world = xs[0].shape[0]
+    sizes = [x[0].numel() for x in xs]
+    packed = torch.empty((world, sum(sizes)), dtype=xs[0].dtype, device=xs[0].device)
+    start = 0
+    for x, size in zip(xs, sizes, strict=True):
+        packed[:, start : start + size].unflatten(1, x.shape[1:]).copy_(x)
+        start += size
+    out = torch.empty_like(packed)
+    dist.all_to_all_single(out, packed, group=group)
+    found, start = [], 0
+    for x, size in zip(xs, sizes, strict=True):
+        found.append(out[:, start : start + size].unflatten(1, x.shape[1:]))
+        start += size
+    return tuple(found)
 
 
 def _exchange(x: Tensor, group: Any) -> Tensor:
