@@ -14,6 +14,7 @@ anything runs).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -194,11 +195,12 @@ def _in_row(part: ModBias, key_starts: Tensor, query_starts: Tensor) -> ModBias:
 
 def _kept_layout(
     pages: PagedKV, rest: tuple[AttnBias, ...], batch: int, keys: int, device: torch.device
-) -> tuple[AttnBias, tuple[Tensor, Tensor, Tensor]]:
+) -> tuple[AttnBias, tuple[Tensor, Tensor, Tensor], dict[Any, Any]]:
     """The bias of the gathered call (each row's key range, then the other parts, a ModBias
-    reading its row's positions), and the ``(B,)`` int32 tensors it reads, written in place at
-    each call: the key range's starts, the offsets of the rows' keys and of their queries. One
-    object per sum and layout, so that the plan cache serves the calls after the first."""
+    reading its row's positions), the ``(B,)`` int32 tensors it reads, written in place at
+    each call (the key range's starts, the offsets of the rows' keys and of their queries),
+    and the kernels' runs over the pages made for it (:func:`_reader`). One object per sum
+    and layout, so that the plan cache serves the calls after the first."""
     key = (tuple(id(p) for p in rest), batch, keys, device)
     found = pages._kept.get(key)
     if found is None:
@@ -211,9 +213,9 @@ def _kept_layout(
                 part = _in_row(part, key_offsets, query_offsets)
             bias = bias + part
         # the parts held with it: their ids in the key stay theirs
-        found = (rest, bias, (starts, key_offsets, query_offsets))
+        found = (rest, bias, (starts, key_offsets, query_offsets), {})
         pages._kept.put(key, found)
-    return found[1], found[2]
+    return found[1], found[2], found[3]
 
 
 def reach(rest: tuple[AttnBias, ...], length_q: int) -> int | None:
@@ -272,11 +274,11 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
 
 def _prepare(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
-) -> tuple[Tensor, Pages, AttnBias, Tensor | None]:
+) -> tuple[Tensor, Pages, AttnBias, Tensor | None, dict[Any, Any]]:
     """The call on a contiguous cache: the query placed (ragged rows at the end of theirs),
     where that cache's ``keys`` positions lie in the pools (each row's last tokens, its last
-    token last), the bias of that call and, for ragged queries, where each packed query
-    lands."""
+    token last), the bias of that call, for ragged queries where each packed query lands,
+    and the table of runs kept for that bias (:func:`_reader`)."""
     pages, rest = _split(attn_mask)
     if is_causal:
         raise ValueError(
@@ -313,7 +315,7 @@ def _prepare(
     kept = reach(rest, query.shape[2])
     if kept is not None:
         keys = max(1, min(keys, kept))
-    bias, (starts, key_offsets, query_offsets) = _kept_layout(
+    bias, (starts, key_offsets, query_offsets), runs = _kept_layout(
         pages, rest, batch, keys, query.device
     )
     lens = pages.seq_lens
@@ -323,7 +325,8 @@ def _prepare(
         cu = pages.cu_seqlens_q
         torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
-    return placed, Pages(pages.block_table, lens, page_size, num_pages, keys), bias, where
+    layout = Pages(pages.block_table, lens, page_size, num_pages, keys)
+    return placed, layout, bias, where, runs
 
 
 def _pool_rows(pool: Tensor) -> Tensor | None:
@@ -371,6 +374,56 @@ def _in_place(
     return None
 
 
+Reader = Callable[[Tensor, Tensor, Tensor, Pages], Tensor]
+_RUNS_KEPT = 16
+
+
+def _reader(
+    placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
+    scale: float | None, enable_gqa: bool, runs: dict[Any, Any],
+) -> Reader | None:  # fmt: skip
+    """The kernel's run over the pages, ``(placed query, key rows, value rows, pages) ->
+    out`` with the pools' rows as :func:`_pool_rows` gives them expanded over the batch, or
+    ``None`` where the call reads the gathered cache (:func:`_in_place`). Kept in ``runs``
+    for the identical calls after it (the plan cache's role for other calls), except where
+    the bias has mask or score functions, whose compiled form may change between calls."""
+    from attnbias.kernels.decode import plan_decode
+    from attnbias.kernels.forward import plan_forward
+    from attnbias.planner import current_policy
+
+    capturing = placed.is_cuda and torch.cuda.is_current_stream_capturing()
+    identity = (
+        placed.shape, placed.stride(), placed.dtype, placed.device, key.shape, key.stride(),
+        value.shape, value.stride(), key.dtype, layout.table.shape, layout.table.stride(),
+        scale, enable_gqa, current_policy(), capturing,
+    )  # fmt: skip
+    if identity in runs:
+        found: Reader | None = runs[identity]
+        return found
+    chosen = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
+    reader: Reader | None = None
+    if chosen is not None:
+        plan, key_rows, value_rows = chosen
+        spec, scale_ = plan.spec, plan.spec.resolved_scale
+        if plan.backend.name == "triton-decode":
+            decode = plan_decode(spec.query, key_rows, value_rows, spec.program, scale=scale_,
+                                 pages=layout)  # fmt: skip
+            reader = decode.run
+        else:
+            forward = plan_forward(spec.query, key_rows, value_rows, spec.program,
+                                   scale=scale_, pages=layout)  # fmt: skip
+
+            def reader(q: Tensor, k: Tensor, v: Tensor, pages: Pages) -> Tensor:
+                return forward.launch(q, k, v, checked=False, pages=pages)[0]
+
+        if spec.program.mods is not None or spec.terms.refresh:
+            return reader
+    if len(runs) >= _RUNS_KEPT:
+        runs.clear()
+    runs[identity] = reader
+    return reader
+
+
 def paged_sdpa(
     query: Tensor,
     key: Tensor,
@@ -384,23 +437,18 @@ def paged_sdpa(
     """:func:`attnbias.sdpa` of a call whose bias holds a :class:`PagedKV`: ``(B, Hq, L, Ev)``,
     or ``(1, Hq, total, Ev)`` for ragged queries."""
     from attnbias.functional import sdpa
-    from attnbias.kernels.decode import decode_forward
-    from attnbias.kernels.forward import attention_forward
-
-    def _forward(*args: Any, **kwargs: Any) -> Tensor:
-        return attention_forward(*args, **kwargs)[0]
 
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
-    placed, layout, bias, where = _prepare(query, key, value, attn_mask, is_causal)
-    found = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
-    if found is not None:  # a kernel reads the pages where they are
-        chosen, key_rows, value_rows = found
-        spec = chosen.spec
-        read = decode_forward if chosen.backend.name == "triton-decode" else _forward
-        out = read(
-            spec.query, key_rows, value_rows, spec.program, scale=spec.resolved_scale,
-            pages=layout,
+    placed, layout, bias, where, runs = _prepare(query, key, value, attn_mask, is_causal)
+    reader = _reader(placed, key, value, layout, bias, scale, enable_gqa, runs)
+    key_rows, value_rows = _pool_rows(key), _pool_rows(value)
+    if reader is not None and key_rows is not None and value_rows is not None:
+        # a kernel reads the pages where they are
+        batch = placed.shape[0]
+        out = reader(
+            placed, key_rows.expand(batch, *key_rows.shape[1:]),
+            value_rows.expand(batch, *value_rows.shape[1:]), layout,
         )  # fmt: skip
     else:
         rows = _rows(layout)  # once for both
@@ -429,7 +477,7 @@ def paged_explain(
     the call on them."""
     from attnbias.functional import explain
 
-    placed, layout, bias, _ = _prepare(query, key, value, attn_mask, is_causal)
+    placed, layout, bias, _, _ = _prepare(query, key, value, attn_mask, is_causal)
     pages, count = _split(attn_mask)[0], layout.keys
     found = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
     if found is not None:

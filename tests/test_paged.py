@@ -232,6 +232,41 @@ def test_the_kernels_read_the_pages_in_place(
         run_and_check(query, k, v, pages, _IN_PLACE[rest](lens, length_q, table))
 
 
+def test_a_repeated_call_plans_once_and_follows_the_backends_pinned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run over the pages is kept for the identical calls after the first (no planning
+    per step; new lengths and pages read at each call), and a call under other pinned
+    backends is another call."""
+    route = importlib.import_module("attnbias.paged")
+    planned = []
+    in_place = route._in_place
+    monkeypatch.setattr(route, "_in_place", lambda *a: planned.append(1) or in_place(*a))
+    k, v = pools(8, 4, 2, 16, seed=50)
+    table = table_of([[3, 1, 0], [4, 5, 6]])
+    lens = lens_of([5, 9])
+    causal = causal_lower_right()
+    bias = PagedKV(table, lens) + causal
+    query = torch.randn(2, 4, 1, 16, device=DEVICE)
+
+    def step() -> None:
+        with torch.no_grad():
+            out = attnbias.sdpa(query, k, v, attn_mask=bias, enable_gqa=True)
+        expected = paged_attention(query, k, v, table, lens, causal)
+        assert (out.double() - expected).abs().max().item() < 1e-5
+
+    with attnbias.use_backends("triton-decode"):
+        for index in range(3):
+            step()
+            lens += 1  # the next token, read by the next call
+            if index == 0:
+                table[0, 2] = 7
+    assert len(planned) == 1, planned
+    with attnbias.use_backends("reference"):
+        step()
+    assert len(planned) == 2, planned
+
+
 @pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
 def test_backends_that_read_a_contiguous_cache_get_the_pages_gathered(rest: str) -> None:
     """The exact path (as stock SDPA and FlashAttention 4 would) reads the gathered cache."""
