@@ -341,7 +341,7 @@ def _pool_rows(pool: Tensor) -> Tensor | None:
 
 def _in_place(
     placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
-    scale: float | None, enable_gqa: bool,
+    dropout_p: Any, scale: Any, enable_gqa: Any,
 ) -> tuple[Any, Tensor, Tensor] | None:  # fmt: skip
     """Where the planner gives the call on the contiguous cache to one of the library's
     kernels that read keys from pages (the decode kernel; the training kernel's forward
@@ -350,7 +350,7 @@ def _in_place(
     the pages.
     ``None`` otherwise (other backends read the gathered cache), also while ``torch.compile``
     traces the call (the traced ops take contiguous keys)."""
-    from attnbias.functional import plan_spec
+    from attnbias.functional import _validate, plan_spec
     from attnbias.spec import make_spec
 
     if torch.compiler.is_compiling():
@@ -363,7 +363,11 @@ def _in_place(
     key_like, value_like = (
         t[:, :, :1].expand(batch, t.shape[1], keys, t.shape[3]) for t in (key_rows, value_rows)
     )
-    spec = make_spec(placed, key_like, value_like, bias, False, scale, 0.0, enable_gqa)
+    # the call's arguments checked as the call on the gathered cache would check them
+    dropout, scale = _validate(
+        placed, key_like, value_like, bias, dropout_p, False, scale, enable_gqa
+    )
+    spec = make_spec(placed, key_like, value_like, bias, False, scale, dropout, enable_gqa)
     chosen = plan_spec(spec)
     name, program = chosen.backend.name, chosen.spec.program
     # the training kernel settles the tiles of mask functions by block lists over contiguous
@@ -380,27 +384,30 @@ _RUNS_KEPT = 16
 
 def _reader(
     placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
-    scale: float | None, enable_gqa: bool, runs: dict[Any, Any],
+    dropout_p: Any, scale: Any, enable_gqa: Any, runs: dict[Any, Any],
 ) -> Reader | None:  # fmt: skip
     """The kernel's run over the pages, ``(placed query, key rows, value rows, pages) ->
     out`` with the pools' rows as :func:`_pool_rows` gives them expanded over the batch, or
     ``None`` where the call reads the gathered cache (:func:`_in_place`). Kept in ``runs``
     for the identical calls after it (the plan cache's role for other calls), except where
-    the bias has mask or score functions, whose compiled form may change between calls."""
+    the bias has mask or score functions, whose compiled form may change between calls, and
+    for flags that are not plain numbers (a tensor scale may change in place)."""
     from attnbias.kernels.decode import plan_decode
     from attnbias.kernels.forward import plan_forward
     from attnbias.planner import current_policy
 
     capturing = placed.is_cuda and torch.cuda.is_current_stream_capturing()
+    flags = (dropout_p, scale, enable_gqa)
+    plain = all(type(f) in (type(None), bool, int, float) for f in flags)
     identity = (
         placed.shape, placed.stride(), placed.dtype, placed.device, key.shape, key.stride(),
         value.shape, value.stride(), key.dtype, layout.table.shape, layout.table.stride(),
-        scale, enable_gqa, current_policy(), capturing,
+        *((type(f), f) for f in flags), current_policy(), capturing,
     )  # fmt: skip
-    if identity in runs:
+    if plain and identity in runs:
         found: Reader | None = runs[identity]
         return found
-    chosen = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
+    chosen = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     reader: Reader | None = None
     if chosen is not None:
         plan, key_rows, value_rows = chosen
@@ -418,6 +425,8 @@ def _reader(
 
         if spec.program.mods is not None or spec.terms.refresh:
             return reader
+    if not plain:
+        return reader
     if len(runs) >= _RUNS_KEPT:
         runs.clear()
     runs[identity] = reader
@@ -441,7 +450,7 @@ def paged_sdpa(
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
     placed, layout, bias, where, runs = _prepare(query, key, value, attn_mask, is_causal)
-    reader = _reader(placed, key, value, layout, bias, scale, enable_gqa, runs)
+    reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
     key_rows, value_rows = _pool_rows(key), _pool_rows(value)
     if reader is not None and key_rows is not None and value_rows is not None:
         # a kernel reads the pages where they are
@@ -479,7 +488,7 @@ def paged_explain(
 
     placed, layout, bias, _, _ = _prepare(query, key, value, attn_mask, is_causal)
     pages, count = _split(attn_mask)[0], layout.keys
-    found = _in_place(placed, key, value, layout, bias, scale, enable_gqa)
+    found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     if found is not None:
         chosen = found[0]
         return (

@@ -267,6 +267,20 @@ def test_a_repeated_call_plans_once_and_follows_the_backends_pinned(
     assert len(planned) == 2, planned
 
 
+def test_a_call_read_in_place_is_checked_as_any_call() -> None:
+    """Reading the pages in place checks the call's arguments as the call on the gathered
+    cache would: more query heads than key/value heads without enable_gqa, or a dropout the
+    kernels do not fuse, are refused by name (nothing silently dropped)."""
+    k, v = pools(8, 4, 2, 16, seed=51)
+    bias = PagedKV(table_of([[3, 1, 0], [4, 5, 6]]), lens_of([5, 9])) + causal_lower_right()
+    query = torch.randn(2, 4, 1, 16, device=DEVICE)
+    with torch.no_grad(), attnbias.use_backends("triton-decode"):
+        with pytest.raises(ValueError, match="enable_gqa=True"):
+            attnbias.sdpa(query, k, v, attn_mask=bias)
+        with pytest.raises(ValueError, match="dropout"):
+            attnbias.sdpa(query, k, v, attn_mask=bias, dropout_p=0.5, enable_gqa=True)
+
+
 @pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
 def test_backends_that_read_a_contiguous_cache_get_the_pages_gathered(rest: str) -> None:
     """The exact path (as stock SDPA and FlashAttention 4 would) reads the gathered cache."""
