@@ -25,14 +25,17 @@ import json
 import os
 import socket
 import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cp_bench import timed, timed_local
 
 OUT = os.environ.get("OUT", "/tmp")
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
@@ -61,36 +64,6 @@ def make_bias(tree: Any, name: str, length: int, device: torch.device) -> Any:
         lengths = ragged(length)
         return tree.DocumentBias.from_seqlens(lengths, device=device) + tree.causal_upper_left()
     return tree.causal_upper_left()
-
-
-def timed(step: Callable[[], Any], reps: int) -> float:
-    """The slowest rank's median milliseconds of ``step`` (after one warm-up)."""
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    mine = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
-
-
-def timed_here(step: Callable[[], Any], reps: int) -> float:
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def gaps(profiler: Any, label: str) -> dict[str, Any]:
@@ -175,7 +148,7 @@ def bench_case(
     reps = 6 if length <= 131072 else 3
     times: dict[str, list[float]] = {"attnbias": [], "attnbias_old": [], "one": []}
     for round_index in range(2):
-        one = timed_here(single, reps) if rank == 0 else 0.0
+        one = timed_local(single, reps) if rank == 0 else 0.0
         shared = torch.tensor([one], device="cuda")
         dist.broadcast(shared, 0)
         times["one"].append(float(shared))
