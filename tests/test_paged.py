@@ -267,6 +267,20 @@ def test_a_repeated_call_plans_once_and_follows_the_backends_pinned(
     assert len(planned) == 2, planned
 
 
+def test_pools_whose_pages_are_not_one_block_are_gathered() -> None:
+    """Pools whose rows cannot be viewed as one block (pages padded apart in memory) are
+    read through the gather, with the same result, whatever the backend."""
+    k, v = pools(8, 6, 2, 16, seed=52)
+    k, v = k[:, :4], v[:, :4]  # pages of 4 tokens, 6 apart
+    pages = PagedKV(table_of([[3, 1, 0], [4, 5, 6]]), lens_of([5, 9]))
+    query = torch.randn(2, 4, 1, 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode"):
+        text = attnbias.explain(query, k, v, attn_mask=pages + causal_lower_right(),
+                                enable_gqa=True)  # fmt: skip
+        assert "each row's pages gathered" in text, text
+        run_and_check(query, k, v, pages, causal_lower_right())
+
+
 def test_a_call_read_in_place_is_checked_as_any_call() -> None:
     """Reading the pages in place checks the call's arguments as the call on the gathered
     cache would: more query heads than key/value heads without enable_gqa, or a dropout the
