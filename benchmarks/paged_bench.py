@@ -1,11 +1,14 @@
-"""Decode over a paged key/value cache (``PagedKV``): the route ``attnbias.sdpa`` takes (the
-decode kernel reading the pages in place), the same call through the gather route (each row's
-pages copied into a contiguous cache first), and the same tokens already contiguous (each
-row's at the end of its cache, a key range keeping them), as CUDA-graph replays.
+"""Attention over a paged key/value cache (``PagedKV``): the route ``attnbias.sdpa`` takes (a
+kernel reading the pages in place), the same call through the gather route (each row's pages
+copied into a contiguous cache first), the same tokens already contiguous (each row's at the
+end of its cache, a key range keeping them) and, where FlashAttention 4 is installed, its own
+paged forward (``page_table``, ``seqused_k``, causal aligned at each row's end, its split
+heuristic), as CUDA-graph replays.
 
 B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row), Hq / Hkv = 32 / 8, E = 128, bf16,
 ``PagedKV + causal_lower_right()`` with or without a sliding window of 4096, pages in a random
-order in the pool. Each case: the largest difference between the three outputs, then ms per
+order in the pool; decode (L = 1, 16) and chunked prefill (L = 512, 2048: each row's last L
+tokens). Each case: the largest difference from the contiguous route's output, then ms per
 call (mean of two rounds, the routes alternating) and the bytes floor (the keys and values the
 rows keep, read once at 3.35 TB/s).
 
@@ -32,7 +35,17 @@ BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
 LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
 CAPACITY = 32768
 CASES = [(16, 1, None), (64, 1, None), (256, 1, None), (16, 16, None), (16, 1, 4095),
-         (256, 16, 4095)]  # fmt: skip
+         (256, 16, 4095), (64, 512, None), (64, 2048, None)]  # fmt: skip
+
+
+def fa4_paged() -> Any:
+    """FlashAttention 4's varlen forward (with ``page_table``), or ``None`` where it is not
+    installed."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
 
 
 def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
@@ -83,6 +96,18 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
     runs: dict[str, Callable[[], Any]] = {
         "in place": paged, "gather": gathered, "contiguous": contiguous,
     }  # fmt: skip
+    peer = fa4_paged()
+    if peer is not None:
+
+        def fa4() -> Any:
+            out = peer(
+                q.transpose(1, 2), pool_k, pool_v, seqused_k=lens, page_table=table,
+                causal=True, window_size=(window, 0) if window is not None else (None, None),
+                num_splits=0,
+            )  # fmt: skip
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+        runs["fa4 paged"] = fa4
     with torch.no_grad():
         outs = {name: run().float() for name, run in runs.items()}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -95,8 +120,7 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
         "page": page, "L": length_q, "window": window,
         **{name: sum(t) / len(t) for name, t in times.items()},
         "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / 3.35e12 * 1e3,
-        "diff": max(float((outs[a] - outs["contiguous"]).abs().max()) for a in ("in place",
-                                                                             "gather")),
+        "diff": max(float((outs[a] - outs["contiguous"]).abs().max()) for a in outs),
         "route": how.splitlines()[0],
     }  # fmt: skip
 
@@ -105,14 +129,15 @@ def main() -> None:
     rows = [case(*c) for c in CASES]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(rows[0]["route"])
-    print("| page | L | window | in place ms | gather ms | contiguous ms | in place / contiguous "
-          "| bytes floor ms | max diff |")  # fmt: skip
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("| page | L | window | in place ms | gather ms | contiguous ms | FA4 paged ms | "
+          "in place / contiguous | bytes floor ms | max diff |")  # fmt: skip
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
+        fa4 = f"{r['fa4 paged']:.3f}" if "fa4 paged" in r else "-"
         print(
             f"| {r['page']} | {r['L']} | {r['window'] or '-'} | {r['in place']:.3f} | "
-            f"{r['gather']:.3f} | {r['contiguous']:.3f} | {r['in place'] / r['contiguous']:.2f} "
-            f"| {r['floor']:.3f} | {r['diff']:.1e} |"
+            f"{r['gather']:.3f} | {r['contiguous']:.3f} | {fa4} | "
+            f"{r['in place'] / r['contiguous']:.2f} | {r['floor']:.3f} | {r['diff']:.1e} |"
         )
 
 
