@@ -355,6 +355,9 @@ def _in_place(
 
     if torch.compiler.is_compiling():
         return None
+    # the kernels read a row's page table and the lengths as dense int32 rows
+    if layout.table.stride(-1) != 1 or layout.seq_lens.stride(0) != 1:
+        return None
     key_rows, value_rows = _pool_rows(key), _pool_rows(value)
     if key_rows is None or value_rows is None:
         return None
@@ -402,6 +405,7 @@ def _reader(
     identity = (
         placed.shape, placed.stride(), placed.dtype, placed.device, key.shape, key.stride(),
         value.shape, value.stride(), key.dtype, layout.table.shape, layout.table.stride(),
+        layout.seq_lens.stride(),
         *((type(f), f) for f in flags), current_policy(), capturing,
     )  # fmt: skip
     if plain and identity in runs:

@@ -281,6 +281,21 @@ def test_pools_whose_pages_are_not_one_block_are_gathered() -> None:
         run_and_check(query, k, v, pages, causal_lower_right())
 
 
+def test_tables_that_are_strided_views_are_read_right() -> None:
+    """A page table or lengths that are strided views (every other column or entry of a
+    larger tensor) give the oracle's result: the kernels read dense rows, so such a call
+    reads the gathered cache."""
+    k, v = pools(8, 4, 2, 16, seed=53)
+    wide = torch.zeros(2, 6, dtype=I32, device=DEVICE)
+    wide[:, ::2] = table_of([[3, 1, 0], [4, 5, 6]])
+    wide[:, 1::2] = 7  # entries between the table's: read them and the result is wrong
+    lens = torch.tensor([5, 0, 9, 0], dtype=I32, device=DEVICE)[::2]
+    pages = PagedKV(wide[:, ::2], lens)
+    query = torch.randn(2, 4, 1, 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, causal_lower_right())
+
+
 def test_a_call_read_in_place_is_checked_as_any_call() -> None:
     """Reading the pages in place checks the call's arguments as the call on the gathered
     cache would: more query heads than key/value heads without enable_gqa, or a dropout the
