@@ -33,7 +33,7 @@ from attnbias.biases import (
 )
 from attnbias.biases.mod import reindexed
 from attnbias.biases.paged import PagedKV
-from attnbias.kernels.forward import Pages
+from attnbias.kernels.forward import Pages, reads_pages, stand_in
 
 __all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
 
@@ -336,7 +336,14 @@ def _pool_rows(pool: Tensor) -> Tensor | None:
     rows = pool.shape[0] * pool.shape[1]
     if rows >= 2**31 or pool.stride(0) != pool.shape[1] * pool.stride(1):
         return None
-    return pool.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+    return _batch_rows(pool, 1)
+
+
+def _batch_rows(pool: Tensor, batch: int) -> Tensor:
+    """A pool's rows for every batch row, ``(B, Hkv, R, E)`` with a batch stride of 0 (where
+    :func:`_pool_rows` allows the view: a kept run checked it for these strides)."""
+    rows = pool.flatten(0, 1).transpose(0, 1)
+    return rows.expand(batch, *rows.shape)
 
 
 def _in_place(
@@ -363,25 +370,22 @@ def _in_place(
         return None
     batch, keys = layout.table.shape[0], layout.keys
     # stand-ins of the gathered cache's shape for planning (planning reads no values)
-    key_like, value_like = (
-        t[:, :, :1].expand(batch, t.shape[1], keys, t.shape[3]) for t in (key_rows, value_rows)
-    )
+    key_like, value_like = (stand_in(t, batch, keys) for t in (key_rows, value_rows))
     # the call's arguments checked as the call on the gathered cache would check them
     dropout, scale = _validate(
         placed, key_like, value_like, bias, dropout_p, False, scale, enable_gqa
     )
     spec = make_spec(placed, key_like, value_like, bias, False, scale, dropout, enable_gqa)
     chosen = plan_spec(spec)
-    name, program = chosen.backend.name, chosen.spec.program
-    # the training kernel settles the tiles of mask functions by block lists over contiguous
-    # keys: those calls read the gathered cache
-    masks = program.blocks is not None or (program.mods is not None and program.mods.has_mask)
-    if name == "triton-decode" or (name == "triton" and not masks):
+    name = chosen.backend.name
+    if name == "triton-decode" or (name == "triton" and reads_pages(chosen.spec.program)):
         return chosen, key_rows, value_rows
     return None
 
 
 Reader = Callable[[Tensor, Tensor, Tensor, Pages], Tensor]
+
+
 _RUNS_KEPT = 16
 
 
@@ -389,9 +393,8 @@ def _reader(
     placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
     dropout_p: Any, scale: Any, enable_gqa: Any, runs: dict[Any, Any],
 ) -> Reader | None:  # fmt: skip
-    """The kernel's run over the pages, ``(placed query, key rows, value rows, pages) ->
-    out`` with the pools' rows as :func:`_pool_rows` gives them expanded over the batch, or
-    ``None`` where the call reads the gathered cache (:func:`_in_place`). Kept in ``runs``
+    """The kernel's run over the pages, ``(placed query, key pool, value pool, pages) ->
+    out``, or ``None`` where the call reads the gathered cache (:func:`_in_place`). Kept in ``runs``
     for the identical calls after it (the plan cache's role for other calls), except where
     the bias has mask or score functions, whose compiled form may change between calls, and
     for flags that are not plain numbers (a tensor scale may change in place)."""
@@ -419,13 +422,19 @@ def _reader(
         if plan.backend.name == "triton-decode":
             decode = plan_decode(spec.query, key_rows, value_rows, spec.program, scale=scale_,
                                  pages=layout)  # fmt: skip
-            reader = decode.run
+
+            def reader(q: Tensor, k: Tensor, v: Tensor, pages: Pages) -> Tensor:
+                batch = q.shape[0]
+                return decode.run(q, _batch_rows(k, batch), _batch_rows(v, batch), pages)
+
         else:
             forward = plan_forward(spec.query, key_rows, value_rows, spec.program,
                                    scale=scale_, pages=layout)  # fmt: skip
 
             def reader(q: Tensor, k: Tensor, v: Tensor, pages: Pages) -> Tensor:
-                return forward.launch(q, k, v, checked=False, pages=pages)[0]
+                batch = q.shape[0]
+                return forward.launch(q, _batch_rows(k, batch), _batch_rows(v, batch),
+                                      checked=False, pages=pages)[0]  # fmt: skip
 
         if spec.program.mods is not None or spec.terms.refresh:
             return reader
@@ -455,14 +464,8 @@ def paged_sdpa(
         check_pending()
     placed, layout, bias, where, runs = _prepare(query, key, value, attn_mask, is_causal)
     reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
-    key_rows, value_rows = _pool_rows(key), _pool_rows(value)
-    if reader is not None and key_rows is not None and value_rows is not None:
-        # a kernel reads the pages where they are
-        batch = placed.shape[0]
-        out = reader(
-            placed, key_rows.expand(batch, *key_rows.shape[1:]),
-            value_rows.expand(batch, *value_rows.shape[1:]), layout,
-        )  # fmt: skip
+    if reader is not None:  # a kernel reads the pages where they are
+        out = reader(placed, key, value, layout)
     else:
         rows = _rows(layout)  # once for both
         out = sdpa(

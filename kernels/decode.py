@@ -55,7 +55,14 @@ from torch import Tensor
 from .common import FP32_TINY
 from .configs import padded_head_dim
 from .decode_kernels import _decode_fwd, _decode_merge
-from .forward import Pages, check_identity, identity_of, stand_in
+from .forward import (
+    Pages,
+    check_identity,
+    identity_of,
+    page_args,
+    page_scalars,
+    stand_in,
+)
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import doc_stride, mask_args
@@ -423,7 +430,7 @@ class DecodePlan:
             call_key = None
         kernel(
             call_key, q, k, v, out, parts, counters, *self.mask_tensors,
-            *((None, None) if pages is None else pages.launch_args()),
+            *page_args(pages),
             *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
         if merge is not None:
@@ -523,7 +530,7 @@ def plan_decode(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
-            *((0, 0, 0) if pages is None else pages.scalars()),
+            *page_scalars(pages),
             layout.group_size,
             layout.row_tiles,
             seq_q,

@@ -39,8 +39,8 @@ from .masks import doc_stride, late_rows_first, mask_args
 from .program import MaskProgram
 
 __all__ = [
-    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of",
-    "plan_forward", "stand_in",
+    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of", "page_args",
+    "page_scalars", "plan_forward", "reads_pages", "stand_in",
 ]  # fmt: skip
 
 
@@ -454,16 +454,24 @@ class Pages:
     num_pages: int
     keys: int
 
-    def launch_args(self) -> tuple[Tensor, Tensor]:
-        return self.table, self.seq_lens
 
-    def scalars(self) -> tuple[int, int, int]:
-        """The kernels' ``stride_tb``, ``kv_capacity`` and ``kv_pool``."""
-        return self.table.stride(0), self.table.shape[1] * self.page_size, self.num_pages
+def page_args(pages: Pages | None) -> tuple[Tensor | None, Tensor | None]:
+    """The kernels' ``PageTable`` and ``SeqLens`` launch arguments (``None`` each without)."""
+    return (None, None) if pages is None else (pages.table, pages.seq_lens)
 
 
-_NO_PAGES = (None, None)
-_NO_PAGE_SCALARS = (0, 0, 0)
+def page_scalars(pages: Pages | None) -> tuple[int, int, int]:
+    """The kernels' ``stride_tb``, ``kv_capacity`` and ``kv_pool`` (0 each without pages)."""
+    if pages is None:
+        return 0, 0, 0
+    return pages.table.stride(0), pages.table.shape[1] * pages.page_size, pages.num_pages
+
+
+def reads_pages(program: MaskProgram) -> bool:
+    """Whether the forward kernel can read a call of ``program`` from pages: not with block
+    lists or mask functions (it settles their tiles by block lists over contiguous keys)."""
+    mods = program.mods
+    return program.blocks is None and not (mods is not None and mods.has_mask)
 
 
 def stand_in(pool: Tensor, batch: int, keys: int) -> Tensor:
@@ -537,7 +545,7 @@ class ForwardPlan:
                 )
         self.kernel(
             call_key, q, k, v, out, lse, *self.mask_tensors,
-            *(_NO_PAGES if pages is None else pages.launch_args()), *q_stride, *k_stride,
+            *page_args(pages), *q_stride, *k_stride,
             *v_stride, *out.stride(), *self.scalars,
         )  # fmt: skip
         return out, lse
@@ -557,8 +565,7 @@ def plan_forward(
     none of them)."""
     batch, num_heads, seq_q, head_dim = q.shape
     if pages is not None:
-        mods = program.mods
-        if program.blocks is not None or (mods is not None and mods.has_mask):
+        if not reads_pages(program):
             raise ValueError(
                 "paged keys are read over contiguous key tiles; a mask program with block "
                 "lists or mask functions (settled by block lists) needs contiguous keys"
@@ -596,7 +603,7 @@ def plan_forward(
             doc_stride(mask, seq_q),
             mask.stride_sb,
             mask.stride_sh,
-            *(_NO_PAGE_SCALARS if pages is None else pages.scalars()),
+            *page_scalars(pages),
             num_heads,
             num_heads // num_kv_heads,
             seq_q,
