@@ -497,11 +497,9 @@ def paged_explain(
     pages, count = _split(attn_mask)[0], layout.keys
     found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     if found is not None:
-        chosen = found[0]
         return (
             f"{pages!r}: the kernel reads each row's last {count} tokens in place, through "
-            f"their rows in the pools (no copy), kept by a key range\n"
-            f"{chosen.backend.name}: {chosen.backend.how(chosen.spec)}"
+            f"their rows in the pools (no copy), kept by a key range\n{found[0].explain()}"
         )
     head = (
         f"{pages!r}: each row's pages gathered on the device into a contiguous cache of "

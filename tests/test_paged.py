@@ -190,7 +190,9 @@ def test_a_paged_call_explains_its_route() -> None:
         text = attnbias.explain(query, k, v, attn_mask=window)
     assert text.startswith("PagedKV(B=1, max_pages=2): the kernel reads each row's last 5 "
                            "tokens in place"), text  # fmt: skip
-    assert "triton-decode: the Triton decode kernel" in text
+    assert "\ntriton-decode: " in text and "the Triton decode kernel" in text, text
+    # every other backend with its reasons, as for any call
+    assert "\n  triton: " in text and "\n  reference: " in text, text
 
 
 _IN_PLACE = {
