@@ -298,6 +298,39 @@ def test_tables_that_are_strided_views_are_read_right() -> None:
         run_and_check(query, k, v, pages, causal_lower_right())
 
 
+@pytest.mark.parametrize("backend", ["triton-decode", "triton"])
+@pytest.mark.parametrize("scale", [None, 0.0, -0.5])
+def test_the_kernels_reading_pages_keep_the_numerical_contract(
+    backend: str, scale: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read in place (a gather fails the test): NaN in every slot that holds none of a row's
+    tokens (past a row's length in its last page, pages no row lists) reaches nothing, any
+    finite scale (0 and negative ones) gives the oracle's result, and no query gives an
+    empty output."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    k, v = pools(8, 4, 2, 16, seed=54)
+    table = table_of([[3, 1, 0], [4, 5, 6]])
+    lens = lens_of([6, 9])
+    used = torch.zeros(8, 4, dtype=torch.bool, device=DEVICE)
+    for row, count in enumerate([6, 9]):
+        for t in range(count):
+            used[table[row, t // 4], t % 4] = True
+    k[~used], v[~used] = float("nan"), float("nan")
+    pages = PagedKV(table, lens)
+    rest = causal_lower_right() + SlidingWindowBias(5)
+    query = torch.randn(2, 4, 3, 16, device=DEVICE)
+    with torch.no_grad(), attnbias.use_backends(backend):
+        out = attnbias.sdpa(query, k, v, attn_mask=pages + rest, scale=scale, enable_gqa=True)
+        empty = attnbias.sdpa(
+            query[:, :, :0], k, v, attn_mask=pages + rest, scale=scale, enable_gqa=True
+        )
+    expected = paged_attention(query, k, v, table, lens, rest, scale=scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert empty.shape == (2, 4, 0, 16)
+
+
 def test_a_call_read_in_place_is_checked_as_any_call() -> None:
     """Reading the pages in place checks the call's arguments as the call on the gathered
     cache would: more query heads than key/value heads without enable_gqa, or a dropout the
