@@ -384,7 +384,7 @@ def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> tuple[float, float]:
     """Building the block lists of ``bias`` for these shapes once more (a new length):
     ``(GPU ms, wall ms)``, each per build; of its generated functions where it runs as a
     built-in (which needs no lists)."""
-    from attnbias.kernels.masks import _MOD_LISTS, mask_args
+    from attnbias.kernels.masks import _MOD_LISTS, launch_mask
     from attnbias.spec import lower
 
     with _functions_only():
@@ -394,7 +394,7 @@ def _lists_ms(bias: Any, q: Tensor, k: Tensor) -> tuple[float, float]:
 
     def build() -> None:
         _MOD_LISTS.pop(program, None)
-        mask_args(q, k, program, scale=1.0, rows=True, cols=False)
+        launch_mask(q, k, program, scale=1.0, rows=True, cols=False)
 
     builds = 20
     build()

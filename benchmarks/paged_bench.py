@@ -78,17 +78,18 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
         v[b, :, CAPACITY - n :] = pool_v.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
     contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
     route = importlib.import_module("attnbias.paged")
-    in_place = route._in_place
+    reader = route._reader
 
     def paged() -> Any:
         return attnbias.sdpa(q, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
 
     def gathered() -> Any:
-        route._in_place = lambda *_: None
+        # no kernel run over the pages (nor a kept one): the gather route
+        route._reader = lambda *_: None
         try:
             return paged()
         finally:
-            route._in_place = in_place
+            route._reader = reader
 
     def contiguous() -> Any:
         return attnbias.sdpa(q, k, v, attn_mask=contiguous_bias, enable_gqa=True)

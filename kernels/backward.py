@@ -17,11 +17,12 @@ from torch import Tensor
 
 from .backward_dkdv import _attn_bwd_dkdv
 from .backward_dq import _attn_bwd_dq
-from .configs import DKDV_CONFIGS, DQ_CONFIGS, padded_head_dim, pick_config
+from .configs import DKDV_CONFIGS, DQ_CONFIGS, dot_precision, padded_head_dim, pick_config
 from .forward import check_identity, identity_of
 from .launch import PreparedLaunch, empty_contiguous, empty_rows
-from .masks import doc_stride, late_cols_first, late_rows_first, mask_args
+from .masks import late_cols_first, late_rows_first, launch_mask
 from .program import MaskProgram
+from .record import MaskRecord
 
 __all__ = ["BackwardPlan", "attention_backward", "plan_backward"]
 
@@ -41,15 +42,9 @@ class BackwardPlan:
 
     identity: tuple[object, ...]
     slopes: Tensor | None  # the program's ALiBi slopes, where their gradient is wanted
-    # row_lo, row_hi, slopes (dQ's mask tensors before its slope-gradient buffer), then kv_start,
-    # kv_end, the key-block lists (after it)
-    dq_tensors: tuple[Tensor | None, ...]
-    dq_tail: tuple[Tensor | None, ...]
-    dq_scalars: tuple[Any, ...]  # after the strides
+    mask: MaskRecord | None  # the kernels' mask record (its tensors are read at each launch)
+    scalars: tuple[Any, ...]  # both kernels' runtime scalars after the strides
     dq_blocks: int  # dQ's programs along the query rows (the slope-gradient parts)
-    # col_lo, col_hi, slopes, kv_start, kv_end, the query-block lists
-    dkdv_tensors: tuple[Tensor | None, ...]
-    dkdv_scalars: tuple[Any, ...]
     mod_grads: tuple[Tensor, ...]  # the float tensors score functions read, gradient wanted
     has_dlse: bool
     kernels: tuple[PreparedLaunch, PreparedLaunch] | None  # None: an empty call
@@ -82,7 +77,7 @@ class BackwardPlan:
             else None
         )
         slopes = self.slopes
-        if self.kernels is None:  # nothing depends on anything
+        if self.kernels is None or self.mask is None:  # nothing depends on anything
             dslopes = None if slopes is None else torch.zeros_like(slopes)
             return dq.zero_(), dk.zero_(), dv.zero_(), dslopes, dmods
         dq_kernel, dkdv_kernel = self.kernels
@@ -110,14 +105,15 @@ class BackwardPlan:
             if pointers % 16 or any(t is not None and t.data_ptr() % 16 for t in others):
                 own = (q, k, v, out, grad_out, lse, grad_lse, dq, dk, dv, delta, dslope_parts)
                 key += tuple(t is None or t.data_ptr() % 16 == 0 for t in own)
+        mask = self.mask.values()
         dq_kernel(
-            key, q, k, v, out, grad_out, lse, grad_lse, delta, dq, *self.dq_tensors,
-            dslope_parts, *self.dq_tail, *q_stride, *k_stride, *v_stride, *o_stride,
-            *do_stride, *dq.stride(), *self.dq_scalars, *(dmods or []),
+            key, q, k, v, out, grad_out, lse, grad_lse, delta, dq, dslope_parts, *mask,
+            *q_stride, *k_stride, *v_stride, *o_stride, *do_stride, *dq.stride(),
+            *self.scalars, *(dmods or []),
         )  # fmt: skip
         dkdv_kernel(
-            key, q, k, v, grad_out, lse, delta, dk, dv, *self.dkdv_tensors, *q_stride,
-            *k_stride, *v_stride, *do_stride, *dk.stride(), *dv.stride(), *self.dkdv_scalars,
+            key, q, k, v, grad_out, lse, delta, dk, dv, *mask, *q_stride,
+            *k_stride, *v_stride, *do_stride, *dk.stride(), *dv.stride(), *self.scalars,
         )  # fmt: skip
         dslopes = None
         if dslope_parts is not None and slopes is not None:
@@ -148,23 +144,17 @@ def plan_backward(
     if mod_grads and mods is not None and mods.has_score:
         float_params = tuple(t for t in mods.traced.params if t.is_floating_point())
     if batch * num_heads * seq_q * seq_k * head_dim == 0:
-        return BackwardPlan(
-            identity, slopes, (), (), (), 0, (), (), float_params, has_dlse, None
-        )  # fmt: skip
-    mask = mask_args(q, k, program, scale=scale, rows=True, cols=True)
+        return BackwardPlan(identity, slopes, None, (), 0, float_params, has_dlse, None)
+    mask = launch_mask(q, k, program, scale=scale, rows=True, cols=True)
     block_e = padded_head_dim(head_dim)
     group_size = num_heads // num_kv_heads
     common: dict[str, Any] = dict(
         HEAD_DIM=head_dim,
         BLOCK_E=block_e,
-        **mask.flags(q),
-        **mask.list_flags(),
-        **mask.mod_options(backward=True),
+        DOT_PRECISION=dot_precision(q),
+        **mask.options(backward=True),
     )
-    scalars = (
-        num_heads, group_size, seq_q, seq_k, mask.band_lo, mask.band_hi,
-        scale, mask.qk_scale, mask.softcap_in, mask.softcap_out, *mask.mod_args(),
-    )  # fmt: skip
+    scalars = (num_heads, group_size, seq_q, seq_k, scale, *mask.mod_args())
 
     # The dQ kernel goes first: it also stores the row terms ``delta`` that dK/dV reads.
     cfg = pick_config(DQ_CONFIGS, q, block_e)
@@ -204,12 +194,9 @@ def plan_backward(
     return BackwardPlan(
         identity,
         slopes,
-        (mask.row_lo, mask.row_hi, mask.slopes),
-        (mask.kv_start, mask.kv_end, mask.kv_lists),
-        (doc_stride(mask, seq_q), mask.stride_sb, mask.stride_sh, *scalars),
+        mask.record,
+        scalars,
         dq_grid[0],
-        (mask.col_lo, mask.col_hi, mask.slopes, mask.kv_start, mask.kv_end, mask.q_lists),
-        (doc_stride(mask, seq_k), mask.stride_sb, mask.stride_sh, *scalars),
         float_params,
         has_dlse,
         (dq_kernel, dkdv_kernel),

@@ -27,6 +27,20 @@ from .common import (
     _query_block_range,
     _tile_ptrs,
 )
+from .record import (
+    has_alibi,
+    has_block_lists,
+    has_docs,
+    has_hi,
+    has_kv_range,
+    has_lo,
+    has_softcap,
+    mask_col_stride,
+    mask_q_lists,
+    mask_qk_scale,
+    sparse_m,
+    sparse_n,
+)
 
 __all__: list[str] = []
 
@@ -52,17 +66,12 @@ def _attn_bwd_dkdv_inner(
     block_end,
     seq_q,
     shift,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     alibi_coef,
     MODC,
+    M,
+    F: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,7 +87,11 @@ def _attn_bwd_dkdv_inner(
     ``entries``, as ``_attn_fwd_inner`` counts them).
 
     Works on transposed tiles ``[BLOCK_N, BLOCK_M]`` so that ``dK``/``dV`` rows stay in place.
+    ``M``, ``F``: the mask (``record.py``).
     """
+    HAS_SOFTCAP: tl.constexpr = has_softcap(F)
+    HAS_ALIBI: tl.constexpr = has_alibi(F)
+    qk_scale = mask_qk_scale(M)
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
     offs_m = block_first * BLOCK_M + tl.arange(0, BLOCK_M)
     start = (block_first * BLOCK_M).to(tl.int64)
@@ -103,18 +116,12 @@ def _attn_bwd_dkdv_inner(
         qkT = _dot(k, tl.trans(q), None, DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if SCORE_GRAD_FN is not None:
             relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
-            sT, tT = _log2_scores(
-                qkT, relT, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
-                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            )  # fmt: skip
+            sT, tT = _log2_scores(qkT, relT, 0.0, alibi_coef, M, F, False)
             sT, dmodT = _mod_score_grad(sT, offs_m, offs_n, MODC, SCORE_GRAD_FN, TRANSPOSED=True)
             pT = tl.math.exp2(sT - lse2[None, :])
         elif HAS_SOFTCAP or HAS_ALIBI:
             relT = (offs_m + shift).to(tl.float32)[None, :] - offs_n.to(tl.float32)[:, None]
-            sT, tT = _log2_scores(
-                qkT, relT, lse2[None, :], qk_scale, softcap_in, softcap_out, alibi_coef,
-                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            )  # fmt: skip
+            sT, tT = _log2_scores(qkT, relT, lse2[None, :], alibi_coef, M, F, True)
             pT = tl.math.exp2(sT)
         else:
             tT = qkT
@@ -146,25 +153,22 @@ def _attn_bwd_dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv_listed(
     dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qm, stride_qk, stride_dom,
-    stride_dok, offs_n, col_lo, col_hi, entries, seq_q, shift, qk_scale, softcap_in,
-    softcap_out, alibi_coef, MODC,
-    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPARSE_M: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_GRAD_FN: tl.constexpr, BOUNDED: tl.constexpr,
+    stride_dok, offs_n, col_lo, col_hi, entries, seq_q, shift, alibi_coef, MODC, M,
+    F: tl.constexpr, MASKED: tl.constexpr, EVEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
-    """The query blocks of one list (``entries``: a count, then list blocks of ``SPARSE_M``
-    queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``) or all full."""
-    TILES: tl.constexpr = SPARSE_M // BLOCK_M
+    """The query blocks of one list (``entries``: a count, then list blocks of the mask's
+    ``sparse_m`` queries), each as its tiles of ``BLOCK_M`` queries, all partial (``MASKED``)
+    or all full."""
+    TILES: tl.constexpr = sparse_m(F) // BLOCK_M
     dk, dv = _attn_bwd_dkdv_inner(
         dk, dv, k, v, q_head, do_head, lse_head, delta_head,
         stride_qm, stride_qk, stride_dom, stride_dok,
         offs_n, col_lo, col_hi, tl.zeros([], dtype=tl.int32),
         _listed_tiles(entries, seq_q, BLOCK_M, TILES), seq_q, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        MASKED=MASKED, EVEN=EVEN, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+        alibi_coef, MODC, M, F,
+        MASKED=MASKED, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
         BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
         SCORE_GRAD_FN=SCORE_GRAD_FN, entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
     )  # fmt: skip
@@ -181,64 +185,40 @@ def _attn_bwd_dkdv(
     Delta,
     DK,
     DV,
-    ColLo,
-    ColHi,
-    Slopes,
-    KvStart,
-    KvEnd,
-    Lists,
+    M,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_dob, stride_doh, stride_dom, stride_dok,
     stride_dkb, stride_dkh, stride_dkn, stride_dkk,
     stride_dvb, stride_dvh, stride_dvn, stride_dvk,
-    stride_db,
-    stride_sb, stride_sh,
     num_heads,
     group_size,
     seq_q,
     seq_k,
-    band_lo,
-    band_hi,
     sm_scale,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     MOD,
+    F: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_M: tl.constexpr,
-    HAS_BLOCK_LISTS: tl.constexpr,
-    LISTS_PER_BATCH: tl.constexpr,
-    LISTS_PER_HEAD: tl.constexpr,
-    SPARSE_M: tl.constexpr,
-    SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_GRAD_FN: tl.constexpr = None,
 ):  # fmt: skip
     """``dK``, ``dV`` of one key tile of one key/value head, summed over its query heads.
 
-    Keys outside the batch row's key range are not read and get zero gradients."""
+    Keys outside the batch row's key range are not read and get zero gradients. ``M``,
+    ``F``: the mask (``record.py``)."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
     sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap_in = tl.cast(softcap_in, tl.float32)
-    softcap_out = tl.cast(softcap_out, tl.float32)
+    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
+    HAS_BLOCK_LISTS: tl.constexpr = has_block_lists(F)
     pid_n = tl.program_id(0)
     if REVERSE:  # keys late in the sequence are kept by the most queries: start them first
         pid_n = tl.num_programs(0) - 1 - pid_n
@@ -256,7 +236,7 @@ def _attn_bwd_dkdv(
         V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh, start_n, stride_vn, stride_vk,
         BLOCK_N, BLOCK_E,
     )  # fmt: skip
-    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
         k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
         BOUNDS=True, IN_RANGE=HAS_KV_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -266,24 +246,20 @@ def _attn_bwd_dkdv(
         BOUNDS=True, IN_RANGE=HAS_KV_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
     )  # fmt: skip
 
-    doc_off = off_b * stride_db
+    doc_off = off_b * mask_col_stride(M)
     if HAS_BLOCK_LISTS:
-        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
-        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
+        SPARSE_N: tl.constexpr = sparse_n(F)
+        tl.static_assert(sparse_m(F) % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = has_lo(F) or has_hi(F) or has_docs(F) or HAS_KV_RANGE
         # the query blocks listed for this tile's list column, per query head below
-        list_width = tl.cdiv(seq_q, SPARSE_M) + 1
+        list_width = tl.cdiv(seq_q, sparse_m(F)) + 1
         list_col = start_n // SPARSE_N
         list_cols = tl.cdiv(seq_k, SPARSE_N)
     else:
         block_first, full_first, full_end, block_end = _query_block_range(
-            start_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
-            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
-    col_lo, col_hi = _col_bounds(
-        offs_n, seq_q, seq_k, band_lo, band_hi, ColLo, ColHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-    )  # fmt: skip
+            start_n, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_M, BLOCK_N
+        )
+    col_lo, col_hi = _col_bounds(offs_n, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi)
     shift = seq_k - seq_q
 
     dk = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
@@ -295,34 +271,31 @@ def _attn_bwd_dkdv(
         do_head = DO + off_b * stride_dob + off_h * stride_doh
         lse_head = Lse + (off_b * num_heads + off_h) * seq_q
         delta_head = Delta + (off_b * num_heads + off_h) * seq_q
-        alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+        alibi_coef = _alibi_coef(M, F, off_b, off_h)
         if MASK_FN is not None or SCORE_GRAD_FN is not None:
             MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
         else:  # no tuple holding None: Triton refuses one
             MODC = 0
         if HAS_BLOCK_LISTS:
             entries = _list_row(
-                Lists, off_b, off_h, num_heads, list_col, list_cols, list_width,
-                LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
-            )  # fmt: skip
+                mask_q_lists(M), F, off_b, off_h, num_heads, list_col, list_cols, list_width
+            )
             dk, dv = _attn_bwd_dkdv_listed(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, entries, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+                alibi_coef, MODC, M, F,
+                MASKED=True, EVEN=EVEN_M, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
                 MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, BOUNDED=BOUNDED,
             )  # fmt: skip
             dk, dv = _attn_bwd_dkdv_listed(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, entries + list_width, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-                MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, SPARSE_M=SPARSE_M,
+                alibi_coef, MODC, M, F,
+                MASKED=False, EVEN=EVEN_M, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION,
                 MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, BOUNDED=BOUNDED,
             )  # fmt: skip
         else:
@@ -330,9 +303,8 @@ def _attn_bwd_dkdv(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, block_first, full_first, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                alibi_coef, MODC, M, F,
+                MASKED=True, EVEN=EVEN_M, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
                 SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
@@ -340,9 +312,8 @@ def _attn_bwd_dkdv(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, full_first, full_end, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-                MASKED=False, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                alibi_coef, MODC, M, F,
+                MASKED=False, EVEN=EVEN_M, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
                 SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip
@@ -350,9 +321,8 @@ def _attn_bwd_dkdv(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                 stride_qm, stride_qk, stride_dom, stride_dok,
                 offs_n, col_lo, col_hi, full_end, block_end, seq_q, shift,
-                qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-                MASKED=True, EVEN=EVEN_M, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+                alibi_coef, MODC, M, F,
+                MASKED=True, EVEN=EVEN_M, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
                 BLOCK_M=BLOCK_M, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN,
                 SCORE_GRAD_FN=SCORE_GRAD_FN,
             )  # fmt: skip

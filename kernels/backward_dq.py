@@ -28,6 +28,20 @@ from .common import (
     _row_bounds,
     _tile_ptrs,
 )
+from .record import (
+    has_alibi,
+    has_block_lists,
+    has_docs,
+    has_hi,
+    has_kv_range,
+    has_lo,
+    has_softcap,
+    mask_kv_lists,
+    mask_qk_scale,
+    mask_row_stride,
+    sparse_m,
+    sparse_n,
+)
 
 __all__: list[str] = []
 
@@ -57,18 +71,12 @@ def _attn_bwd_dq_inner(
     kv_lo,
     kv_hi,
     shift,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     alibi_coef,
     MODC,
+    M,
+    F: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -88,9 +96,13 @@ def _attn_bwd_dq_inner(
     ``sum P r`` and ``sum P dP``, where ``r = |i + (S - L) - j|`` and ``dP`` is the gradient of
     the probabilities. The slope's part of a row is ``sum dS r = sum P dP r - (sum P r)(sum P
     dP)`` (:func:`_attn_bwd_dq`): it needs no ``delta``, whose rounding (it is read from the
-    low-precision output) would otherwise be multiplied by the distances."""
+    low-precision output) would otherwise be multiplied by the distances. ``M``, ``F``: the
+    mask (``record.py``)."""
+    HAS_SOFTCAP: tl.constexpr = has_softcap(F)
+    HAS_ALIBI: tl.constexpr = has_alibi(F)
+    qk_scale = mask_qk_scale(M)
     BOUNDS: tl.constexpr = MASKED and not EVEN  # see _attn_fwd_inner
-    IN_RANGE: tl.constexpr = MASKED and HAS_KV_RANGE  # see _attn_fwd_inner
+    IN_RANGE: tl.constexpr = MASKED and has_kv_range(F)  # see _attn_fwd_inner
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
@@ -112,19 +124,13 @@ def _attn_bwd_dq_inner(
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if SCORE_GRAD_FN is not None:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
-            s, t = _log2_scores(
-                qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
-                False, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            )  # fmt: skip
+            s, t = _log2_scores(qk, rel, 0.0, alibi_coef, M, F, False)
             s_in = s
             s, dmod = _mod_score_grad(s, offs_m, offs_n, MODC, SCORE_GRAD_FN)
             p = tl.math.exp2(s - lse2[:, None])
         elif HAS_SOFTCAP or HAS_ALIBI:
             rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
-            s, t = _log2_scores(
-                qk, rel, lse2[:, None], qk_scale, softcap_in, softcap_out, alibi_coef,
-                True, HAS_SOFTCAP, HAS_ALIBI, ALIBI_SIGN, TANH_MODE,
-            )  # fmt: skip
+            s, t = _log2_scores(qk, rel, lse2[:, None], alibi_coef, M, F, True)
             p = tl.math.exp2(s)
         else:
             t = qk
@@ -167,25 +173,22 @@ def _attn_bwd_dq_inner(
 def _attn_bwd_dq_listed(
     dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta, k_head, v_head, stride_kn,
     stride_kk, stride_vn, stride_vk, offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi,
-    shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
+    shift, alibi_coef, MODC, M, F: tl.constexpr,
+    MASKED: tl.constexpr, EVEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_DSLOPE: tl.constexpr,
-    SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr,
-    PARAM_GRAD_FN: tl.constexpr, BOUNDED: tl.constexpr,
+    MASK_FN: tl.constexpr, SCORE_GRAD_FN: tl.constexpr, PARAM_GRAD_FN: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):  # fmt: skip
     """The key blocks of one list, as ``_attn_fwd_listed`` visits them, for ``dQ``."""
-    TILES: tl.constexpr = SPARSE_N // BLOCK_N
+    TILES: tl.constexpr = sparse_n(F) // BLOCK_N
     dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
         dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
         k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, tl.zeros([], dtype=tl.int32),
         _listed_tiles(entries, seq_k, BLOCK_N, TILES), seq_k, kv_lo,
-        kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+        kv_hi, shift, alibi_coef, MODC, M, F,
+        MASKED=MASKED, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
         MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED,
     )  # fmt: skip
@@ -203,54 +206,30 @@ def _attn_bwd_dq(
     DLse,
     Delta,
     DQ,
-    RowLo,
-    RowHi,
-    Slopes,
     DSlope,
-    KvStart,
-    KvEnd,
-    Lists,
+    M,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
     stride_dob, stride_doh, stride_dom, stride_dok,
     stride_dqb, stride_dqh, stride_dqm, stride_dqk,
-    stride_db,
-    stride_sb, stride_sh,
     num_heads,
     group_size,
     seq_q,
     seq_k,
-    band_lo,
-    band_hi,
     sm_scale,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     MOD,
+    F: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     EVEN_N: tl.constexpr,
     HAS_DSLOPE: tl.constexpr,
-    HAS_BLOCK_LISTS: tl.constexpr,
-    LISTS_PER_BATCH: tl.constexpr,
-    LISTS_PER_HEAD: tl.constexpr,
-    SPARSE_M: tl.constexpr,
-    SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_GRAD_FN: tl.constexpr = None,
     PARAM_GRAD_FN: tl.constexpr = None,
@@ -260,15 +239,14 @@ def _attn_bwd_dq(
     Also computes the tile's row terms ``delta = rowsum(dO * O) - dLse`` of the softmax
     gradient and stores them for the dK/dV kernel, which must run after this one. With
     ``HAS_DSLOPE`` it stores the tile's part of the gradient of its head's ALiBi slope in
-    ``DSlope`` ``(B, Hq, programs along L)``, which the launcher sums.
+    ``DSlope`` ``(B, Hq, programs along L)``, which the launcher sums. ``M``, ``F``: the mask
+    (``record.py``).
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
     # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
     sm_scale = tl.cast(sm_scale, tl.float32)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap_in = tl.cast(softcap_in, tl.float32)
-    softcap_out = tl.cast(softcap_out, tl.float32)
+    HAS_BLOCK_LISTS: tl.constexpr = has_block_lists(F)
     pid_m = tl.program_id(0)
     if REVERSE:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -305,20 +283,15 @@ def _attn_bwd_dq(
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
 
-    doc_off = off_b * stride_db
-    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    doc_off = off_b * mask_row_stride(M)
+    kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     if not HAS_BLOCK_LISTS:
         # before the row bounds: in another order the band path compiles to other code
         block_first, full_first, full_end, block_end = _key_block_range(
-            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
-    row_lo, row_hi = _row_bounds(
-        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-    )  # fmt: skip
-    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+            start_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_M, BLOCK_N
+        )
+    row_lo, row_hi = _row_bounds(offs_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi)
+    alibi_coef = _alibi_coef(M, F, off_b, off_h)
     shift = seq_k - seq_q
     if MASK_FN is not None or SCORE_GRAD_FN is not None:
         MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
@@ -331,33 +304,32 @@ def _attn_bwd_dq(
     slope_pd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_BLOCK_LISTS:
         # the listed key blocks of this tile's list row, partial then full (as the forward)
-        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
-        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
-        width = tl.cdiv(seq_k, SPARSE_N) + 1
+        SPARSE_M: tl.constexpr = sparse_m(F)
+        tl.static_assert(SPARSE_M % BLOCK_M == 0 and sparse_n(F) % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = has_lo(F) or has_hi(F) or has_docs(F) or has_kv_range(F)
+        width = tl.cdiv(seq_k, sparse_n(F)) + 1
         entries = _list_row(
-            Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
-            LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
+            mask_kv_lists(M), F, off_b, off_h, num_heads, start_m // SPARSE_M,
+            tl.cdiv(seq_q, SPARSE_M), width,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            alibi_coef, MODC, M, F,
+            MASKED=True, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
             PARAM_GRAD_FN=PARAM_GRAD_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_listed(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
-            SPARSE_N=SPARSE_N, MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
+            alibi_coef, MODC, M, F,
+            MASKED=False, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN,
             PARAM_GRAD_FN=PARAM_GRAD_FN, BOUNDED=BOUNDED,
         )  # fmt: skip
     else:
@@ -365,30 +337,27 @@ def _attn_bwd_dq(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, block_first, full_first, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            alibi_coef, MODC, M, F,
+            MASKED=True, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, full_first, full_end, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            alibi_coef, MODC, M, F,
+            MASKED=False, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
         dq, slope_pdr, slope_pr, slope_pd = _attn_bwd_dq_inner(
             dq, slope_pdr, slope_pr, slope_pd, q, do, lse2, delta,
             k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, full_end, block_end, seq_k, kv_lo, kv_hi, shift,
-            qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
+            alibi_coef, MODC, M, F,
+            MASKED=True, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, HAS_DSLOPE=HAS_DSLOPE,
             MASK_FN=MASK_FN, SCORE_GRAD_FN=SCORE_GRAD_FN, PARAM_GRAD_FN=PARAM_GRAD_FN,
         )  # fmt: skip
 

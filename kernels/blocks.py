@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .common import _key_range, _mod_context, _mod_keep, _row_bounds
 from .program import BlockLists
+from .record import has_docs, has_hi, has_kv_range, has_lo, mask_row_stride
 
 __all__ = [
     "EMPTY",
@@ -93,21 +94,12 @@ def block_lists_of_keep(keep: Tensor, block_m: int, block_n: int) -> BlockLists:
 @triton.jit
 def _classify_blocks(
     States,
-    RowLo,
-    RowHi,
-    KvStart,
-    KvEnd,
-    stride_db,
+    M,
     heads,
     seq_q,
     seq_k,
-    band_lo,
-    band_hi,
     MOD,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
+    F: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
@@ -116,7 +108,8 @@ def _classify_blocks(
 ):
     """The state of block ``(program 0, program 1)`` of list row ``program 2`` (batch row times
     ``heads`` plus head): :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`, in ``ROWS``-row
-    slices. A block cut by ``L`` or ``S`` is at most partial.
+    slices, for the mask ``M``, ``F`` (``record.py``). A block cut by ``L`` or ``S`` is at
+    most partial.
 
     ``TILE_FN`` (the masks' bounds over a block, see ``modtiles.tile_function``) settles a block
     without evaluating its pairs where the masks drop all of them, or, with no other mask term,
@@ -126,7 +119,7 @@ def _classify_blocks(
     pid_bh = tl.program_id(2)
     off_b = (pid_bh // heads).to(tl.int64)
     off_h = pid_bh % heads
-    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     verdict = 1  # 0: every pair dropped, 2: every pair kept, 1: evaluate the pairs
@@ -137,7 +130,7 @@ def _classify_blocks(
             MODC[0], MODC[1], pid_m * BLOCK_M, q_last, pid_n * BLOCK_N, k_last, MOD
         )
         verdict = tl.where(may_keep == 0, 0, 1)
-        if not (HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE):
+        if not (has_lo(F) or has_hi(F) or has_docs(F) or has_kv_range(F)):
             whole = (pid_m * BLOCK_M + BLOCK_M <= seq_q) & (pid_n * BLOCK_N + BLOCK_N <= seq_k)
             verdict = tl.where((may_keep != 0) & (may_drop == 0) & whole, 2, verdict)
     state = verdict
@@ -146,9 +139,8 @@ def _classify_blocks(
         for r in tl.static_range(0, BLOCK_M, ROWS):
             offs_m = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
             row_lo, row_hi = _row_bounds(
-                offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, off_b * stride_db, kv_lo,
-                kv_hi, HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            )  # fmt: skip
+                offs_m, seq_q, seq_k, M, F, off_b * mask_row_stride(M), kv_lo, kv_hi
+            )
             keep = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
             keep = keep & (offs_m < seq_q)[:, None] & (offs_n < seq_k)[None, :]
             if MASK_FN is not None:

@@ -60,6 +60,38 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .limits import interpreting
+from .record import (
+    alibi_sign_of,
+    has_alibi,
+    has_docs,
+    has_hi,
+    has_kv_range,
+    has_lo,
+    has_softcap,
+    lists_per_batch,
+    lists_per_head,
+    mask_alibi_stride_b,
+    mask_alibi_stride_h,
+    mask_band_hi,
+    mask_band_lo,
+    mask_col_hi,
+    mask_col_lo,
+    mask_kv_capacity,
+    mask_kv_end,
+    mask_kv_pool,
+    mask_kv_start,
+    mask_page_table,
+    mask_qk_scale,
+    mask_row_hi,
+    mask_row_lo,
+    mask_seq_lens,
+    mask_slopes,
+    mask_softcap_in,
+    mask_softcap_out,
+    mask_table_stride,
+    page_size,
+    tanh_mode_of,
+)
 
 __all__ = [
     "FP32_TINY",
@@ -134,20 +166,7 @@ def _tanh(x, TANH_MODE: tl.constexpr):
 
 
 @triton.jit
-def _log2_scores(
-    qk,
-    rel,
-    offset,
-    qk_scale,
-    softcap_in,
-    softcap_out,
-    alibi_coef,
-    HAS_OFFSET: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr,
-):
+def _log2_scores(qk, rel, offset, alibi_coef, M, F: tl.constexpr, HAS_OFFSET: tl.constexpr):
     """Base-2 scores from raw dot products, minus ``offset`` (a broadcast row or column of
     base-2 log-sum-exps) when ``HAS_OFFSET``.
 
@@ -158,8 +177,11 @@ def _log2_scores(
 
     Returns ``(s2, t)`` where ``t = tanh(scale * qk / cap)`` under a soft-cap (the backward
     pass needs it for ``1 - t^2``) and ``qk`` otherwise (unused then). The terms are summed
-    so that each step is one FMA.
+    so that each step is one FMA. The scale, the soft-cap and ALiBi's sign are the mask's
+    (``M``, ``F``: see ``record.py``).
     """
+    HAS_ALIBI: tl.constexpr = has_alibi(F)
+    ALIBI_SIGN: tl.constexpr = alibi_sign_of(F)
     if HAS_ALIBI:
         dist = tl.abs(rel) if ALIBI_SIGN == 0 else rel
         extra = dist * alibi_coef - offset if HAS_OFFSET else dist * alibi_coef
@@ -167,22 +189,23 @@ def _log2_scores(
         extra = -offset
     else:
         extra = 0.0
-    if HAS_SOFTCAP:
-        t = _tanh(qk * softcap_in, TANH_MODE)
-        s = t * softcap_out + extra
+    if has_softcap(F):
+        t = _tanh(qk * mask_softcap_in(M), tanh_mode_of(F))
+        s = t * mask_softcap_out(M) + extra
     else:
         t = qk
-        s = qk * qk_scale + extra
+        s = qk * mask_qk_scale(M) + extra
     return s, t
 
 
 @triton.jit
-def _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI: tl.constexpr,
-                ALIBI_SIGN: tl.constexpr):  # fmt: skip
+def _alibi_coef(M, F: tl.constexpr, off_b, off_h):
     """The factor of the ALiBi distance in base-2 scores (see ``_log2_scores``)."""
-    if HAS_ALIBI:
-        slope = tl.load(Slopes + off_b * stride_sb + off_h * stride_sh)
-        coef = slope * (LOG2E_K if ALIBI_SIGN < 0 else -LOG2E_K)
+    if has_alibi(F):
+        slope = tl.load(
+            mask_slopes(M) + off_b * mask_alibi_stride_b(M) + off_h * mask_alibi_stride_h(M)
+        )
+        coef = slope * (LOG2E_K if alibi_sign_of(F) < 0 else -LOG2E_K)
     else:
         coef = 0.0
     return coef
@@ -245,13 +268,13 @@ def _load_key_tile(
 
 
 @triton.jit
-def _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE: tl.constexpr):
+def _key_range(M, F: tl.constexpr, off_b, seq_k):
     """Batch row ``off_b``'s valid keys ``[kv_lo, kv_hi)`` with ``0 <= kv_lo <= kv_hi <= S``
     (empty when equal; the front-end checks the bounds, which are clamped here anyway so that
     no load can leave the tensor); ``[0, S)`` without a key range."""
-    if HAS_KV_RANGE:
-        kv_lo = tl.load(KvStart + off_b)
-        kv_hi = tl.load(KvEnd + off_b)
+    if has_kv_range(F):
+        kv_lo = tl.load(mask_kv_start(M) + off_b)
+        kv_hi = tl.load(mask_kv_end(M) + off_b)
         kv_lo = tl.minimum(tl.maximum(kv_lo, 0), seq_k)
         kv_hi = tl.minimum(tl.maximum(kv_hi, kv_lo), seq_k)
     else:
@@ -280,12 +303,12 @@ def _listed_tile(entries, t, TILES: tl.constexpr):
 
 
 @triton.jit
-def _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE: tl.constexpr):
+def _page_row(M, F: tl.constexpr, off_b, seq_k):
     """Batch row ``off_b``'s page table and the token at its key position 0 (``seq_lens[b]
     - seq_k``: its tokens end at the last position); placeholders without pages."""
-    if PAGE > 0:
-        table = PageTable + off_b * stride_tb
-        shift = tl.load(SeqLens + off_b) - seq_k
+    if page_size(F) > 0:
+        table = mask_page_table(M) + off_b * mask_table_stride(M)
+        shift = tl.load(mask_seq_lens(M) + off_b) - seq_k
     else:
         table = 0
         shift = 0
@@ -293,15 +316,16 @@ def _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _paged_rows(table, tokens, capacity, pool_pages, PAGE: tl.constexpr):
-    """The pool rows of a row's ``tokens`` in pages of ``PAGE``: token ``t`` is slot
-    ``t % PAGE`` of page ``table[t // PAGE]``, row ``page * PAGE + slot`` of the pool. Tokens
-    are clamped into the row's ``capacity`` and pages into the pool's ``pool_pages`` (a bad
+def _paged_rows(table, tokens, M, F: tl.constexpr):
+    """The pool rows of a row's ``tokens`` in pages of ``PAGE`` (the mask's page size):
+    token ``t`` is slot ``t % PAGE`` of page ``table[t // PAGE]``, row ``page * PAGE + slot``
+    of the pool. Tokens are clamped into the row's capacity and pages into the pool (a bad
     entry is flagged where the tables are checked, never read out of bounds); positions
     before the row's first token read that token (they are outside its key range)."""
-    t = tl.minimum(tl.maximum(tokens, 0), capacity - 1)
+    PAGE: tl.constexpr = page_size(F)
+    t = tl.minimum(tl.maximum(tokens, 0), mask_kv_capacity(M) - 1)
     page = tl.load(table + t // PAGE)
-    page = tl.minimum(tl.maximum(page, 0), pool_pages - 1)
+    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
     return page.to(tl.int64) * PAGE + t % PAGE
 
 
@@ -342,51 +366,26 @@ def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _key_block_range(
-    start_m,
-    seq_q,
-    seq_k,
-    band_lo,
-    band_hi,
-    RowLo,
-    RowHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    start_m, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+):  # fmt: skip
     """Key blocks seen by query rows ``[start_m, start_m + BLOCK_M)`` (see ``_split_blocks``)."""
-    return _rows_key_blocks(
-        start_m, tl.minimum(start_m + BLOCK_M, seq_q) - 1, seq_k, band_lo, band_hi, RowLo, RowHi,
-        doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+    last = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    return _rows_key_blocks(start_m, last, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_N)
 
 
 @triton.jit
 def _rows_key_blocks(
-    first,
-    last,
-    seq_k,
-    band_lo,
-    band_hi,
-    RowLo,
-    RowHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    first, last, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi, BLOCK_N: tl.constexpr
 ):
-    """Key blocks seen by query rows ``[first, last]`` (see ``_split_blocks``)."""
+    """Key blocks seen by query rows ``[first, last]`` (see ``_split_blocks``); ``doc_off``:
+    the batch row's offset into the document ranges."""
+    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
+    RowLo, RowHi = mask_row_lo(M), mask_row_hi(M)
+    HAS_LO: tl.constexpr = has_lo(F)
+    HAS_HI: tl.constexpr = has_hi(F)
+    HAS_DOCS: tl.constexpr = has_docs(F)
+    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     lo = first * 0
     hi = lo + seq_k
     full_lo = lo
@@ -411,23 +410,14 @@ def _rows_key_blocks(
 
 
 @triton.jit
-def _row_bounds(
-    offs_m,
-    seq_q,
-    seq_k,
-    band_lo,
-    band_hi,
-    RowLo,
-    RowHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-):
+def _row_bounds(offs_m, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi):
     """Per query row, the kept keys ``[row_lo, row_hi)`` (``row_hi <= S``), both ``[BLOCK_M]``."""
+    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
+    RowLo, RowHi = mask_row_lo(M), mask_row_hi(M)
+    HAS_LO: tl.constexpr = has_lo(F)
+    HAS_HI: tl.constexpr = has_hi(F)
+    HAS_DOCS: tl.constexpr = has_docs(F)
+    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     row_lo = offs_m * 0
     row_hi = row_lo + seq_k
     if HAS_LO:
@@ -448,24 +438,16 @@ def _row_bounds(
 
 @triton.jit
 def _query_block_range(
-    start_n,
-    seq_q,
-    seq_k,
-    band_lo,
-    band_hi,
-    ColLo,
-    ColHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    start_n, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+):  # fmt: skip
     """Query blocks that see key columns ``[start_n, start_n + BLOCK_N)``."""
+    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
+    ColLo, ColHi = mask_col_lo(M), mask_col_hi(M)
+    HAS_LO: tl.constexpr = has_lo(F)
+    HAS_HI: tl.constexpr = has_hi(F)
+    HAS_DOCS: tl.constexpr = has_docs(F)
+    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     first = start_n
     last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
     if HAS_KV_RANGE:
@@ -498,24 +480,15 @@ def _query_block_range(
 
 
 @triton.jit
-def _col_bounds(
-    offs_n,
-    seq_q,
-    seq_k,
-    band_lo,
-    band_hi,
-    ColLo,
-    ColHi,
-    doc_off,
-    kv_lo,
-    kv_hi,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-):
+def _col_bounds(offs_n, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi):
     """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S`` and
     outside the key range."""
+    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
+    ColLo, ColHi = mask_col_lo(M), mask_col_hi(M)
+    HAS_LO: tl.constexpr = has_lo(F)
+    HAS_HI: tl.constexpr = has_hi(F)
+    HAS_DOCS: tl.constexpr = has_docs(F)
+    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     in_cols = offs_n < seq_k
     col_lo = offs_n * 0
     col_hi = tl.where(in_cols, col_lo + seq_q, 0)
@@ -534,23 +507,13 @@ def _col_bounds(
 
 
 @triton.jit
-def _list_row(
-    Lists,
-    off_b,
-    off_h,
-    num_heads,
-    row,
-    num_rows,
-    width,
-    LISTS_PER_BATCH: tl.constexpr,
-    LISTS_PER_HEAD: tl.constexpr,
-):
+def _list_row(Lists, F: tl.constexpr, off_b, off_h, num_heads, row, num_rows, width):
     """Where block row ``row`` of batch row ``off_b`` and query head ``off_h`` starts in a
     ``(Bl, Hl, num_rows, 2, width)`` list tensor (see ``program.BlockLists``): its partial
     blocks ``[count, block, ...]``, then at ``+ width`` its full blocks."""
-    lb = off_b if LISTS_PER_BATCH else off_b * 0
-    lh = off_h if LISTS_PER_HEAD else off_h * 0
-    heads = num_heads if LISTS_PER_HEAD else 1
+    lb = off_b if lists_per_batch(F) else off_b * 0
+    lh = off_h if lists_per_head(F) else off_h * 0
+    heads = num_heads if lists_per_head(F) else 1
     return Lists + ((lb * heads + lh) * num_rows + row).to(tl.int64) * (2 * width)
 
 

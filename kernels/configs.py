@@ -144,6 +144,12 @@ def tanh_mode(q: Tensor) -> int:
     return TANH_APPROX
 
 
+def dot_precision(q: Tensor) -> str:
+    """The kernels' ``DOT_PRECISION`` for inputs of ``q``'s dtype: fp32 inputs multiply in
+    full precision, fp16 and bf16 ones in their own (``tf32`` is ignored for them)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The head dim of a tile: the next power of two, at least 16."""
     return max(16, 1 << (head_dim - 1).bit_length())

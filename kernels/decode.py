@@ -52,21 +52,14 @@ import torch
 import triton
 from torch import Tensor
 
-from .common import FP32_TINY
-from .configs import padded_head_dim
+from .configs import dot_precision, padded_head_dim
 from .decode_kernels import _decode_fwd, _decode_merge
-from .forward import (
-    Pages,
-    check_identity,
-    identity_of,
-    page_args,
-    page_scalars,
-    stand_in,
-)
+from .forward import Pages, check_identity, identity_of, page_tensors, stand_in
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
-from .masks import doc_stride, mask_args
+from .masks import launch_mask
 from .program import MaskProgram
+from .record import MaskRecord
 
 __all__ = [
     "MAX_DECODE_QUERIES",
@@ -361,7 +354,7 @@ class DecodePlan:
 
     identity: tuple[object, ...]
     layout: DecodeLayout | None  # None: an empty output, nothing to launch
-    mask_tensors: tuple[Tensor | None, ...]  # row_lo, row_hi, kv_start, kv_end, slopes
+    mask: MaskRecord | None  # the kernel's mask record (its tensors are read at each launch)
     scalars: tuple[int | float, ...]  # the output's strides and the scalars after them
     kernel: PreparedLaunch | None  # with more than one split, its last share merges
     part_size: int  # float32 elements of the partial results (one split: 0, none)
@@ -393,7 +386,7 @@ class DecodePlan:
         (:func:`plan_decode`), where this call's keys lie in ``k`` and ``v``."""
         out = empty_contiguous(q)  # (B, Hq, L, E): the strides the plan holds
         kernel, merge = self.kernel, None
-        if kernel is None:
+        if kernel is None or self.mask is None:
             return out
         direct = kernel.direct()
         parts = counters = None
@@ -429,8 +422,7 @@ class DecodePlan:
         else:
             call_key = None
         kernel(
-            call_key, q, k, v, out, parts, counters, *self.mask_tensors,
-            *page_args(pages),
+            call_key, q, k, v, out, parts, counters, *self.mask.values(*page_tensors(pages)),
             *q_stride, *k_stride, *v_stride, *self.scalars,
         )  # fmt: skip
         if merge is not None:
@@ -481,8 +473,8 @@ def plan_decode(
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q * head_dim == 0:
-        return DecodePlan(identity, None, (), (), None, 0, 0)
-    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False, lists=False)
+        return DecodePlan(identity, None, None, (), None, 0, 0)
+    mask = launch_mask(q, k, program, scale=scale, rows=True, cols=False, lists=False, pages=pages)
     layout = decode_layout(
         q.shape, k.shape, q.device, program, itemsize=q.element_size(), splits=num_splits
     )
@@ -496,11 +488,9 @@ def plan_decode(
         BLOCK_E=block_e,
         BLOCK_M=layout.block_m,
         BLOCK_N=cfg.block_n,
-        **mask.flags(q),
-        **mask.mod_options(backward=False, decode=True),
-        PAGE=0 if pages is None else pages.page_size,
+        DOT_PRECISION=dot_precision(q),
+        **mask.options(backward=False, decode=True),
         EVEN_N=seq_k % cfg.block_n == 0,
-        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
         SPLIT=split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -524,24 +514,8 @@ def plan_decode(
     return DecodePlan(
         identity,
         layout,
-        (mask.row_lo, mask.row_hi, mask.kv_start, mask.kv_end, mask.slopes),
-        (
-            *out_strides,
-            doc_stride(mask, seq_q),
-            mask.stride_sb,
-            mask.stride_sh,
-            *page_scalars(pages),
-            layout.group_size,
-            layout.row_tiles,
-            seq_q,
-            seq_k,
-            mask.band_lo,
-            mask.band_hi,
-            mask.qk_scale,
-            mask.softcap_in,
-            mask.softcap_out,
-            *mask.mod_args(),
-        ),
+        mask.record,
+        (*out_strides, layout.group_size, layout.row_tiles, seq_q, seq_k, *mask.mod_args()),
         PreparedLaunch(mask.kernel(_decode_fwd), grid, {**options, "MERGE_LAST": split}),
         layout.splits * tiles * layout.block_m * (block_e + 1) if split else 0,
         tiles,

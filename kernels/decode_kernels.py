@@ -19,6 +19,14 @@ from .common import (
     _rows_key_blocks,
 )
 from .forward import _attn_fwd_runs
+from .record import (
+    alibi_sign_of,
+    has_alibi,
+    mask_alibi_stride_b,
+    mask_alibi_stride_h,
+    mask_row_stride,
+    mask_slopes,
+)
 
 __all__: list[str] = []
 # --------------------------------------------------------------------------------------
@@ -34,53 +42,28 @@ def _decode_fwd(
     Out,
     Parts,
     Counters,
-    RowLo,
-    RowHi,
-    KvStart,
-    KvEnd,
-    Slopes,
-    PageTable,
-    SeqLens,
+    M,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
-    stride_db,
-    stride_sb, stride_sh,
-    stride_tb,
-    kv_capacity,
-    kv_pool,
     group_size,
     row_tiles,
     seq_q,
     seq_k,
-    band_lo,
-    band_hi,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     MOD,
+    F: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_N: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_LAST: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
     HEADLESS_TILE_FN: tl.constexpr = None,
-    PAGE: tl.constexpr = 0,
 ):  # fmt: skip
     """One share of the key blocks of one tile of packed rows (grid: splits, Hkv * tiles, B).
 
@@ -96,17 +79,13 @@ def _decode_fwd(
     entry and on exit), merges them into the output, and without it :func:`_decode_merge`
     does. With one share it stores the output itself.
 
-    With ``PAGE`` the keys lie in pages of that many tokens (a paged cache): ``K`` and ``V``
-    are the pools' rows along dim 2 (batch stride 0), batch row ``b``'s pages are listed in
-    ``PageTable[b]`` (int32, batch stride ``stride_tb``, ``kv_capacity / PAGE`` entries) and
-    its ``SeqLens[b]`` tokens end at key position ``seq_k`` (see ``_paged_rows``).
+    ``M``, ``F``: the mask (``record.py``). With its page size the keys lie in pages of that
+    many tokens (a paged cache): ``K`` and ``V`` are the pools' rows along dim 2 (batch stride
+    0), batch row ``b``'s pages are listed in its row of the page table and its ``seq_lens[b]``
+    tokens end at key position ``seq_k`` (see ``_paged_rows``).
     """
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
-    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap_in = tl.cast(softcap_in, tl.float32)
-    softcap_out = tl.cast(softcap_out, tl.float32)
     pid_split = tl.program_id(0)
     num_splits = tl.num_programs(0)
     off_hk = tl.program_id(1) // row_tiles
@@ -128,17 +107,15 @@ def _decode_fwd(
     q = tl.load(q_ptrs, mask=in_tile, other=0.0)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
-    kv_table, kv_shift = _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE=PAGE)
+    kv_table, kv_shift = _page_row(M, F, off_b, seq_k)
 
-    doc_off = off_b * stride_db
+    doc_off = off_b * mask_row_stride(M)
     first_q = start_r // group_size
     last_q = tl.minimum((start_r + BLOCK_M - 1) // group_size, seq_q - 1)
-    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     block_first, full_first, full_end, block_end = _rows_key_blocks(
-        first_q, last_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-        BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+        first_q, last_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_N
+    )
     if MASK_FN is not None and HEADLESS_TILE_FN is not None:
         # the band's full run stays full where the masks' bounds over all of it (or all but
         # its last block, which a draft tree's root shares with the cache) keep every pair
@@ -166,14 +143,15 @@ def _decode_fwd(
     middle_end = tl.maximum(tl.minimum(full_end, share_end), middle_first)
     suffix_first = tl.minimum(tl.maximum(full_end, share_first), share_end)
 
-    row_lo, row_hi = _row_bounds(
-        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-    )  # fmt: skip
-    if HAS_ALIBI:
+    row_lo, row_hi = _row_bounds(offs_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi)
+    if has_alibi(F):
         # heads differ between rows: one slope per row, broadcast over the keys
-        slopes = tl.load(Slopes + off_b * stride_sb + heads * stride_sh, mask=in_rows, other=0.0)
-        sign = LOG2E_K if ALIBI_SIGN < 0 else -LOG2E_K
+        slopes = tl.load(
+            mask_slopes(M) + off_b * mask_alibi_stride_b(M) + heads * mask_alibi_stride_h(M),
+            mask=in_rows,
+            other=0.0,
+        )
+        sign = LOG2E_K if alibi_sign_of(F) < 0 else -LOG2E_K
         alibi_coef = (slopes * sign)[:, None]  # [BLOCK_M, 1]
     else:
         alibi_coef = 0.0
@@ -191,12 +169,10 @@ def _decode_fwd(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, share_first, prefix_end, middle_first, middle_end, suffix_first,
         share_end,
-        seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-        ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
-        BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, POSITIVE_SCALE=POSITIVE_SCALE,
-        MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_table=kv_table, kv_shift=kv_shift,
-        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
+        seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M, F,
+        EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_table=kv_table,
+        kv_shift=kv_shift,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

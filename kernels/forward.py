@@ -13,7 +13,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import (
-    FP32_TINY,
     LN2_K,
     _alibi_coef,
     _dot,
@@ -33,55 +32,45 @@ from .common import (
     _row_bounds,
     _tile_ptrs,
 )
-from .configs import FORWARD_CONFIGS, padded_head_dim, pick_config
+from .configs import FORWARD_CONFIGS, dot_precision, padded_head_dim, pick_config
 from .launch import PreparedLaunch, empty_contiguous, empty_rows
-from .masks import doc_stride, late_rows_first, mask_args
+from .masks import late_rows_first, launch_mask
 from .program import MaskProgram
+from .record import (
+    MaskRecord,
+    has_alibi,
+    has_block_lists,
+    has_docs,
+    has_hi,
+    has_kv_range,
+    has_lo,
+    has_softcap,
+    mask_kv_lists,
+    mask_qk_scale,
+    mask_row_stride,
+    page_size,
+    positive_scale,
+    sparse_m,
+    sparse_n,
+)
 
 __all__ = [
-    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of", "page_args",
-    "page_scalars", "plan_forward", "reads_pages", "stand_in",
+    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of",
+    "page_tensors", "plan_forward", "reads_pages", "stand_in",
 ]  # fmt: skip
 
 
 @triton.jit
 def _attn_fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_head,
-    v_head,
-    stride_kn,
-    stride_kk,
-    stride_vn,
-    stride_vk,
-    offs_m,
-    row_lo,
-    row_hi,
-    block_first,
-    block_end,
-    seq_k,
-    kv_lo,
-    kv_hi,
-    shift,
-    qk_scale,
-    softcap_in,
-    softcap_out,
-    alibi_coef,
-    MODC,
+    acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk, offs_m,
+    row_lo, row_hi, block_first, block_end, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M,
+    F: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr,
     MASK_FN: tl.constexpr,
     SCORE_FN: tl.constexpr,
     entries=0,
@@ -90,27 +79,30 @@ def _attn_fwd_inner(
     TILED_SCORES: tl.constexpr = False,
     kv_table=0,
     kv_shift=0,
-    kv_capacity=0,
-    kv_pool=0,
-    PAGE: tl.constexpr = 0,
-):
+):  # fmt: skip
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
     in list order, so that one loop (one software pipeline) runs over every listed block.
     ``BOUNDED``: whether ``row_lo``, ``row_hi`` hold mask terms (see ``_partial_keep``).
     ``TILED_SCORES``: ``MODC`` holds one batch row and head (see ``_mod_score``).
-    ``PAGE``: the keys lie in pages of ``PAGE`` tokens (a paged cache): key position ``n`` is
-    the row's token ``n + kv_shift``, read where ``kv_table`` (its page table) puts it among
-    the rows of ``k_head`` / ``v_head`` (:func:`_paged_rows`; ``kv_capacity`` tokens a row,
-    ``kv_pool`` pages in the pool)."""
+    ``M``, ``F``: the mask (``record.py``). With its page size, the keys lie in pages (a
+    paged cache): key position ``n`` is the row's token ``n + kv_shift``, read where
+    ``kv_table`` (its page table) puts it among the rows of ``k_head`` / ``v_head``
+    (:func:`_paged_rows`)."""
+    HAS_SOFTCAP: tl.constexpr = has_softcap(F)
+    HAS_ALIBI: tl.constexpr = has_alibi(F)
+    PAGE: tl.constexpr = page_size(F)
+    qk_scale = mask_qk_scale(M)
     # Raw dot products can be masked and maximised before scaling only when the scale is a
     # positive normal float: scaling then keeps the order and -inf; otherwise scale first.
-    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and POSITIVE_SCALE
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or SCORE_FN is not None) and positive_scale(
+        F
+    )
     # tiles past the sequence's end exist only when its length is no multiple of BLOCK_N
     BOUNDS: tl.constexpr = MASKED and not EVEN
     # Full tiles lie inside the key range; partial ones may cross its ends: keys and values
     # outside it are not read there (zeros), so that nothing in them reaches the results.
-    IN_RANGE: tl.constexpr = MASKED and HAS_KV_RANGE
+    IN_RANGE: tl.constexpr = MASKED and has_kv_range(F)
     offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
     start = (block_first * BLOCK_N).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
@@ -119,7 +111,7 @@ def _attn_fwd_inner(
         tl.static_assert(LISTED_TILES == 0, "paged keys are read over contiguous tiles")
         # each tile's rows are worked out one tile ahead, so that its key and value loads do
         # not wait for its page numbers
-        next_rows = _paged_rows(kv_table, offs_n + kv_shift, kv_capacity, kv_pool, PAGE)
+        next_rows = _paged_rows(kv_table, offs_n + kv_shift, M, F)
     for t in range(block_first, block_end):
         if LISTED_TILES > 0:
             tile = _listed_tile(entries, t, LISTED_TILES)
@@ -133,7 +125,7 @@ def _attn_fwd_inner(
             k_ptrs = k_head + rows[:, None] * stride_kn + offs_e * stride_kk
             v_ptrs = v_head + rows[:, None] * stride_vn + offs_e * stride_vk
             ahead = offs_n + BLOCK_N + kv_shift
-            next_rows = _paged_rows(kv_table, ahead, kv_capacity, kv_pool, PAGE)
+            next_rows = _paged_rows(kv_table, ahead, M, F)
         k = _load_key_tile(  # [BLOCK_N, BLOCK_E]
             k_ptrs, offs_n, seq_k, kv_lo, kv_hi,
             BOUNDS=BOUNDS, IN_RANGE=IN_RANGE, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
@@ -145,11 +137,7 @@ def _attn_fwd_inner(
                 rel = (offs_m + shift).to(tl.float32)[:, None] - offs_n.to(tl.float32)[None, :]
             else:
                 rel = 0.0
-            qk, _t = _log2_scores(
-                qk, rel, 0.0, qk_scale, softcap_in, softcap_out, alibi_coef,
-                HAS_OFFSET=False, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-                ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE,
-            )  # fmt: skip
+            qk, _t = _log2_scores(qk, rel, 0.0, alibi_coef, M, F, HAS_OFFSET=False)
             if SCORE_FN is not None:
                 qk = _mod_score(qk, offs_m, offs_n, MODC, SCORE_FN, TILED=TILED_SCORES)
         if MASKED:
@@ -191,50 +179,37 @@ def _attn_fwd_inner(
 def _attn_fwd_runs(
     acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
     offs_m, row_lo, row_hi, prefix_first, prefix_end, middle_first, middle_end, suffix_first,
-    suffix_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out, alibi_coef,
-    MODC,
-    EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr, TANH_MODE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr, MASK_FN: tl.constexpr,
-    SCORE_FN: tl.constexpr, TILED_SCORES: tl.constexpr = False, kv_table=0, kv_shift=0,
-    kv_capacity=0, kv_pool=0, PAGE: tl.constexpr = 0,
+    suffix_end, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M, F: tl.constexpr,
+    EVEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
+    TILED_SCORES: tl.constexpr = False, kv_table=0, kv_shift=0,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
-    mask) and a partial suffix, each ``[first, end)`` in blocks (``PAGE`` and the ``kv_``
-    page arguments: as :func:`_attn_fwd_inner` takes them)."""
+    mask) and a partial suffix, each ``[first, end)`` in blocks (the page arguments: as
+    :func:`_attn_fwd_inner` takes them)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        alibi_coef, MODC, M, F,
+        MASKED=True, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
-        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, middle_first, middle_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        MASKED=False, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        alibi_coef, MODC, M, F,
+        MASKED=False, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
-        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, suffix_first, suffix_end, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in, softcap_out, alibi_coef, MODC,
-        MASKED=True, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        alibi_coef, MODC, M, F,
+        MASKED=True, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
-        kv_capacity=kv_capacity, kv_pool=kv_pool, PAGE=PAGE,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -242,29 +217,23 @@ def _attn_fwd_runs(
 @triton.jit
 def _attn_fwd_listed(
     acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-    offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in,
-    softcap_out, alibi_coef, MODC,
-    MASKED: tl.constexpr, EVEN: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_SIGN: tl.constexpr,
-    TANH_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIVE_SCALE: tl.constexpr,
-    SPARSE_N: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
-    BOUNDED: tl.constexpr, TILED_SCORES: tl.constexpr = False,
+    offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M,
+    F: tl.constexpr, MASKED: tl.constexpr, EVEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr, BOUNDED: tl.constexpr,
+    TILED_SCORES: tl.constexpr = False,
 ):  # fmt: skip
-    """The key blocks of one list (``entries``: a count, then list blocks of ``SPARSE_N``
-    keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or all full, in one
-    loop over the tiles of every block."""
-    TILES: tl.constexpr = SPARSE_N // BLOCK_N
+    """The key blocks of one list (``entries``: a count, then list blocks of the mask's
+    ``sparse_n`` keys), each as its tiles of ``BLOCK_N`` keys, all partial (``MASKED``) or
+    all full, in one loop over the tiles of every block."""
+    TILES: tl.constexpr = sparse_n(F) // BLOCK_N
     tiles = _listed_tiles(entries, seq_k, BLOCK_N, TILES)
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, tl.zeros([], dtype=tl.int32), tiles, seq_k, kv_lo, kv_hi, shift,
-        qk_scale, softcap_in,
-        softcap_out, alibi_coef, MODC,
-        MASKED=MASKED, EVEN=EVEN, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-        HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-        BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-        POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+        alibi_coef, MODC, M, F,
+        MASKED=MASKED, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+        DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
         entries=entries, LISTED_TILES=TILES, BOUNDED=BOUNDED, TILED_SCORES=TILED_SCORES,
     )  # fmt: skip
     return acc, l_i, m_i
@@ -277,69 +246,35 @@ def _attn_fwd(
     V,
     Out,
     Lse,
-    RowLo,
-    RowHi,
-    Slopes,
-    KvStart,
-    KvEnd,
-    Lists,
-    PageTable,
-    SeqLens,
+    M,
     stride_qb, stride_qh, stride_qm, stride_qk,
     stride_kb, stride_kh, stride_kn, stride_kk,
     stride_vb, stride_vh, stride_vn, stride_vk,
     stride_ob, stride_oh, stride_om, stride_ok,
-    stride_db,
-    stride_sb, stride_sh,
-    stride_tb,
-    kv_capacity,
-    kv_pool,
     num_heads,
     group_size,
     seq_q,
     seq_k,
-    band_lo,
-    band_hi,
-    qk_scale,
-    softcap_in,
-    softcap_out,
     MOD,
+    F: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_KV_RANGE: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    ALIBI_SIGN: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    TANH_MODE: tl.constexpr,
     REVERSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_N: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr,
-    HAS_BLOCK_LISTS: tl.constexpr,
-    LISTS_PER_BATCH: tl.constexpr,
-    LISTS_PER_HEAD: tl.constexpr,
-    SPARSE_M: tl.constexpr,
-    SPARSE_N: tl.constexpr,
     MASK_FN: tl.constexpr = None,
     SCORE_FN: tl.constexpr = None,
-    PAGE: tl.constexpr = 0,
 ):  # fmt: skip
-    """One tile of query rows of one head and batch row (grid: query tiles, Hq, B). With
-    ``PAGE`` the keys lie in pages of that many tokens (a paged cache): ``K`` and ``V`` are
-    the pools' rows along dim 2 (batch stride 0), batch row ``b``'s pages are listed in
-    ``PageTable[b]`` (int32, batch stride ``stride_tb``, ``kv_capacity / PAGE`` entries) and
-    its ``SeqLens[b]`` tokens end at key position ``seq_k``; not with block lists."""
+    """One tile of query rows of one head and batch row (grid: query tiles, Hq, B); ``M``,
+    ``F``: the mask (``record.py``). With a page size the keys lie in pages of that many
+    tokens (a paged cache): ``K`` and ``V`` are the pools' rows along dim 2 (batch stride 0),
+    batch row ``b``'s pages are listed in its row of the page table and its ``seq_lens[b]``
+    tokens end at key position ``seq_k``; not with block lists."""
     tl.static_assert(BLOCK_E >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_E >= 16)
-    # torch.compile passes Python floats as fp64; keep the softmax arithmetic in fp32
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap_in = tl.cast(softcap_in, tl.float32)
-    softcap_out = tl.cast(softcap_out, tl.float32)
+    HAS_BLOCK_LISTS: tl.constexpr = has_block_lists(F)
     pid_m = tl.program_id(0)
     if REVERSE:  # rows late in the sequence keep the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -357,23 +292,20 @@ def _attn_fwd(
     q = _load_tile(q_ptrs, offs_m, seq_q, True, HEAD_DIM, BLOCK_E)  # [BLOCK_M, BLOCK_E]
     k_head = K + off_b * stride_kb + off_hk * stride_kh
     v_head = V + off_b * stride_vb + off_hk * stride_vh
-    kv_table, kv_shift = _page_row(PageTable, SeqLens, off_b, stride_tb, seq_k, PAGE=PAGE)
-    tl.static_assert(PAGE == 0 or not HAS_BLOCK_LISTS, "paged keys are read over contiguous tiles")
+    kv_table, kv_shift = _page_row(M, F, off_b, seq_k)
+    tl.static_assert(
+        page_size(F) == 0 or not HAS_BLOCK_LISTS, "paged keys are read over contiguous tiles"
+    )
 
-    doc_off = off_b * stride_db
-    kv_lo, kv_hi = _key_range(KvStart, KvEnd, off_b, seq_k, HAS_KV_RANGE=HAS_KV_RANGE)
+    doc_off = off_b * mask_row_stride(M)
+    kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     if not HAS_BLOCK_LISTS:
         # before the row bounds: in another order the band path compiles to other code
         block_first, full_first, full_end, block_end = _key_block_range(
-            start_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-            HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
-    row_lo, row_hi = _row_bounds(
-        offs_m, seq_q, seq_k, band_lo, band_hi, RowLo, RowHi, doc_off, kv_lo, kv_hi,
-        HAS_LO=HAS_LO, HAS_HI=HAS_HI, HAS_DOCS=HAS_DOCS, HAS_KV_RANGE=HAS_KV_RANGE,
-    )  # fmt: skip
-    alibi_coef = _alibi_coef(Slopes, off_b, off_h, stride_sb, stride_sh, HAS_ALIBI, ALIBI_SIGN)
+            start_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_M, BLOCK_N
+        )
+    row_lo, row_hi = _row_bounds(offs_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi)
+    alibi_coef = _alibi_coef(M, F, off_b, off_h)
     shift = seq_k - seq_q
     if MASK_FN is not None or SCORE_FN is not None:
         MODC = _mod_context(off_b, off_h, seq_q, seq_k, MOD)
@@ -385,45 +317,36 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
     if HAS_BLOCK_LISTS:
         # the listed key blocks of this tile's list row, partial then full
-        tl.static_assert(SPARSE_M % BLOCK_M == 0 and SPARSE_N % BLOCK_N == 0)
-        BOUNDED: tl.constexpr = HAS_LO or HAS_HI or HAS_DOCS or HAS_KV_RANGE
-        width = tl.cdiv(seq_k, SPARSE_N) + 1
+        SPARSE_M: tl.constexpr = sparse_m(F)
+        tl.static_assert(SPARSE_M % BLOCK_M == 0 and sparse_n(F) % BLOCK_N == 0)
+        BOUNDED: tl.constexpr = has_lo(F) or has_hi(F) or has_docs(F) or has_kv_range(F)
+        width = tl.cdiv(seq_k, sparse_n(F)) + 1
         entries = _list_row(
-            Lists, off_b, off_h, num_heads, start_m // SPARSE_M, tl.cdiv(seq_q, SPARSE_M), width,
-            LISTS_PER_BATCH=LISTS_PER_BATCH, LISTS_PER_HEAD=LISTS_PER_HEAD,
+            mask_kv_lists(M), F, off_b, off_h, num_heads, start_m // SPARSE_M,
+            tl.cdiv(seq_q, SPARSE_M), width,
         )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-            offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, qk_scale,
-            softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=True, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED, TILED_SCORES=True,
+            offs_m, row_lo, row_hi, entries, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M,
+            F, MASKED=True, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, BOUNDED=BOUNDED,
+            TILED_SCORES=True,
         )  # fmt: skip
         acc, l_i, m_i = _attn_fwd_listed(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
-            offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift, qk_scale,
-            softcap_in, softcap_out, alibi_coef, MODC,
-            MASKED=False, EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, SPARSE_N=SPARSE_N, MASK_FN=MASK_FN,
-            SCORE_FN=SCORE_FN, BOUNDED=BOUNDED, TILED_SCORES=True,
+            offs_m, row_lo, row_hi, entries + width, seq_k, kv_lo, kv_hi, shift, alibi_coef,
+            MODC, M, F, MASKED=False, EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E,
+            BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+            BOUNDED=BOUNDED, TILED_SCORES=True,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attn_fwd_runs(
             acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
             offs_m, row_lo, row_hi, block_first, full_first, full_first, full_end, full_end,
-            block_end, seq_k, kv_lo, kv_hi, shift, qk_scale, softcap_in, softcap_out,
-            alibi_coef, MODC,
-            EVEN=EVEN_N, HAS_KV_RANGE=HAS_KV_RANGE, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_ALIBI=HAS_ALIBI, ALIBI_SIGN=ALIBI_SIGN, TANH_MODE=TANH_MODE, HEAD_DIM=HEAD_DIM,
-            BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            POSITIVE_SCALE=POSITIVE_SCALE, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-            TILED_SCORES=True, kv_table=kv_table, kv_shift=kv_shift, kv_capacity=kv_capacity,
-            kv_pool=kv_pool, PAGE=PAGE,
+            block_end, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M, F,
+            EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
+            TILED_SCORES=True, kv_table=kv_table, kv_shift=kv_shift,
         )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -455,16 +378,10 @@ class Pages:
     keys: int
 
 
-def page_args(pages: Pages | None) -> tuple[Tensor | None, Tensor | None]:
-    """The kernels' ``PageTable`` and ``SeqLens`` launch arguments (``None`` each without)."""
-    return (None, None) if pages is None else (pages.table, pages.seq_lens)
-
-
-def page_scalars(pages: Pages | None) -> tuple[int, int, int]:
-    """The kernels' ``stride_tb``, ``kv_capacity`` and ``kv_pool`` (0 each without pages)."""
-    if pages is None:
-        return 0, 0, 0
-    return pages.table.stride(0), pages.table.shape[1] * pages.page_size, pages.num_pages
+def page_tensors(pages: Pages | None) -> tuple[Tensor, Tensor] | tuple[()]:
+    """A launch's page table and lengths for :meth:`~.record.MaskRecord.values` (none
+    without pages)."""
+    return () if pages is None else (pages.table, pages.seq_lens)
 
 
 def reads_pages(program: MaskProgram) -> bool:
@@ -508,8 +425,7 @@ class ForwardPlan:
     """
 
     identity: tuple[object, ...]
-    # row_lo, row_hi, slopes, kv_start, kv_end, the key-block lists
-    mask_tensors: tuple[Tensor | None, ...]
+    mask: MaskRecord | None  # the kernel's mask record (its tensors are read at each launch)
     scalars: tuple[int | float, ...]  # the runtime scalars after the strides
     kernel: PreparedLaunch | None  # None: an empty output, nothing to launch
 
@@ -527,7 +443,7 @@ class ForwardPlan:
             check_identity("forward", self.identity, q, k, v)
         out = empty_contiguous(q)  # (B, Hq, L, E)
         lse = empty_rows(q)  # (B, Hq, L)
-        if self.kernel is None:
+        if self.kernel is None or self.mask is None:
             return out, lse
         q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
         # What the compiled kernel is specialised on beyond the plan: the strides (out and lse
@@ -544,9 +460,8 @@ class ForwardPlan:
                     *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)),
                 )
         self.kernel(
-            call_key, q, k, v, out, lse, *self.mask_tensors,
-            *page_args(pages), *q_stride, *k_stride,
-            *v_stride, *out.stride(), *self.scalars,
+            call_key, q, k, v, out, lse, *self.mask.values(*page_tensors(pages)), *q_stride,
+            *k_stride, *v_stride, *out.stride(), *self.scalars,
         )  # fmt: skip
         return out, lse
 
@@ -575,8 +490,8 @@ def plan_forward(
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     identity = identity_of(q, k, v)
     if batch * num_heads * seq_q == 0:
-        return ForwardPlan(identity, (), (), None)
-    mask = mask_args(q, k, program, scale=scale, rows=True, cols=False)
+        return ForwardPlan(identity, None, (), None)
+    mask = launch_mask(q, k, program, scale=scale, rows=True, cols=False, pages=pages)
     block_e = padded_head_dim(head_dim)
     cfg = pick_config(FORWARD_CONFIGS, q, block_e, mask.listed_mask_forward_configs())
     block_m, block_n = mask.tiles(cfg.block_m, cfg.block_n)
@@ -587,34 +502,16 @@ def plan_forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         REVERSE=late_rows_first(seq_q, seq_k, mask),
-        **mask.flags(q),
-        **mask.list_flags(),
-        **mask.mod_options(backward=False),
+        DOT_PRECISION=dot_precision(q),
         EVEN_N=seq_k % block_n == 0,
-        POSITIVE_SCALE=mask.qk_scale >= FP32_TINY,
-        PAGE=0 if pages is None else pages.page_size,
+        **mask.options(backward=False),
         num_warps=cfg.num_warps,
         num_stages=mask.stages(cfg.num_stages),
     )
     return ForwardPlan(
         identity,
-        (mask.row_lo, mask.row_hi, mask.slopes, mask.kv_start, mask.kv_end, mask.kv_lists),
-        (
-            doc_stride(mask, seq_q),
-            mask.stride_sb,
-            mask.stride_sh,
-            *page_scalars(pages),
-            num_heads,
-            num_heads // num_kv_heads,
-            seq_q,
-            seq_k,
-            mask.band_lo,
-            mask.band_hi,
-            mask.qk_scale,
-            mask.softcap_in,
-            mask.softcap_out,
-            *mask.mod_args(),
-        ),
+        mask.record,
+        (num_heads, num_heads // num_kv_heads, seq_q, seq_k, *mask.mod_args()),
         PreparedLaunch(mask.kernel(_attn_fwd), grid, options),
     )
 

@@ -1,8 +1,10 @@
-"""The launchers' view of a call's mask: band bounds, document ranges, key ranges, ALiBi and
-soft-cap arguments, and the launch order of programs."""
+"""The launchers' view of a call's mask: a :class:`~.program.MaskProgram` made into the
+kernels' record and features (band bounds, document ranges, key ranges, ALiBi and soft-cap
+arguments, block lists, pages), and the launch order of programs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -13,50 +15,35 @@ import triton
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .common import LOG2E
+from .common import FP32_TINY, LOG2E
 from .configs import LISTED_MASK_FORWARD_CONFIGS, tanh_mode
 from .launch import launcher, launches_traceable
 from .program import BlockLists, MaskProgram
+from .record import MaskFeatures, MaskRecord, flat_kernel
 
 if TYPE_CHECKING:
+    from .forward import Pages
     from .modfn import CompiledMods
 
 __all__ = [
-    "MaskArgs",
+    "LaunchMask",
     "alibi_score_offset",
     "alibi_sign",
-    "doc_stride",
     "late_cols_first",
     "late_rows_first",
-    "mask_args",
+    "launch_mask",
     "mod_block_lists",
     "with_mod_lists",
 ]
 
 
-@dataclass(frozen=True)
-class MaskArgs:
-    """Kernel arguments describing the mask and score modifiers of one call."""
+@dataclass(frozen=True, eq=False)
+class LaunchMask:
+    """A call's mask as the kernels take it (``record.py``): the runtime record and the
+    compile-time features, with the block lists and generated functions they come from."""
 
-    has_lo: bool
-    has_hi: bool
-    band_lo: int
-    band_hi: int
-    row_lo: Tensor | None  # (Bd, L) int32: first key of each query row's document
-    row_hi: Tensor | None  # (Bd, L) int32: one past its last key
-    col_lo: Tensor | None  # (Bd, S) int32: first query of each key column's document
-    col_hi: Tensor | None  # (Bd, S) int32: one past its last query
-    docs_per_batch: bool  # False when one row of ids is shared by the whole batch
-    kv_start: Tensor | None  # (B,) int32: first valid key of each batch row
-    kv_end: Tensor | None  # (B,) int32: one past its last
-    slopes: Tensor | None
-    alibi_sign: int  # +1 (-1): every kept pair has i + (S - L) - j >= 0 (<= 0); 0 unknown
-    stride_sb: int
-    stride_sh: int
-    qk_scale: float
-    has_softcap: bool
-    softcap_in: float
-    softcap_out: float
+    record: MaskRecord
+    features: MaskFeatures
     blocks: BlockLists | None = None  # the block-list iteration source, if the program has one
     mods: CompiledMods | None = None  # generated mask and score functions
 
@@ -67,16 +54,17 @@ class MaskArgs:
             return None
         return LISTED_MASK_FORWARD_CONFIGS
 
-    def mod_options(self, *, backward: bool, decode: bool = False) -> dict[str, Any]:
-        """The ``tl.constexpr`` generated-function parameters of a training kernel (or the
-        decode kernel) without generated functions: ``None`` each (passed all the same: a
-        traced launch takes every parameter explicitly). With them, :meth:`kernel` binds them
-        and this is empty."""
-        if self.mods is not None:
-            return {}
-        options = {"MASK_FN": None, "SCORE_GRAD_FN" if backward else "SCORE_FN": None}
-        if decode:
-            options["HEADLESS_TILE_FN"] = None
+    def options(self, *, backward: bool, decode: bool = False) -> dict[str, Any]:
+        """The ``tl.constexpr`` arguments of a kernel's flat form (:meth:`kernel`) for this
+        mask: the features, and without generated functions the kernel's function
+        parameters, ``None`` each (passed all the same: a traced launch takes every parameter
+        explicitly; with them, :meth:`kernel` binds them)."""
+        options = self.features.options()
+        if self.mods is None:
+            options["MASK_FN"] = None
+            options["SCORE_GRAD_FN" if backward else "SCORE_FN"] = None
+            if decode:
+                options["HEADLESS_TILE_FN"] = None
         return options
 
     def param_grad_option(self) -> dict[str, Any]:
@@ -90,53 +78,15 @@ class MaskArgs:
         return [None] if self.mods is None else self.mods.args()
 
     def kernel(self, base: Any, extra: int = 0, *, param_grads: bool = False) -> Any:
-        """``base``, or with generated functions, its form taking their flat arguments (and
-        ``extra`` more after them: gradient buffers) with the functions bound to its
+        """``base`` in its flat form (:func:`~.record.flat_kernel`): the record's fields and
+        the features as flat parameters, and with generated functions their flat arguments
+        (and ``extra`` more after them: gradient buffers) with the functions bound to its
         ``MASK_FN``, ``SCORE_FN``, ``SCORE_GRAD_FN`` and (with ``param_grads``)
         ``PARAM_GRAD_FN`` parameters."""
         mods = self.mods
         if mods is None:
-            return base
-        from .modfn import with_flat_mods
-
-        return with_flat_mods(base, len(mods.args()) + extra, mods.bound(param_grads))
-
-    def flags(self, q: Tensor) -> dict[str, Any]:
-        """The ``tl.constexpr`` flags every attention kernel takes for this mask and for
-        inputs of ``q``'s dtype and device."""
-        return dict(
-            HAS_LO=self.has_lo,
-            HAS_HI=self.has_hi,
-            HAS_DOCS=self.row_lo is not None,
-            HAS_KV_RANGE=self.kv_start is not None,
-            HAS_ALIBI=self.slopes is not None,
-            ALIBI_SIGN=self.alibi_sign,
-            HAS_SOFTCAP=self.has_softcap,
-            TANH_MODE=tanh_mode(q),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        )
-
-    def list_flags(self) -> dict[str, Any]:
-        """The ``tl.constexpr`` flags of the block-list source, for the training kernels.
-        Without lists they are fixed values, so those calls compile one kernel."""
-        blocks = self.blocks
-        return dict(
-            HAS_BLOCK_LISTS=blocks is not None,
-            LISTS_PER_BATCH=blocks is not None and blocks.per_batch,
-            LISTS_PER_HEAD=blocks is not None and blocks.per_head,
-            SPARSE_M=128 if blocks is None else blocks.block_m,
-            SPARSE_N=128 if blocks is None else blocks.block_n,
-        )
-
-    @property
-    def kv_lists(self) -> Tensor | None:
-        """The key blocks per query block (forward, dQ), or ``None``."""
-        return None if self.blocks is None else self.blocks.kv_lists
-
-    @property
-    def q_lists(self) -> Tensor | None:
-        """The query blocks per key block (dK/dV), or ``None``."""
-        return None if self.blocks is None else self.blocks.q_lists
+            return flat_kernel(base)
+        return flat_kernel(base, len(mods.args()) + extra, mods.bound(param_grads))
 
     def tiles(self, block_m: int, block_n: int) -> tuple[int, int]:
         """A kernel's tile sizes ``(block_m, block_n)``, no larger than the list blocks they
@@ -245,7 +195,7 @@ def alibi_score_offset(program: MaskProgram, seq_q: int, seq_k: int) -> Tensor |
     return (slopes if slopes.dim() == 2 else slopes[None])[..., None] * float(sign * shift)
 
 
-def mask_args(
+def launch_mask(
     q: Tensor,
     k: Tensor,
     program: MaskProgram,
@@ -254,12 +204,14 @@ def mask_args(
     rows: bool,
     cols: bool,
     lists: bool = True,
-) -> MaskArgs:
-    """The one place a :class:`~.program.MaskProgram` becomes kernel arguments, for a call
+    pages: Pages | None = None,
+) -> LaunchMask:
+    """The one place a :class:`~.program.MaskProgram` becomes the kernels' mask, for a call
     with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``; ``rows`` / ``cols``: whether
     the kernels to launch need the document ranges per query row / per key column; ``lists``:
     whether they iterate the block lists of generated mask functions (the decode kernel
-    does not)."""
+    does not); ``pages``: where the keys lie in a paged pool (the record holds its sizes;
+    each launch gives its tables, :meth:`~.record.MaskRecord.values`)."""
     band_lo, band_hi = program.band_lo, program.band_hi
     q_doc, kv_doc = program.q_doc, program.kv_doc
     kv_start, kv_end = program.kv_start, program.kv_end
@@ -307,13 +259,43 @@ def mask_args(
         softcap_in, softcap_out = scale / softcap, softcap * LOG2E
     else:
         softcap_in = softcap_out = 0.0
+    record = MaskRecord(
+        band_lo=lo,
+        band_hi=hi,
+        row_lo=row_lo,
+        row_hi=row_hi,
+        row_stride=seq_q if docs_per_batch else 0,
+        col_lo=col_lo,
+        col_hi=col_hi,
+        col_stride=seq_k if docs_per_batch else 0,
+        kv_start=kv_start,
+        kv_end=kv_end,
+        slopes=slopes,
+        alibi_stride_b=stride_sb,
+        alibi_stride_h=stride_sh,
+        qk_scale=scale * LOG2E,
+        softcap_in=softcap_in,
+        softcap_out=softcap_out,
+        table_stride=0 if pages is None else pages.table.stride(0),
+        kv_capacity=0 if pages is None else pages.table.shape[1] * pages.page_size,
+        kv_pool=0 if pages is None else pages.num_pages,
+    )
+    features = MaskFeatures(
+        has_lo=has_lo,
+        has_hi=has_hi,
+        has_docs=row_lo is not None or col_lo is not None,
+        has_kv_range=kv_start is not None,
+        has_alibi=slopes is not None,
+        alibi_sign=sign,
+        has_softcap=softcap is not None,
+        tanh_mode=tanh_mode(q),
+        positive_scale=scale * LOG2E >= FP32_TINY,
+        page=0 if pages is None else pages.page_size,
+    )
     blocks = program.blocks
     mods = program.mods
     if lists and blocks is None and mods is not None and mods.has_mask:
-        blocks = _mod_block_lists(
-            q, k, program, mods, has_lo, has_hi, lo, hi, row_lo, row_hi, docs_per_batch,
-            kv_start, kv_end,
-        )  # fmt: skip
+        blocks = _mod_block_lists(q, k, program, mods, record, features)
     if blocks is not None:
         for name, size in (("block_m", blocks.block_m), ("block_n", blocks.block_n)):
             if size < 16 or size & (size - 1):
@@ -321,29 +303,16 @@ def mask_args(
                     f"BlockLists {name}={size}: list blocks are powers of two of at least 16 "
                     f"(the kernels' tiles divide them)"
                 )
-    return MaskArgs(
-        has_lo=has_lo,
-        has_hi=has_hi,
-        band_lo=lo,
-        band_hi=hi,
-        row_lo=row_lo,
-        row_hi=row_hi,
-        col_lo=col_lo,
-        col_hi=col_hi,
-        docs_per_batch=docs_per_batch,
-        kv_start=kv_start,
-        kv_end=kv_end,
-        slopes=slopes,
-        alibi_sign=sign,
-        stride_sb=stride_sb,
-        stride_sh=stride_sh,
-        qk_scale=scale * LOG2E,
-        has_softcap=softcap is not None,
-        softcap_in=softcap_in,
-        softcap_out=softcap_out,
-        blocks=blocks,
-        mods=mods,
-    )
+        record = dataclasses.replace(record, kv_lists=blocks.kv_lists, q_lists=blocks.q_lists)
+        features = dataclasses.replace(
+            features,
+            has_block_lists=True,
+            lists_per_batch=blocks.per_batch,
+            lists_per_head=blocks.per_head,
+            sparse_m=blocks.block_m,
+            sparse_n=blocks.block_n,
+        )
+    return LaunchMask(record, features, blocks, mods)
 
 
 # The block lists of a program's mask functions, per program and block size, with what they
@@ -359,7 +328,7 @@ def with_mod_lists(q: Tensor, k: Tensor, program: MaskProgram) -> MaskProgram:
     none or holds lists already), for launches that would each build them."""
     if program.blocks is not None or program.mods is None or not program.mods.has_mask:
         return program
-    blocks = mask_args(q, k, program, scale=1.0, rows=True, cols=False).blocks
+    blocks = launch_mask(q, k, program, scale=1.0, rows=True, cols=False).blocks
     return program.replace(blocks=blocks)
 
 
@@ -382,16 +351,13 @@ def mod_block_lists(
     """The block lists of every mask term of ``program`` (band, documents, key range and its
     generated mask functions) at blocks of ``block_m x block_n``, for a call with ``q``
     ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)``: another kernel's block size (FlashAttention
-    4's tiles) with the same machinery as :func:`mask_args`'s lists. The program must have
+    4's tiles) with the same machinery as :func:`launch_mask`'s lists. The program must have
     mask functions."""
     mods = program.mods
     if mods is None or not mods.has_mask:
         raise ValueError(f"mod_block_lists: {program.describe()} has no generated mask function")
-    mask = mask_args(q, k, program, scale=1.0, rows=True, cols=False, lists=False)
-    return _mod_block_lists(
-        q, k, program, mods, mask.has_lo, mask.has_hi, mask.band_lo, mask.band_hi, mask.row_lo,
-        mask.row_hi, mask.docs_per_batch, mask.kv_start, mask.kv_end, (block_m, block_n),
-    )  # fmt: skip
+    mask = launch_mask(q, k, program, scale=1.0, rows=True, cols=False, lists=False)
+    return _mod_block_lists(q, k, program, mods, mask.record, mask.features, (block_m, block_n))
 
 
 def list_block_sizes() -> tuple[int, int]:
@@ -407,29 +373,25 @@ def _mod_block_lists(
     k: Tensor,
     program: MaskProgram,
     mods: CompiledMods,
-    has_lo: bool,
-    has_hi: bool,
-    band_lo: int,
-    band_hi: int,
-    row_lo: Tensor | None,
-    row_hi: Tensor | None,
-    docs_per_batch: bool,
-    kv_start: Tensor | None,
-    kv_end: Tensor | None,
+    record: MaskRecord,
+    features: MaskFeatures,
     block: tuple[int, int] | None = None,
 ) -> BlockLists:
     """The block lists of every mask term of the call at once (band, documents, key range and
     the generated mask functions), from one program per block evaluating the mask: no
     ``L x S`` tensor, no host synchronisation. Lists are per batch row when a term differs
-    between rows, per head when a mask function reads ``h``. ``block``: ``(block_m,
-    block_n)``, by default :func:`list_block_sizes`."""
+    between rows, per head when a mask function reads ``h``. ``record``, ``features``: the
+    call's mask without lists. ``block``: ``(block_m, block_n)``, by default
+    :func:`list_block_sizes`."""
     from .blocks import _classify_blocks, block_lists_on_device
-    from .modfn import with_flat_mods
+
+    row_lo, row_hi = record.row_lo, record.row_hi
+    kv_start, kv_end = record.kv_start, record.kv_end
 
     batch, heads, seq_q, _ = q.shape
     seq_k = k.shape[2]
     reads = mods.traced.reads()
-    rows = batch if ("b" in reads or docs_per_batch or kv_start is not None) else 1
+    rows = batch if ("b" in reads or record.row_stride or kv_start is not None) else 1
     list_heads = heads if "h" in reads else 1
     block_m, block_n = list_block_sizes() if block is None else block
     read = [t for t in (*mods.traced.params, row_lo, row_hi, kv_start, kv_end) if t is not None]
@@ -449,13 +411,10 @@ def _mod_block_lists(
     grid = (triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n), rows * list_heads)
     states = torch.empty((rows, list_heads, grid[0], grid[1]), dtype=torch.int8, device=q.device)
     args = mods.args()
-    kernel = with_flat_mods(_classify_blocks, len(args), mods.bound(False))
+    kernel = flat_kernel(_classify_blocks, len(args), mods.bound(False))
     launcher(kernel)[grid](
-        states, row_lo, row_hi, kv_start, kv_end, seq_q if docs_per_batch else 0, list_heads,
-        seq_q, seq_k, band_lo, band_hi, *args,
-        HAS_LO=has_lo, HAS_HI=has_hi, HAS_DOCS=row_lo is not None,
-        HAS_KV_RANGE=kv_start is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        ROWS=min(block_m, 32),
+        states, *record.values(), list_heads, seq_q, seq_k, *args,
+        **features.options(), BLOCK_M=block_m, BLOCK_N=block_n, ROWS=min(block_m, 32),
     )  # fmt: skip
     lists = block_lists_on_device(states, block_m, block_n)
     if cacheable:
@@ -479,21 +438,23 @@ def _late_first(rows: int, cols: int, lo: int | None, hi: int | None) -> bool:
     return min(max(-lo, 0), rows) > min(max(rows - cols + hi, 0), rows)
 
 
-def late_rows_first(seq_q: int, seq_k: int, mask: MaskArgs) -> bool:
+def _band(mask: LaunchMask) -> tuple[int | None, int | None]:
+    """The mask's band bounds, ``None`` where open."""
+    record, features = mask.record, mask.features
+    return (
+        record.band_lo if features.has_lo else None,
+        record.band_hi if features.has_hi else None,
+    )
+
+
+def late_rows_first(seq_q: int, seq_k: int, mask: LaunchMask) -> bool:
     """:func:`_late_first` for query rows (forward and dQ programs)."""
-    lo = mask.band_lo if mask.has_lo else None
-    hi = mask.band_hi if mask.has_hi else None
+    lo, hi = _band(mask)
     return _late_first(seq_q, seq_k, lo, hi)
 
 
-def late_cols_first(seq_q: int, seq_k: int, mask: MaskArgs) -> bool:
+def late_cols_first(seq_q: int, seq_k: int, mask: LaunchMask) -> bool:
     """:func:`_late_first` for key columns (dK/dV programs): column ``j`` is kept by rows
     ``[j - hi, j - lo]``, the band mirrored."""
-    lo = -mask.band_hi if mask.has_hi else None
-    hi = -mask.band_lo if mask.has_lo else None
-    return _late_first(seq_k, seq_q, lo, hi)
-
-
-def doc_stride(mask: MaskArgs, length: int) -> int:
-    """Batch stride of the contiguous ``(Bd, length)`` document ranges (0 broadcasts)."""
-    return length if mask.docs_per_batch else 0
+    lo, hi = _band(mask)
+    return _late_first(seq_k, seq_q, None if hi is None else -hi, None if lo is None else -lo)

@@ -1,6 +1,6 @@
 """The kernels' form of traced mask and score functions: their generated Triton code compiled
 once per graph structure (:class:`CompiledMods`), with the runtime arguments of each call, and
-the flat wrappers that pass them to the kernels (:func:`with_flat_mods`).
+the names of their flat wrappers (:func:`~.record.flat_kernel` passes them to the kernels).
 
 The graph is :mod:`attnbias.kernels.modgraph`; it is traced by :mod:`attnbias.mods`, generated
 as Triton code by :mod:`~attnbias.kernels.modemit` and :mod:`~attnbias.kernels.modtiles`.
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import linecache
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from .modemit import generate
 from .modgraph import TracedMods
 
-__all__ = ["CompiledMods", "jit_from_source", "with_flat_mods"]
+__all__ = ["CompiledMods", "jit_from_source", "module_suffix"]
 
 
 _SOURCES: dict[tuple[str, str], dict[str, Any]] = {}
@@ -160,61 +159,8 @@ _TEMPLATES: list[CompiledMods] = []
 _STAND_IN = torch.empty(0, device="meta")
 
 
-_WRAPPERS: dict[tuple[Any, ...], Any] = {}
-
-
-def with_flat_mods(kernel: Any, count: int, bound: Mapping[str, Any] | None = None) -> Any:
-    """A kernel that takes ``kernel``'s runtime parameter ``MOD`` (the tuple of generated
-    functions' arguments) as ``count`` flat parameters in its place and calls ``kernel`` with
-    them as one tuple: a launch, ``torch.compile``'s tracing of a launch and the compiled
-    kernel's own launcher all take flat arguments only.
-
-    ``bound`` fixes ``tl.constexpr`` parameters of ``kernel`` to generated functions (or
-    ``None``): the new kernel calls them by name, so they are not among its own parameters
-    (``torch.compile`` writes a kernel's source with the functions it calls, but cannot write
-    a function passed as a launch argument). Names ``kernel`` does not take are ignored."""
-    # looked up on every launch: the key first (a signature costs the host tens of µs)
-    key = (kernel, count, *((name, id(fn)) for name, fn in (bound or {}).items()))
-    found = _WRAPPERS.get(key)
-    if found is not None:
-        return found
-    params = list(inspect.signature(kernel.fn).parameters.values())
-    names = [p.name for p in params]
-    if "MOD" not in names:
-        raise TypeError(f"{kernel} has no MOD parameter")
-    fixed = {name: fn for name, fn in (bound or {}).items() if name in names}
-    # the functions by their own names (generated together, so distinct), the kernel by its
-    namespace: dict[str, Any] = {kernel.__name__: kernel}
-    for fn in fixed.values():
-        if fn is not None:
-            namespace[fn.__name__] = fn
-    flat = [f"MOD{i}" for i in range(count)]
-    signature, call = [], []
-    for param in params:
-        if param.name == "MOD":
-            signature += flat
-            call.append(f"({', '.join(flat)},)" if flat else "()")
-        elif param.name in fixed:
-            fn = fixed[param.name]
-            call.append(f"{param.name}={'None' if fn is None else fn.__name__}")
-        elif "constexpr" in str(param.annotation):
-            default = "" if param.default is inspect.Parameter.empty else " = None"
-            signature.append(f"{param.name}: tl.constexpr{default}")
-            call.append(f"{param.name}={param.name}")
-        else:
-            signature.append(param.name)
-            call.append(param.name)
-    # one name per set of functions: their generated module's name holds its source's digest
-    origin = "".join(sorted({fn.fn.__module__ for fn in fixed.values() if fn is not None}))
-    suffix = hashlib.sha256(origin.encode()).hexdigest()[:8] if origin else "free"
-    name = f"{kernel.__name__}_mods{count}_{suffix}"
-    # the functions' numbers change between calls: specialized on their type only (Triton
-    # would compile a variant for a value of 1 or a multiple of 16)
-    jit = f"@triton.jit(do_not_specialize={flat!r})" if flat else "@triton.jit"
-    source = (
-        f"import triton\nimport triton.language as tl\n\n\n{jit}\n"
-        f"def {name}({', '.join(signature)}):\n    {kernel.__name__}({', '.join(call)})\n"
-    )
-    made = jit_from_source(source, name, namespace)[name]
-    _WRAPPERS[key] = made
-    return made
+def module_suffix(functions: Iterable[Any]) -> str:
+    """A name for a set of generated functions (or ``None``s): their generated module's name
+    holds its source's digest, so one name per set ("free" for none)."""
+    origin = "".join(sorted({fn.fn.__module__ for fn in functions if fn is not None}))
+    return hashlib.sha256(origin.encode()).hexdigest()[:8] if origin else "free"

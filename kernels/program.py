@@ -11,7 +11,8 @@ The kernels see no bias classes. A mask program holds:
   ranges (all intersect);
 * the **score terms**: ALiBi slopes and the soft-cap.
 
-One place turns a program into launch arguments (``masks.mask_args``); the registered ops
+One place turns a program into what the kernels take (``masks.launch_mask``: the record and
+features of ``record.py``); the registered ops
 take it packed (:meth:`MaskProgram.pack`: a list of tensors, a list of ints, a list of floats)
 and unpack it (:meth:`MaskProgram.unpack`), so no parameter list is written out by hand.
 

@@ -762,10 +762,10 @@ def test_launch_order_puts_the_longer_half_first(
     """Programs start with the end of the sequence only when the band gives that end more
     work: in launch order, the first half of the rows (columns) keeps at least as many pairs
     as the second half, whenever the band cuts short at most half of them at each end."""
-    from attnbias.kernels.masks import late_cols_first, late_rows_first, mask_args
+    from attnbias.kernels.masks import late_cols_first, late_rows_first, launch_mask
 
     seq_q, seq_k, band_lo, band_hi = lengths_band
-    args = mask_args(
+    args = launch_mask(
         torch.empty(1, 1, seq_q, 16), torch.empty(1, 1, seq_k, 16),
         **Mask(1.0, MaskProgram(band_lo=band_lo, band_hi=band_hi)).kwargs(), rows=False, cols=False,
     )  # fmt: skip
