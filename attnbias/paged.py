@@ -32,10 +32,11 @@ from attnbias.biases import (
     parts_of,
 )
 from attnbias.biases.mod import reindexed
-from attnbias.biases.paged import PagedKV
-from attnbias.kernels.forward import Pages, reads_pages, stand_in
+from attnbias.biases.paged import PagedKV, check_layout, row_queries
+from attnbias.kernels.forward import reads_pages, stand_in
+from attnbias.kernels.record import Pages
 
-__all__ = ["check_layout", "check_pending", "paged_explain", "paged_sdpa", "row_queries"]
+__all__ = ["check_pending", "paged_explain", "paged_sdpa"]
 
 # the parts that align per row when each row's keys end the gathered cache (a ModBias reads
 # its row's own positions through per-row offsets: _in_row)
@@ -71,58 +72,6 @@ def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
                 f"its last key), got {part!r}; causal_upper_left() has no meaning for a cache"
             )
     return pages[0], rest
-
-
-def check_layout(
-    pages: PagedKV, key: Tensor, value: Tensor, query: Tensor | None
-) -> tuple[int, int]:
-    """``(num_pages, page_size)`` of the pools, after checking the shapes against the tables
-    and each other (``ValueError`` / ``TypeError`` naming the values)."""
-    for name, pool in (("key", key), ("value", value)):
-        if not isinstance(pool, Tensor) or pool.dim() != 4:
-            shape = tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__
-            raise ValueError(
-                f"with a PagedKV, {name} is a page pool (num_pages, page_size, Hkv, E), got {shape}"
-            )
-    if key.shape[:3] != value.shape[:3]:
-        raise ValueError(
-            f"the key pool {tuple(key.shape)} and the value pool {tuple(value.shape)} must share "
-            f"num_pages, page_size and Hkv"
-        )
-    num_pages, page_size, heads_kv, head_dim = key.shape
-    if page_size == 0:
-        raise ValueError(f"the page pools have pages of 0 tokens: {tuple(key.shape)}")
-    if pages.block_table.device != key.device:
-        raise ValueError(
-            f"PagedKV's tables are on {pages.block_table.device} but the pools on {key.device}; "
-            f"move them with .to({str(key.device)!r})"
-        )
-    if query is not None:
-        if query.dim() != 4:
-            raise ValueError(f"query must be (B, Hq, L, E), got {tuple(query.shape)}")
-        rows = 1 if pages.cu_seqlens_q is not None else pages.batch_size
-        if query.shape[0] != rows:
-            form = (
-                "(1, Hq, total, E) with cu_seqlens_q"
-                if pages.cu_seqlens_q is not None
-                else f"(B={pages.batch_size}, Hq, L, E)"
-            )
-            raise ValueError(f"with this PagedKV the query is {form}, got {tuple(query.shape)}")
-        if query.shape[-1] != head_dim:
-            raise ValueError(f"query and key head dims differ: E={query.shape[-1]} and {head_dim}")
-        if heads_kv == 0 or query.shape[1] % heads_kv:
-            raise ValueError(
-                f"query has Hq={query.shape[1]} heads, not a multiple of the pools' Hkv={heads_kv}"
-            )
-    return num_pages, page_size
-
-
-def row_queries(pages: PagedKV, query: Tensor) -> Tensor:
-    """``(B,)`` the number of queries of each row (on the tables' device)."""
-    cu = pages.cu_seqlens_q
-    if cu is None:
-        return torch.full_like(pages.seq_lens, query.shape[2])
-    return cu[1:] - cu[:-1]
 
 
 def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> Tensor:

@@ -54,12 +54,12 @@ from torch import Tensor
 
 from .configs import dot_precision, padded_head_dim
 from .decode_kernels import _decode_fwd, _decode_merge
-from .forward import Pages, check_identity, identity_of, page_tensors, stand_in
+from .forward import check_identity, identity_of, stand_in
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import launch_mask
 from .program import MaskProgram
-from .record import MaskRecord
+from .record import MaskRecord, Pages, page_tensors
 
 __all__ = [
     "MAX_DECODE_QUERIES",
@@ -546,7 +546,7 @@ def decode_forward(
         scale: multiplies ``q @ k^T`` (any finite value).
         num_splits: programs per tile of packed rows over its keys; ``None`` picks it from
             the shapes, the band and the GPU (:func:`num_splits`).
-        pages: for keys in a paged pool (:class:`~.forward.Pages`, read in place): ``k``
+        pages: for keys in a paged pool (:class:`~.record.Pages`, read in place): ``k``
             and ``v`` are then the pools' rows ``(1 | B, Hkv, R, E)``.
 
     Returns:

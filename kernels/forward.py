@@ -38,6 +38,7 @@ from .masks import late_rows_first, launch_mask
 from .program import MaskProgram
 from .record import (
     MaskRecord,
+    Pages,
     has_alibi,
     has_block_lists,
     has_docs,
@@ -49,14 +50,15 @@ from .record import (
     mask_qk_scale,
     mask_row_stride,
     page_size,
+    page_tensors,
     positive_scale,
     sparse_m,
     sparse_n,
 )
 
 __all__ = [
-    "ForwardPlan", "Pages", "attention_forward", "check_identity", "identity_of",
-    "page_tensors", "plan_forward", "reads_pages", "stand_in",
+    "ForwardPlan", "attention_forward", "check_identity", "identity_of", "plan_forward",
+    "reads_pages", "stand_in",
 ]  # fmt: skip
 
 
@@ -361,27 +363,6 @@ def _attn_fwd(
     tl.store(
         o_ptrs, acc.to(Out.dtype.element_ty), mask=in_rows[:, None] & (offs_e[None, :] < HEAD_DIM)
     )
-
-
-@dataclass(frozen=True, eq=False)
-class Pages:
-    """Where a call's keys lie in a paged pool (the kernels read them there): ``k`` and ``v``
-    are the pools' rows ``(1 | B, Hkv, R, E)`` (``R = num_pages * page_size``, batch stride
-    0); batch row ``b``'s pages are listed in ``table[b]`` (int32 ``(B, max_pages)``) and its
-    ``seq_lens[b]`` tokens (int32 ``(B,)``) end at the call's last key position (``keys``
-    positions, the call's ``S``). Read at each launch (in-place updates are seen)."""
-
-    table: Tensor
-    seq_lens: Tensor
-    page_size: int
-    num_pages: int
-    keys: int
-
-
-def page_tensors(pages: Pages | None) -> tuple[Tensor, Tensor] | tuple[()]:
-    """A launch's page table and lengths for :meth:`~.record.MaskRecord.values` (none
-    without pages)."""
-    return () if pages is None else (pages.table, pages.seq_lens)
 
 
 def reads_pages(program: MaskProgram) -> bool:

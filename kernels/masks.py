@@ -19,10 +19,9 @@ from .common import FP32_TINY, LOG2E
 from .configs import LISTED_MASK_FORWARD_CONFIGS, tanh_mode
 from .launch import launcher, launches_traceable
 from .program import BlockLists, MaskProgram
-from .record import MaskFeatures, MaskRecord, flat_kernel
+from .record import MaskFeatures, MaskRecord, Pages, flat_kernel
 
 if TYPE_CHECKING:
-    from .forward import Pages
     from .modfn import CompiledMods
 
 __all__ = [

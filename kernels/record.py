@@ -160,6 +160,27 @@ FIELDS = tuple(field.name for field in dataclasses.fields(MaskRecord))
 FEATURES = tuple(field.name for field in dataclasses.fields(MaskFeatures))
 
 
+@dataclass(frozen=True, eq=False)
+class Pages:
+    """Where a call's keys lie in a paged pool (the kernels read them there): ``k`` and ``v``
+    are the pools' rows ``(1 | B, Hkv, R, E)`` (``R = num_pages * page_size``, batch stride
+    0); batch row ``b``'s pages are listed in ``table[b]`` (int32 ``(B, max_pages)``) and its
+    ``seq_lens[b]`` tokens (int32 ``(B,)``) end at the call's last key position (``keys``
+    positions, the call's ``S``). Read at each launch (in-place updates are seen)."""
+
+    table: Tensor
+    seq_lens: Tensor
+    page_size: int
+    num_pages: int
+    keys: int
+
+
+def page_tensors(pages: Pages | None) -> tuple[Tensor, Tensor] | tuple[()]:
+    """A launch's page table and lengths for :meth:`~.record.MaskRecord.values` (none
+    without pages)."""
+    return () if pages is None else (pages.table, pages.seq_lens)
+
+
 # Accessors of the record. Positions follow MaskRecord's fields (a test checks each one).
 @triton.jit
 def mask_band_lo(M):

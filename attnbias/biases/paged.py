@@ -12,7 +12,7 @@ from attnbias.biases.base import AttnBias, Device, Shape
 from attnbias.biases.mod_state import Bounded
 from attnbias.terms import Call
 
-__all__ = ["PagedKV"]
+__all__ = ["PagedKV", "check_layout", "row_queries"]
 
 
 def _index_tensor(value: Any, name: str, dims: int) -> Tensor:
@@ -137,8 +137,6 @@ class PagedKV(AttnBias):
         """Check the tables' values against the page pools (and the query), with host
         synchronisations: every page a row reads is in the pool, each length fits the row's
         pages and covers its queries. Raises ``ValueError`` naming the row and the values."""
-        from attnbias.paged import check_layout, row_queries
-
         self._check_values()
         pages, page_size = check_layout(self, key, value if value is not None else key, query)
         lens = self.seq_lens.long().cpu()
@@ -214,3 +212,55 @@ class PagedKV(AttnBias):
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+def check_layout(
+    pages: PagedKV, key: Tensor, value: Tensor, query: Tensor | None
+) -> tuple[int, int]:
+    """``(num_pages, page_size)`` of the pools, after checking the shapes against the tables
+    and each other (``ValueError`` / ``TypeError`` naming the values)."""
+    for name, pool in (("key", key), ("value", value)):
+        if not isinstance(pool, Tensor) or pool.dim() != 4:
+            shape = tuple(pool.shape) if isinstance(pool, Tensor) else type(pool).__name__
+            raise ValueError(
+                f"with a PagedKV, {name} is a page pool (num_pages, page_size, Hkv, E), got {shape}"
+            )
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"the key pool {tuple(key.shape)} and the value pool {tuple(value.shape)} must share "
+            f"num_pages, page_size and Hkv"
+        )
+    num_pages, page_size, heads_kv, head_dim = key.shape
+    if page_size == 0:
+        raise ValueError(f"the page pools have pages of 0 tokens: {tuple(key.shape)}")
+    if pages.block_table.device != key.device:
+        raise ValueError(
+            f"PagedKV's tables are on {pages.block_table.device} but the pools on {key.device}; "
+            f"move them with .to({str(key.device)!r})"
+        )
+    if query is not None:
+        if query.dim() != 4:
+            raise ValueError(f"query must be (B, Hq, L, E), got {tuple(query.shape)}")
+        rows = 1 if pages.cu_seqlens_q is not None else pages.batch_size
+        if query.shape[0] != rows:
+            form = (
+                "(1, Hq, total, E) with cu_seqlens_q"
+                if pages.cu_seqlens_q is not None
+                else f"(B={pages.batch_size}, Hq, L, E)"
+            )
+            raise ValueError(f"with this PagedKV the query is {form}, got {tuple(query.shape)}")
+        if query.shape[-1] != head_dim:
+            raise ValueError(f"query and key head dims differ: E={query.shape[-1]} and {head_dim}")
+        if heads_kv == 0 or query.shape[1] % heads_kv:
+            raise ValueError(
+                f"query has Hq={query.shape[1]} heads, not a multiple of the pools' Hkv={heads_kv}"
+            )
+    return num_pages, page_size
+
+
+def row_queries(pages: PagedKV, query: Tensor) -> Tensor:
+    """``(B,)`` the number of queries of each row (on the tables' device)."""
+    cu = pages.cu_seqlens_q
+    if cu is None:
+        return torch.full_like(pages.seq_lens, query.shape[2])
+    return cu[1:] - cu[:-1]
