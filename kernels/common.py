@@ -380,28 +380,22 @@ def _rows_key_blocks(
 ):
     """Key blocks seen by query rows ``[first, last]`` (see ``_split_blocks``); ``doc_off``:
     the batch row's offset into the document ranges."""
-    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
-    RowLo, RowHi = mask_row_lo(M), mask_row_hi(M)
-    HAS_LO: tl.constexpr = has_lo(F)
-    HAS_HI: tl.constexpr = has_hi(F)
-    HAS_DOCS: tl.constexpr = has_docs(F)
-    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     lo = first * 0
     hi = lo + seq_k
     full_lo = lo
     full_hi = hi
-    if HAS_LO:
-        lo = tl.maximum(lo, first + band_lo)
-        full_lo = tl.maximum(full_lo, last + band_lo)
-    if HAS_HI:
-        hi = tl.minimum(hi, last + band_hi + 1)
-        full_hi = tl.minimum(full_hi, first + band_hi + 1)
-    if HAS_DOCS:
-        lo = tl.maximum(lo, tl.load(RowLo + doc_off + first))
-        full_lo = tl.maximum(full_lo, tl.load(RowLo + doc_off + last))
-        hi = tl.minimum(hi, tl.load(RowHi + doc_off + last))
-        full_hi = tl.minimum(full_hi, tl.load(RowHi + doc_off + first))
-    if HAS_KV_RANGE:  # the same keys for every row: it narrows the full run as well
+    if has_lo(F):
+        lo = tl.maximum(lo, first + mask_band_lo(M))
+        full_lo = tl.maximum(full_lo, last + mask_band_lo(M))
+    if has_hi(F):
+        hi = tl.minimum(hi, last + mask_band_hi(M) + 1)
+        full_hi = tl.minimum(full_hi, first + mask_band_hi(M) + 1)
+    if has_docs(F):
+        lo = tl.maximum(lo, tl.load(mask_row_lo(M) + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(mask_row_lo(M) + doc_off + last))
+        hi = tl.minimum(hi, tl.load(mask_row_hi(M) + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(mask_row_hi(M) + doc_off + first))
+    if has_kv_range(F):  # the same keys for every row: it narrows the full run as well
         lo = tl.maximum(lo, kv_lo)
         full_lo = tl.maximum(full_lo, kv_lo)
         hi = tl.minimum(hi, kv_hi)
@@ -412,25 +406,19 @@ def _rows_key_blocks(
 @triton.jit
 def _row_bounds(offs_m, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi):
     """Per query row, the kept keys ``[row_lo, row_hi)`` (``row_hi <= S``), both ``[BLOCK_M]``."""
-    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
-    RowLo, RowHi = mask_row_lo(M), mask_row_hi(M)
-    HAS_LO: tl.constexpr = has_lo(F)
-    HAS_HI: tl.constexpr = has_hi(F)
-    HAS_DOCS: tl.constexpr = has_docs(F)
-    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     row_lo = offs_m * 0
     row_hi = row_lo + seq_k
-    if HAS_LO:
-        row_lo = tl.maximum(row_lo, offs_m + band_lo)
-    if HAS_HI:
-        row_hi = tl.minimum(row_hi, offs_m + band_hi + 1)
-    if HAS_DOCS:
+    if has_lo(F):
+        row_lo = tl.maximum(row_lo, offs_m + mask_band_lo(M))
+    if has_hi(F):
+        row_hi = tl.minimum(row_hi, offs_m + mask_band_hi(M) + 1)
+    if has_docs(F):
         in_rows = offs_m < seq_q
-        doc_lo = tl.load(RowLo + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
-        doc_hi = tl.load(RowHi + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        doc_lo = tl.load(mask_row_lo(M) + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
+        doc_hi = tl.load(mask_row_hi(M) + doc_off + offs_m, mask=in_rows, other=0)  # [BLOCK_M]
         row_lo = tl.maximum(row_lo, doc_lo)
         row_hi = tl.minimum(row_hi, doc_hi)
-    if HAS_KV_RANGE:
+    if has_kv_range(F):
         row_lo = tl.maximum(row_lo, kv_lo)
         row_hi = tl.minimum(row_hi, kv_hi)
     return row_lo, row_hi
@@ -442,15 +430,9 @@ def _query_block_range(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Query blocks that see key columns ``[start_n, start_n + BLOCK_N)``."""
-    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
-    ColLo, ColHi = mask_col_lo(M), mask_col_hi(M)
-    HAS_LO: tl.constexpr = has_lo(F)
-    HAS_HI: tl.constexpr = has_hi(F)
-    HAS_DOCS: tl.constexpr = has_docs(F)
-    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     first = start_n
     last = tl.minimum(start_n + BLOCK_N, seq_k) - 1
-    if HAS_KV_RANGE:
+    if has_kv_range(F):
         # Only the tile's columns inside the key range are kept by any row: the rows are
         # bounded by the first and last of those (indices kept inside the tile, so that the
         # loads below stay in bounds), and no block is full unless every column is inside.
@@ -462,18 +444,18 @@ def _query_block_range(
     hi = lo + seq_q
     full_lo = lo
     full_hi = hi
-    if HAS_HI:  # j - i <= band_hi  <=>  i >= j - band_hi
-        lo = tl.maximum(lo, first - band_hi)
-        full_lo = tl.maximum(full_lo, last - band_hi)
-    if HAS_LO:  # j - i >= band_lo  <=>  i <= j - band_lo
-        hi = tl.minimum(hi, last - band_lo + 1)
-        full_hi = tl.minimum(full_hi, first - band_lo + 1)
-    if HAS_DOCS:
-        lo = tl.maximum(lo, tl.load(ColLo + doc_off + first))
-        full_lo = tl.maximum(full_lo, tl.load(ColLo + doc_off + last))
-        hi = tl.minimum(hi, tl.load(ColHi + doc_off + last))
-        full_hi = tl.minimum(full_hi, tl.load(ColHi + doc_off + first))
-    if HAS_KV_RANGE:
+    if has_hi(F):  # j - i <= band_hi  <=>  i >= j - band_hi
+        lo = tl.maximum(lo, first - mask_band_hi(M))
+        full_lo = tl.maximum(full_lo, last - mask_band_hi(M))
+    if has_lo(F):  # j - i >= band_lo  <=>  i <= j - band_lo
+        hi = tl.minimum(hi, last - mask_band_lo(M) + 1)
+        full_hi = tl.minimum(full_hi, first - mask_band_lo(M) + 1)
+    if has_docs(F):
+        lo = tl.maximum(lo, tl.load(mask_col_lo(M) + doc_off + first))
+        full_lo = tl.maximum(full_lo, tl.load(mask_col_lo(M) + doc_off + last))
+        hi = tl.minimum(hi, tl.load(mask_col_hi(M) + doc_off + last))
+        full_hi = tl.minimum(full_hi, tl.load(mask_col_hi(M) + doc_off + first))
+    if has_kv_range(F):
         hi = tl.where(any_inside, hi, lo)
         full_hi = tl.where(all_inside, full_hi, full_lo)
     return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
@@ -483,25 +465,19 @@ def _query_block_range(
 def _col_bounds(offs_n, seq_q, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi):
     """Per key column, the query rows keeping it ``[col_lo, col_hi)``; empty past ``S`` and
     outside the key range."""
-    band_lo, band_hi = mask_band_lo(M), mask_band_hi(M)
-    ColLo, ColHi = mask_col_lo(M), mask_col_hi(M)
-    HAS_LO: tl.constexpr = has_lo(F)
-    HAS_HI: tl.constexpr = has_hi(F)
-    HAS_DOCS: tl.constexpr = has_docs(F)
-    HAS_KV_RANGE: tl.constexpr = has_kv_range(F)
     in_cols = offs_n < seq_k
     col_lo = offs_n * 0
     col_hi = tl.where(in_cols, col_lo + seq_q, 0)
-    if HAS_HI:
-        col_lo = tl.maximum(col_lo, offs_n - band_hi)
-    if HAS_LO:
-        col_hi = tl.minimum(col_hi, offs_n - band_lo + 1)
-    if HAS_DOCS:
-        doc_lo = tl.load(ColLo + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
-        doc_hi = tl.load(ColHi + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+    if has_hi(F):
+        col_lo = tl.maximum(col_lo, offs_n - mask_band_hi(M))
+    if has_lo(F):
+        col_hi = tl.minimum(col_hi, offs_n - mask_band_lo(M) + 1)
+    if has_docs(F):
+        doc_lo = tl.load(mask_col_lo(M) + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
+        doc_hi = tl.load(mask_col_hi(M) + doc_off + offs_n, mask=in_cols, other=0)  # [BLOCK_N]
         col_lo = tl.maximum(col_lo, doc_lo)
         col_hi = tl.minimum(col_hi, doc_hi)
-    if HAS_KV_RANGE:
+    if has_kv_range(F):
         col_hi = tl.where((offs_n >= kv_lo) & (offs_n < kv_hi), col_hi, 0)
     return col_lo, col_hi
 
