@@ -32,6 +32,7 @@ from attnbias import AlibiBias, DocumentBias, SlidingWindowBias, SoftcapBias
 from attnbias import causal_lower_right as causal
 from attnbias.backends import triton as triton_backend
 from attnbias.kernels import decode, forward, launch
+from attnbias.kernels.record import flat_kernel
 
 # isort: split
 # benchmarks/measure.py, the folder above this script's
@@ -68,7 +69,8 @@ def fake_launches() -> None:
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     triton_backend._interpreting = lambda: True  # the backends take CPU tensors
     for kernel in (forward._attn_fwd, decode._decode_fwd):
-        launch.CACHED_LAUNCHES[kernel] = launch.CachedLaunch(_FakeJit(kernel))
+        flat = flat_kernel(kernel)  # what the plans launch
+        launch.CACHED_LAUNCHES[flat] = launch.CachedLaunch(_FakeJit(flat))
 
 
 def per_call_us(fn: Callable[[], object]) -> float:

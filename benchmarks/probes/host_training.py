@@ -25,6 +25,7 @@ import attnbias
 from attnbias import SlidingWindowBias
 from attnbias import causal_lower_right as causal
 from attnbias.kernels import backward, launch
+from attnbias.kernels.record import flat_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,7 +58,8 @@ class _Bare(torch.autograd.Function):
 def main() -> None:
     fake_launches()
     for kernel in (backward._attn_bwd_dq, backward._attn_bwd_dkdv):
-        launch.CACHED_LAUNCHES[kernel] = launch.CachedLaunch(_FakeJit(kernel))
+        flat = flat_kernel(kernel)  # what the plans launch
+        launch.CACHED_LAUNCHES[flat] = launch.CachedLaunch(_FakeJit(flat))
     q, k, v = (torch.randn(B, H, L, E, dtype=DTYPE, requires_grad=True) for _ in range(3))
     grad = torch.ones_like(q)
     bias = causal() + SlidingWindowBias(32)
