@@ -9,8 +9,9 @@ block classification) takes a call's mask as two parameters:
 * ``F: tl.constexpr``, the features (:class:`MaskFeatures` as a tuple), which decide what the
   kernel is compiled to: ``has_lo(F)``, ``has_docs(F)``, ``page_size(F)``, ...
 
-Fields a kernel does not use are passed all the same (``None`` or 0), so every kernel takes
-the same two values. Launches and ``torch.library.wrap_triton`` take flat arguments only:
+Fields a kernel does not use are passed all the same (an absent tensor as 0: Triton refuses a
+tuple holding ``None``; a kernel reads a field only where a feature says it is there), so
+every kernel takes the same two values. Launches and ``torch.library.wrap_triton`` take flat arguments only:
 :func:`flat_kernel` generates, once per kernel, a kernel with the record's fields and the
 features as flat parameters (and the generated functions' arguments, ``MOD``) that calls the
 kernel with the two tuples. Adding a term is a field (or feature) here with its accessor,
