@@ -474,6 +474,14 @@ def _auto_layouts(rank: int, world: int) -> None:
               for r in range(world))
     )  # fmt: skip
     _check_case(_cases()[7], world, custom)  # documents
+    # head-tail within documents whose lengths 2W divides (L = 8W: documents of 2W and 6W)
+    lengths = [2 * world, 6 * world]
+    documents = Case(
+        "documents, head-tail",
+        lambda L, S, p: DocumentBias.from_seqlens(lengths) + causal_upper_left(),
+    )
+    layout = distributed.Layout.documents(lengths, world)
+    _check_case(documents, world, layout)
 
 
 def _explain_and_modes(rank: int, world: int) -> None:
@@ -834,6 +842,48 @@ def test_a_layout_splits_and_assembles_any_assignment_of_chunks() -> None:
         layout.ranges(0, 10)
 
 
+def test_a_document_layout_cuts_every_document_head_and_tail() -> None:
+    """Head-tail within documents: rank r holds pieces r and 2W - 1 - r of every document
+    (so each rank's part of each document keeps the same pairs under a causal mask); it
+    splits the documents' total length only, and refuses lengths 2W does not divide."""
+    layout = distributed.Layout.documents([8, 4, 12], world=2)
+    assert layout.name == "head-tail" and layout.length == 24
+    # pieces of 2, 1 and 3 positions: chunks of 1
+    assert layout.spans(0, 24) == [(0, 2), (6, 9), (11, 15), (21, 24)]
+    assert layout.spans(1, 24) == [(2, 6), (9, 11), (15, 21)]
+    assert layout.positions(1, 24).tolist() == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20]
+    whole = torch.arange(24)[None]
+    parts = [layout.take(whole, r, 1) for r in range(2)]
+    assert torch.equal(layout.assemble(parts, 1), whole)
+    grid = torch.ones(24, 24, dtype=torch.bool).tril()
+    ids = torch.tensor([0] * 8 + [1] * 4 + [2] * 12)
+    grid &= ids[:, None] == ids[None, :]
+    work = blocks.layout_costs(grid, layout, 1.0, 0.0).compute
+    assert work[0] == work[1], work  # causal within documents: the same pairs
+    with pytest.raises(ValueError, match=r"lengths \[6\] cannot be cut into 2W = 4 .*of 4"):
+        distributed.Layout.documents([8, 6], world=2)
+    with pytest.raises(ValueError, match="splits a sequence of 24 .*not 48"):
+        layout.ranges(0, 48)
+
+
+def test_the_auto_layout_takes_head_tail_where_documents_allow() -> None:
+    """Documents whose lengths 2W divides: "auto" weighs head-tail within them and takes it
+    where it balances better (two ranks); ragged lengths get no head-tail candidate."""
+    length = 65536
+    lengths = [32768, 4096, 4096, 16384, 8192]
+    docs = DocumentBias.from_seqlens(lengths) + causal_upper_left()
+    call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
+    assert blocks.document_layout(docs, call, 2) == distributed.Layout.documents(lengths, 2)
+    chosen = distributed.layout_for(docs, length, world=2)
+    assert chosen.name == "auto: head-tail" and chosen.length == length, chosen
+    grid = blocks.keep_grid(docs, call, 256, 256)
+    work = blocks.layout_costs(grid, chosen, 1.0, 0.0).compute
+    assert work[0] == work[1], work
+    ragged = DocumentBias.from_seqlens([30000, 3002, 32534]) + causal_upper_left()
+    assert blocks.document_layout(ragged, call, 2) is None
+    assert not distributed.layout_for(ragged, length, world=2).name.endswith("head-tail")
+
+
 def test_the_auto_layout_follows_the_bias() -> None:
     """Causal: zigzag (balanced, every rank receives alike); a window shorter than a part:
     contiguous (balanced, and only the window's reach moves); no mask: contiguous (fewest
@@ -849,7 +899,8 @@ def test_the_auto_layout_follows_the_bias() -> None:
         distributed.Layout.contiguous(4).chunks
     )
     assert distributed.layout_for(None, length, world=2).chunks == ((0,), (1,))
-    docs = DocumentBias.from_seqlens([32768, 4096, 4096, 16384, 8192]) + causal_upper_left()
+    # (lengths 4W does not divide: no head-tail within documents)
+    docs = DocumentBias.from_seqlens([32770, 4094, 4096, 16384, 8192]) + causal_upper_left()
     chosen = distributed.layout_for(docs, length, world=2)
     call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
     grid = blocks.keep_grid(docs, call, 256, 256)

@@ -36,6 +36,7 @@ __all__ = [
     "Kept",
     "balanced_layout",
     "choose_layout",
+    "document_layout",
     "grain",
     "keep_grid",
     "layout_costs",
@@ -208,9 +209,9 @@ def layout_costs(
     for rank in range(world):
         # index_select, not a list index: advanced indexing of a CPU tensor costs
         # milliseconds where several processes share the cores
+        held = set(layout.chunks[rank])
         mine = torch.tensor(layout.chunks[rank], dtype=torch.int64)
-        others = torch.tensor([c for c in range(pieces) if c not in layout.chunks[rank]],
-                              dtype=torch.int64)  # fmt: skip
+        others = torch.tensor([c for c in range(pieces) if c not in held], dtype=torch.int64)
         work = int(per_chunk.index_select(0, mine).sum())
         needed = 0
         if others.numel():
@@ -253,19 +254,52 @@ def layout_candidates(length_q: int, length_kv: int, world: int) -> tuple[int, l
     return finest, [k for k in BALANCED_CHUNKS if k in fits]
 
 
+def document_layout(bias: AttnBias | None, call: Call, world: int) -> Layout | None:
+    """:meth:`Layout.documents` for the documents ``bias`` packs in ``call`` (self-attention:
+    the same ids for queries and keys, shared by the batch), or ``None`` where it has none or
+    a document's length is not a multiple of ``2W``. Reads the ids on the host."""
+    if bias is None or call.length_q != call.length_kv:
+        return None
+    terms = lower(bias, call.length_q, call.length_kv, call.device, batch=None, heads=1)
+    q_doc, kv_doc = terms.q_doc, terms.kv_doc
+    if q_doc is None or kv_doc is None:
+        return None
+    q_doc, kv_doc = q_doc.reshape(-1, q_doc.shape[-1]), kv_doc.reshape(-1, kv_doc.shape[-1])
+    if q_doc.shape[0] != 1 or kv_doc.shape[0] != 1 or not torch.equal(q_doc, kv_doc):
+        return None
+    lengths = torch.unique_consecutive(q_doc[0].cpu(), return_counts=True)[1].tolist()
+    if any(n % (2 * world) for n in lengths):
+        return None
+    return Layout.documents(lengths, world)
+
+
 def choose_layout(
     bias: AttnBias | None, call: Call, world: int, block_seconds: float, transfer_seconds: float
 ) -> Costs:
     """The costs of the layout of least predicted time for ``bias`` over ``call``: contiguous,
-    zigzag or a balanced one (ties go to the one that receives less, then to fewer chunks)."""
+    zigzag, a balanced one or, for packed documents, head-tail within each document (ties go
+    to the one that receives less, then to fewer chunks). The seconds are per block of the
+    grid at the grains of the chunking all of contiguous, zigzag and the balanced layouts are
+    made of (:func:`layout_candidates`)."""
     finest, balanced = layout_candidates(call.length_q, call.length_kv, world)
-    grid = keep_grid(bias, call, grain(call.length_q, finest), grain(call.length_kv, finest))
+    grain_q, grain_kv = grain(call.length_q, finest), grain(call.length_kv, finest)
+    documents = document_layout(bias, call, world)
+    if documents is not None:
+        # blocks that straddle no chunk of any candidate; the rates scaled to them
+        coarse_q, coarse_kv = grain_q, grain_kv
+        grain_q = math.gcd(grain_q, grain(call.length_q, documents.pieces))
+        grain_kv = math.gcd(grain_kv, grain(call.length_kv, documents.pieces))
+        block_seconds *= grain_q * grain_kv / (coarse_q * coarse_kv)
+        transfer_seconds *= grain_kv / coarse_kv
+    grid = keep_grid(bias, call, grain_q, grain_kv)
     candidates = []
     for layout in (Layout.contiguous(world), Layout.zigzag(world)):
         if call.length_q % layout.pieces == 0 and call.length_kv % layout.pieces == 0:
             candidates.append(layout)
     for per_rank in balanced:
         candidates.append(balanced_layout(grid, world, per_rank))
+    if documents is not None:
+        candidates.append(documents)
     costs = [layout_costs(grid, layout, block_seconds, transfer_seconds) for layout in candidates]
     # within 5% of the fastest the prediction cannot tell them apart: receive less, cut less
     fastest = min(c.time for c in costs)

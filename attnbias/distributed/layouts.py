@@ -9,7 +9,8 @@ layouts:
 * ``"zigzag"``: ``P = 2W``, rank ``r`` holds chunks ``r`` and ``2W - 1 - r`` (in that order),
   so that under a causal mask every rank has the same number of kept pairs;
 * ``"auto"``: the chunks assigned by their cost under a bias
-  (:func:`attnbias.distributed.layout_for`).
+  (:func:`attnbias.distributed.layout_for`); for packed documents it may be
+  :meth:`Layout.documents`, zigzag within each document ("head-tail").
 
 :func:`shard` takes this rank's part of a tensor every rank holds whole; :func:`unshard` gathers
 the parts back into the whole tensor on every rank. Both are differentiable.
@@ -17,6 +18,8 @@ the parts back into the whole tensor on every rank. Both are differentiable.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +74,9 @@ class Layout:
 
     chunks: tuple[tuple[int, ...], ...]
     name: str = "custom"
+    #: the one sequence length this layout splits (``None``: any length ``P`` divides); a
+    #: layout made for a sequence's documents has its length
+    length: int | None = None
 
     def __post_init__(self) -> None:
         ids = sorted(c for rank in self.chunks for c in rank)
@@ -94,6 +100,44 @@ class Layout:
         return cls(tuple((r, 2 * world - 1 - r) for r in range(world)), "zigzag")
 
     @classmethod
+    def documents(cls, lengths: Sequence[int], world: int) -> Layout:
+        """Head-tail within every document: each of the packed documents (``lengths``, in
+        sequence order) is cut into ``2W`` equal pieces and rank ``r`` holds pieces ``r`` and
+        ``2W - 1 - r`` of every document, so that under a causal mask within documents every
+        rank has the same work and the same keys to reach, whatever the documents' lengths.
+        The layout's chunks are the pieces' greatest common length; it splits sequences of
+        ``sum(lengths)`` only.
+
+            >>> Layout.documents([8, 4], world=2).spans(0, 12)  # pieces 0 and 3 of each
+            [(0, 2), (6, 9), (11, 12)]
+
+        ``ValueError`` where a length is not a multiple of ``2W`` (pad each document)."""
+        lengths = [int(n) for n in lengths]
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"world={world!r}: expected a positive number of ranks")
+        pieces = 2 * world
+        if not lengths or any(n <= 0 for n in lengths):
+            raise ValueError(f"Layout.documents: lengths={lengths}: expected positive lengths")
+        uneven = [n for n in lengths if n % pieces]
+        if uneven:
+            raise ValueError(
+                f"Layout.documents: documents of lengths {uneven[:8]} cannot be cut into "
+                f"2W = {pieces} equal pieces over {world} ranks; pad each document to a "
+                f"multiple of {pieces}"
+            )
+        size = math.gcd(*(n // pieces for n in lengths))  # the chunk
+        held: list[list[int]] = [[] for _ in range(world)]
+        start = 0
+        for n in lengths:
+            per_piece = n // pieces // size
+            for rank in range(world):
+                for piece in (rank, pieces - 1 - rank):
+                    first = start + piece * per_piece
+                    held[rank].extend(range(first, first + per_piece))
+            start += pieces * per_piece
+        return cls(tuple(tuple(h) for h in held), "head-tail", sum(lengths))
+
+    @classmethod
     def named(cls, name: str, world: int) -> Layout:
         if name == "contiguous":
             return cls.contiguous(world)
@@ -114,6 +158,11 @@ class Layout:
         """The length of one chunk of a sequence of ``length``; ``ValueError`` (naming the
         length, ``W``, the layout and the length to pad to) where ``P`` does not divide it."""
         pieces = self.pieces
+        if self.length is not None and length != self.length:
+            raise ValueError(
+                f"the {self.name!r} layout splits a sequence of {self.length} (its documents' "
+                f"lengths), not {length}"
+            )
         if length % pieces:
             raise ValueError(
                 f"a sequence of length {length} cannot be split evenly for the {self.name!r} "
@@ -129,13 +178,24 @@ class Layout:
         size = self.chunk_size(length)
         return [(c * size, (c + 1) * size) for c in self.chunks[rank]]
 
+    def spans(self, rank: int, length: int) -> list[tuple[int, int]]:
+        """:meth:`ranges` with the ranges that follow each other in the sequence merged (a
+        part's contiguous stretches)."""
+        spans: list[tuple[int, int]] = []
+        for a, b in self.ranges(rank, length):
+            if spans and spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], b)
+            else:
+                spans.append((a, b))
+        return spans
+
     def positions(self, rank: int, length: int, device: Any = None) -> Tensor:
         """The global positions (int64, ``(length / W,)``) of ``rank``'s part."""
-        return torch.cat([torch.arange(a, b, device=device) for a, b in self.ranges(rank, length)])
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.spans(rank, length)])
 
     def take(self, x: Tensor, rank: int, dim: int) -> Tensor:
         """``rank``'s part of the whole tensor ``x`` along ``dim``."""
-        parts = [x.narrow(dim, a, b - a) for a, b in self.ranges(rank, x.shape[dim])]
+        parts = [x.narrow(dim, a, b - a) for a, b in self.spans(rank, x.shape[dim])]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
     def assemble(self, parts: list[Tensor], dim: int) -> Tensor:

@@ -36,9 +36,11 @@ def layout_for(
 ) -> Layout:
     """The layout that balances ``bias`` over a sequence of ``length`` queries (and
     ``length_kv`` keys, by default as many) across the ranks of ``group`` (or ``world``
-    ranks): the least predicted time per step among contiguous, zigzag and a balanced
+    ranks): the least predicted time per step among contiguous, zigzag, a balanced
     assignment of ``4 W`` chunks by their kept pairs (heaviest chunk first to the least loaded
-    rank), where ties go to the layout whose ranks receive fewer key/value blocks.
+    rank) and, where the bias packs documents whose lengths ``2 W`` divides, head-tail within
+    each document (:meth:`Layout.documents`); ties go to the layout whose ranks receive fewer
+    key/value blocks.
 
     The same bias and lengths give the same layout on every rank, with no communication;
     this is what ``layout="auto"`` means for :func:`shard`, :func:`unshard`,
@@ -68,7 +70,7 @@ def _auto(bias: AttnBias | None, length_q: int, length_kv: int, world: int, devi
     call = Call(None, 1, length_q, length_kv, torch.device(device or "cpu"))
     ratio = TRANSFER_PER_BLOCK_AT_256 * 256 / grain(length_q, finest)
     best = choose_layout(bias, call, world, 1.0, ratio).layout
-    layout = Layout(best.chunks, f"auto: {best.name}")
+    layout = Layout(best.chunks, f"auto: {best.name}", best.length)
     return _AUTO.put(key, layout) if cacheable else layout
 
 
