@@ -70,11 +70,25 @@ def ragged(length: int, seed: int = 0) -> list[int]:
     return lengths
 
 
+def padded(lengths: list[int], multiple: int = 1024) -> list[int]:
+    """``lengths`` rounded to multiples of ``multiple`` (the last one taking what is left),
+    as a packer that pads each document would give them: head-tail within documents needs
+    lengths ``2W`` divides."""
+    total = sum(lengths)
+    out = [max(multiple, n // multiple * multiple) for n in lengths[:-1]]
+    out.append(total - sum(out))
+    return [n for n in out if n > 0]
+
+
 def biases(length: int, device: torch.device) -> dict[str, Any]:
     return {
         "causal": causal_upper_left(),
         "window 4096 + causal": causal_upper_left() + SlidingWindowBias(4095),
         "documents + causal": DocumentBias.from_seqlens(ragged(length), device=device)
+        + causal_upper_left(),
+        "documents (padded to 1024) + causal": DocumentBias.from_seqlens(
+            padded(ragged(length)), device=device
+        )
         + causal_upper_left(),
         "prefix-LM (S/8)": PrefixLM(length // 8),
     }
@@ -84,6 +98,7 @@ CONFIGS = [
     ("sequence", "zigzag"),
     ("sequence", "contiguous"),
     ("sequence", "auto"),
+    ("sequence", "head-tail"),  # within documents, where the bias packs them
     ("heads", "zigzag"),
 ]
 
@@ -184,10 +199,15 @@ def bench_case(
         rounds.setdefault("one GPU", []).append(broadcast(one))
         for mode, layout_name in order:
             label = f"{mode} / {layout_name}"
-            layout = (
-                distributed.layout_for(bias, length, device=device)
-                if layout_name == "auto" else layout_name
-            )  # fmt: skip
+            if layout_name == "head-tail":
+                call = Call(None, 1, length, length, device)
+                layout = blocks.document_layout(bias, call, world)
+                if layout is None:  # no documents, or lengths 2W does not divide
+                    continue
+            elif layout_name == "auto":
+                layout = distributed.layout_for(bias, length, device=device)
+            else:
+                layout = layout_name
             parts = [distributed.shard(t, layout=layout) for t in (q, k, v)]
             part_grad = distributed.shard(grad, layout=layout)
 
