@@ -866,22 +866,24 @@ def test_a_document_layout_cuts_every_document_head_and_tail() -> None:
         layout.ranges(0, 48)
 
 
-def test_the_auto_layout_takes_head_tail_where_documents_allow() -> None:
-    """Documents whose lengths 2W divides: "auto" weighs head-tail within them and takes it
-    where it balances better (two ranks); ragged lengths get no head-tail candidate."""
+def test_the_document_layout_of_a_bias_and_auto_keeping_to_the_others() -> None:
+    """``document_layout`` finds a bias's documents (lengths 2W divides) and evens out their
+    causal work exactly; ``"auto"`` keeps to contiguous, zigzag and the balanced assignments
+    (head-tail ran slower on GPUs); ragged lengths have no head-tail layout."""
     length = 65536
     lengths = [32768, 4096, 4096, 16384, 8192]
     docs = DocumentBias.from_seqlens(lengths) + causal_upper_left()
     call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
-    assert blocks.document_layout(docs, call, 2) == distributed.Layout.documents(lengths, 2)
-    chosen = distributed.layout_for(docs, length, world=2)
-    assert chosen.name == "auto: head-tail" and chosen.length == length, chosen
+    layout = blocks.document_layout(docs, call, 2)
+    assert layout == distributed.Layout.documents(lengths, 2)
     grid = blocks.keep_grid(docs, call, 256, 256)
-    work = blocks.layout_costs(grid, chosen, 1.0, 0.0).compute
+    work = blocks.layout_costs(grid, layout, 1.0, 0.0).compute
     assert work[0] == work[1], work
+    chosen = distributed.layout_for(docs, length, world=2)
+    assert not chosen.name.endswith("head-tail") and chosen.length is None, chosen
     ragged = DocumentBias.from_seqlens([30000, 3002, 32534]) + causal_upper_left()
     assert blocks.document_layout(ragged, call, 2) is None
-    assert not distributed.layout_for(ragged, length, world=2).name.endswith("head-tail")
+    assert blocks.document_layout(causal_upper_left(), call, 2) is None
 
 
 def test_the_auto_layout_follows_the_bias() -> None:
@@ -899,8 +901,7 @@ def test_the_auto_layout_follows_the_bias() -> None:
         distributed.Layout.contiguous(4).chunks
     )
     assert distributed.layout_for(None, length, world=2).chunks == ((0,), (1,))
-    # (lengths 4W does not divide: no head-tail within documents)
-    docs = DocumentBias.from_seqlens([32770, 4094, 4096, 16384, 8192]) + causal_upper_left()
+    docs = DocumentBias.from_seqlens([32768, 4096, 4096, 16384, 8192]) + causal_upper_left()
     chosen = distributed.layout_for(docs, length, world=2)
     call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
     grid = blocks.keep_grid(docs, call, 256, 256)

@@ -600,7 +600,14 @@ def test_on_the_gpu_a_timing_counts_host_time_only_where_it_outlasts_the_gpu() -
     hidden = min(routing._timed(host_then_gpu(gpu / 2), device, 2) for _ in range(3))
     assert gpu * 0.95 < hidden < gpu * 1.1, (hidden, gpu)  # after a synchronisation: 1.25x
     exposed = min(routing._timed(host_then_gpu(2 * gpu), device, 2) for _ in range(3))
-    assert 1.8 * gpu < exposed < 2.4 * gpu, (exposed, gpu)
+
+    def slept(seconds: float) -> float:  # a sleep overshoots on a loaded host
+        start = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - start
+
+    host = min(slept(2 * gpu) for _ in range(3))
+    assert 1.8 * gpu < exposed < 1.2 * max(host, 2 * gpu), (exposed, host, gpu)
 
 
 def test_measuring_runs_on_copies_with_the_inputs_strides() -> None:

@@ -257,7 +257,9 @@ def layout_candidates(length_q: int, length_kv: int, world: int) -> tuple[int, l
 def document_layout(bias: AttnBias | None, call: Call, world: int) -> Layout | None:
     """:meth:`Layout.documents` for the documents ``bias`` packs in ``call`` (self-attention:
     the same ids for queries and keys, shared by the batch), or ``None`` where it has none or
-    a document's length is not a multiple of ``2W``. Reads the ids on the host."""
+    a document's length is not a multiple of ``2W``. Reads the ids on the host. A layout to
+    pass as ``layout=`` where it pays (measure it: ``benchmarks/cp_bench.py``); ``"auto"``
+    does not choose it."""
     if bias is None or call.length_q != call.length_kv:
         return None
     terms = lower(bias, call.length_q, call.length_kv, call.device, batch=None, heads=1)
@@ -277,29 +279,20 @@ def choose_layout(
     bias: AttnBias | None, call: Call, world: int, block_seconds: float, transfer_seconds: float
 ) -> Costs:
     """The costs of the layout of least predicted time for ``bias`` over ``call``: contiguous,
-    zigzag, a balanced one or, for packed documents, head-tail within each document (ties go
-    to the one that receives less, then to fewer chunks). The seconds are per block of the
-    grid at the grains of the chunking all of contiguous, zigzag and the balanced layouts are
-    made of (:func:`layout_candidates`)."""
+    zigzag or a balanced one (ties go to the one that receives less, then to fewer chunks).
+
+    Head-tail within documents (:func:`document_layout`) is not a candidate: it evens out the
+    work exactly, but on two H100s it ran slower than zigzag (more pairs, each with its own
+    launches, and every rank reaching the earlier pieces of every document: see
+    ``benchmarks/NOTES.md``), which this model, counting blocks only, does not see."""
     finest, balanced = layout_candidates(call.length_q, call.length_kv, world)
-    grain_q, grain_kv = grain(call.length_q, finest), grain(call.length_kv, finest)
-    documents = document_layout(bias, call, world)
-    if documents is not None:
-        # blocks that straddle no chunk of any candidate; the rates scaled to them
-        coarse_q, coarse_kv = grain_q, grain_kv
-        grain_q = math.gcd(grain_q, grain(call.length_q, documents.pieces))
-        grain_kv = math.gcd(grain_kv, grain(call.length_kv, documents.pieces))
-        block_seconds *= grain_q * grain_kv / (coarse_q * coarse_kv)
-        transfer_seconds *= grain_kv / coarse_kv
-    grid = keep_grid(bias, call, grain_q, grain_kv)
+    grid = keep_grid(bias, call, grain(call.length_q, finest), grain(call.length_kv, finest))
     candidates = []
     for layout in (Layout.contiguous(world), Layout.zigzag(world)):
         if call.length_q % layout.pieces == 0 and call.length_kv % layout.pieces == 0:
             candidates.append(layout)
     for per_rank in balanced:
         candidates.append(balanced_layout(grid, world, per_rank))
-    if documents is not None:
-        candidates.append(documents)
     costs = [layout_costs(grid, layout, block_seconds, transfer_seconds) for layout in candidates]
     # within 5% of the fastest the prediction cannot tell them apart: receive less, cut less
     fastest = min(c.time for c in costs)

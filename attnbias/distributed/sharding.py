@@ -36,11 +36,10 @@ def layout_for(
 ) -> Layout:
     """The layout that balances ``bias`` over a sequence of ``length`` queries (and
     ``length_kv`` keys, by default as many) across the ranks of ``group`` (or ``world``
-    ranks): the least predicted time per step among contiguous, zigzag, a balanced
+    ranks): the least predicted time per step among contiguous, zigzag and a balanced
     assignment of ``4 W`` chunks by their kept pairs (heaviest chunk first to the least loaded
-    rank) and, where the bias packs documents whose lengths ``2 W`` divides, head-tail within
-    each document (:meth:`Layout.documents`); ties go to the layout whose ranks receive fewer
-    key/value blocks.
+    rank), where ties go to the layout whose ranks receive fewer key/value blocks. (Head-tail
+    within documents, :meth:`Layout.documents`, is passed by hand where it pays.)
 
     The same bias and lengths give the same layout on every rank, with no communication;
     this is what ``layout="auto"`` means for :func:`shard`, :func:`unshard`,
