@@ -23,8 +23,9 @@ row of the tile: it narrows the touched and the full runs alike, and it also bou
 In the blocks at its ends (partial by construction) keys and values outside it are loaded as
 zeros, never read, and the dK/dV kernel stores zero gradients for them: a NaN or Inf in a
 padded key or value or an unused cache slot reaches nothing at all, unlike the masked
-positions of the band and documents described next. ``HAS_KV_RANGE`` is a ``tl.constexpr``
-flag, so calls without a key range compile to the same code as before.
+positions of the band and documents described next. Whether there is a key range is a
+compile-time feature (``has_kv_range(F)``, see ``record.py``), so calls without one compile
+to the same code as before.
 
 Scores are kept in base 2: ``s2 = log2(e) * s`` so the softmax uses ``exp2``; the
 log-sum-exp written out is in natural log. A row that keeps no key gets output 0 and
@@ -33,7 +34,7 @@ probability recomputed from it is exactly 0 and no gradient from it is NaN.
 
 Any finite scale works: with a positive normal scale and no score modifier the forward
 masks and maximises raw dot products and scales them in the exponent's FMA; otherwise (0,
-negative, below float32's smallest normal) it scales first (``POSITIVE_SCALE``).
+negative, below float32's smallest normal) it scales first (``positive_scale(F)``).
 
 Masked pairs *select* their value (``-inf`` scores, zero probabilities and score gradients)
 with ``tl.where``, so a NaN or Inf in a masked key never becomes a score. Skipped tiles and
