@@ -866,21 +866,35 @@ def test_a_document_layout_cuts_every_document_head_and_tail() -> None:
         layout.ranges(0, 48)
 
 
-def test_the_document_layout_of_a_bias_and_auto_keeping_to_the_others() -> None:
+def test_the_document_layout_of_a_bias_and_what_auto_predicts_for_it() -> None:
     """``document_layout`` finds a bias's documents (lengths 2W divides) and evens out their
-    causal work exactly; ``"auto"`` keeps to contiguous, zigzag and the balanced assignments
-    (head-tail ran slower on GPUs); ragged lengths have no head-tail layout."""
+    causal work exactly; ``"auto"`` weighs it with the others by the sequence mode's predicted
+    step, where its many pairs (two stretches a document on every rank) cost more than the
+    balance gains, as measured on two H100s; ragged lengths have no head-tail layout."""
+    from attnbias.distributed import model
+
     length = 65536
     lengths = [32768, 4096, 4096, 16384, 8192]
     docs = DocumentBias.from_seqlens(lengths) + causal_upper_left()
     call = attnbias.terms.Call(None, 1, length, length, torch.device("cpu"))
     layout = blocks.document_layout(docs, call, 2)
     assert layout == distributed.Layout.documents(lengths, 2)
+    assert layout in blocks.candidate_layouts(docs, call, 2)
     grid = blocks.keep_grid(docs, call, 256, 256)
     work = blocks.layout_costs(grid, layout, 1.0, 0.0).compute
     assert work[0] == work[1], work
+
+    def predicted(layout: distributed.Layout) -> float:
+        step = attnbias.terms.Call(1, 16, length, length, torch.device("cpu"))
+        grains = blocks.grain(length, layout.pieces)
+        grid = blocks.keep_grid(docs, step, grains, grains)
+        needs = exchange.exchanged_runs(grid, step, layout)
+        return model.sequence_seconds(docs, step, layout, grid, needs, 16, 128, 128, 2, True)
+
     chosen = distributed.layout_for(docs, length, world=2)
-    assert not chosen.name.endswith("head-tail") and chosen.length is None, chosen
+    times = {c.name: predicted(c) for c in blocks.candidate_layouts(docs, call, 2)}
+    assert predicted(chosen) <= 1.05 * min(times.values()), (chosen, times)
+    assert times["head-tail"] > times["zigzag"], times
     ragged = DocumentBias.from_seqlens([30000, 3002, 32534]) + causal_upper_left()
     assert blocks.document_layout(ragged, call, 2) is None
     assert blocks.document_layout(causal_upper_left(), call, 2) is None
@@ -1019,13 +1033,13 @@ def test_the_mode_follows_the_predicted_time() -> None:
     keys, the all-to-all would send half of q, k, v and the output), at 32k the head mode;
     six heads over four ranks cannot split and take the sequence mode, and naming the head
     mode raises."""
-    from attnbias.distributed import attention
+    from attnbias.distributed import model
 
     def choose(bias: Any, length: int, layout: Any, heads: int = 16, mode: str = "auto") -> Any:
         call = attnbias.terms.Call(1, heads, length, length, torch.device("cpu"))
         grid = blocks.keep_grid(bias, call, 256, 256)
         needs = exchange.exchanged_runs(grid, call, layout)
-        return attention._choose(mode, bias, call, layout, grid, needs, heads, 128, 128, 2, True)
+        return model.choose_mode(mode, bias, call, layout, grid, needs, heads, 128, 128, 2, True)
 
     zigzag, contiguous = distributed.Layout.zigzag(2), distributed.Layout.contiguous(2)
     assert choose(causal_upper_left(), 32768, zigzag).mode == "heads"

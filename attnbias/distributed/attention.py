@@ -13,13 +13,14 @@ from torch import Tensor
 
 from attnbias.biases import AttnBias
 from attnbias.functional import _validate
-from attnbias.spec import lower, with_causal
+from attnbias.spec import with_causal
 from attnbias.terms import Call
 
-from .blocks import Kept, grain, keep_grid, layout_costs
-from .exchange import Cover, Needs, Schedule, exchange_sdpa, exchanged_runs, pair_shapes
-from .heads import heads_reasons, heads_sdpa
+from .blocks import Kept, grain, keep_grid
+from .exchange import Needs, Schedule, exchange_sdpa, exchanged_runs
+from .heads import heads_sdpa
 from .layouts import Layout, as_group, world_of
+from .model import Choice, choose_mode
 from .sharding import resolve_layout
 
 __all__ = ["MODES", "explain", "sdpa"]
@@ -185,29 +186,6 @@ def _schedule(local: _Local, rank: int, group: Any) -> Schedule:
     return _SCHEDULES.put(key, schedule) if cacheable else schedule
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The mode a call takes and why: the predicted seconds of each mode (``None`` where it
-    cannot run) and the reasons the head mode cannot."""
-
-    mode: str
-    sequence_s: float
-    heads_s: float | None
-    heads_refused: tuple[str, ...]
-    asked: str
-
-    def describe(self) -> str:
-        heads = (
-            f"{self.heads_s * 1e3:.3f} ms" if self.heads_s is not None
-            else "cannot run (" + "; ".join(self.heads_refused) + ")"
-        )  # fmt: skip
-        how = "asked for" if self.asked != "auto" else "least predicted time"
-        return (
-            f"mode {self.mode!r} ({how}); predicted per step: sequence "
-            f"{self.sequence_s * 1e3:.3f} ms, heads {heads}"
-        )
-
-
 @dataclass(frozen=True, eq=False)
 class _Local:
     """This rank's call, checked, with the layout and the mode it takes."""
@@ -312,111 +290,9 @@ def _decision(
         bias, call, grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
     )
     needs = exchanged_runs(grid, call, layout)
-    decided = grid, needs, _choose(mode, bias, call, layout, grid, needs, heads_kv, dim, dim_v,
+    decided = grid, needs, choose_mode(mode, bias, call, layout, grid, needs, heads_kv, dim, dim_v,
                                    element, needs_grad)  # fmt: skip
     return _DECISIONS.put(key, decided) if cacheable else decided
-
-
-def _choose(
-    mode: str,
-    bias: AttnBias | None,
-    call: Call,
-    layout: Layout,
-    grid: Tensor,
-    needs: Needs,
-    heads_kv: int,
-    dim: int,
-    dim_v: int,
-    element: int,
-    needs_grad: bool,
-) -> Choice:
-    """The mode of a call, by predicted time. The sequence mode: the slowest rank's kept
-    blocks' work, plus a cost per pair it runs (its host time) and the log-sum-exp merge of
-    the rows several pairs reach, against its transfers, which overlap the work. The head
-    mode: a W-th of the whole work plus its all-to-all, which does not overlap. Rates from
-    :data:`RATES`."""
-    world, asked = layout.world, mode
-    refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
-    if mode == "heads" and refused:
-        raise ValueError(
-            "attnbias.distributed.sdpa: mode='heads' cannot run this call: " + "; ".join(refused)
-            + "; use mode='sequence' (or 'auto')"
-        )  # fmt: skip
-    rates = RATES
-    pass_factor = 1.0 if not needs_grad else rates.backward_factor
-    grain_q = grain(call.length_q, layout.pieces)
-    grain_kv = grain(call.length_kv, layout.pieces)
-    batch = call.batch_size
-    # two products of one block of the grid (the backward about 2.5 times more)
-    block_s = 2.0 * grain_q * grain_kv * call.heads * (dim + dim_v) * batch * pass_factor
-    block_s /= rates.flops
-    # one key/value block's transfers: the keys and values, again in the backward with their
-    # float32 gradients coming back
-    moved = float(grain_kv * heads_kv * (dim + dim_v) * batch * element)
-    moved *= (2.0 + 4.0 / element) if needs_grad else 1.0
-    transfer_s = moved / rates.link_bytes
-    costs = layout_costs(grid, layout, block_s, transfer_s)
-    # a shard pair with documents or mask functions gives up FlashAttention 4 (no
-    # log-sum-exp with documents there; a block's offsets are new numbers of the functions)
-    terms = lower(bias, call.length_q, call.length_kv, call.device, batch=call.batch)
-    pair_block_s = block_s * (
-        rates.functions_slowdown if terms.mods
-        else rates.documents_slowdown if terms.q_doc is not None
-        else 1.0
-    )  # fmt: skip
-    sequence_s = 0.0
-    for rank in range(world):
-        shapes = [p for step in pair_shapes(grid, call, layout, rank, needs) for p in step]
-        # rows that one pair reaches take its output as it comes; the others merge
-        spans = [(rows.start, rows.stop) for rows, _, _ in shapes]
-        once = Cover.of(spans, call.length_q // world).elements(1)
-        merged = (sum(b - a for a, b in spans) - once) * call.heads * dim_v * batch
-        work = costs.compute[rank] * pair_block_s
-        work += len(shapes) * rates.pair_s * pass_factor + merged * rates.merge_element_s
-        sequence_s = max(sequence_s, work + rates.sequence_call_s * pass_factor,
-                         costs.received[rank] * transfer_s)  # fmt: skip
-    heads_s = None
-    if not refused:
-        total = int(grid.sum()) * block_s
-        # q, k, v there and the output back, each (W - 1) / W of a part; the backward moves
-        # the output's gradient there and q, k, v's back
-        part_q = call.length_q // world * call.heads * batch
-        part_kv = call.length_kv // world * heads_kv * batch
-        elements = float(part_q * (dim + dim_v) + part_kv * (dim + dim_v))
-        elements *= 2.0 if needs_grad else 1.0
-        exchange_s = rates.all_to_all_s * (2.0 if needs_grad else 1.0)
-        exchange_s += elements * element * (world - 1) / world / rates.all_to_all_bytes
-        heads_s = total / world + exchange_s
-    if mode == "auto":
-        mode = "heads" if heads_s is not None and heads_s < sequence_s else "sequence"
-    return Choice(mode, sequence_s, heads_s, refused, asked)
-
-
-@dataclass(frozen=True)
-class Rates:
-    """What the mode choice predicts with. Fitted to forward + backward steps on two H100s
-    with NVLink (bf16, B=1, H=16, E=128, S = 32k and 128k; benchmarks/NOTES.md, "Context
-    parallelism"), checked on two and four at 32k-512k: attention's work at FlashAttention
-    4's pace, and how much slower shard pairs with mask functions or documents run (on the
-    Triton kernel), a pair's fixed cost, the sequence mode's fixed cost per call (about 2 ms
-    a forward + backward step beyond its pairs, refitted after partial results stopped being
-    summed where one reaches), the log-sum-exp merge per output element of the rows several
-    pairs reach, the all-to-all's fixed cost (per direction) and rate, and the point-to-point
-    rate."""
-
-    flops: float = 6.5e14
-    backward_factor: float = 3.5
-    functions_slowdown: float = 1.9
-    documents_slowdown: float = 1.6
-    pair_s: float = 0.35e-3
-    sequence_call_s: float = 0.55e-3
-    merge_element_s: float = 2.6e-11
-    all_to_all_s: float = 1.0e-3
-    all_to_all_bytes: float = 1.4e11
-    link_bytes: float = 1.4e11
-
-
-RATES = Rates()
 
 
 def explain(

@@ -35,7 +35,7 @@ __all__ = [
     "Costs",
     "Kept",
     "balanced_layout",
-    "choose_layout",
+    "candidate_layouts",
     "document_layout",
     "grain",
     "keep_grid",
@@ -257,9 +257,7 @@ def layout_candidates(length_q: int, length_kv: int, world: int) -> tuple[int, l
 def document_layout(bias: AttnBias | None, call: Call, world: int) -> Layout | None:
     """:meth:`Layout.documents` for the documents ``bias`` packs in ``call`` (self-attention:
     the same ids for queries and keys, shared by the batch), or ``None`` where it has none or
-    a document's length is not a multiple of ``2W``. Reads the ids on the host. A layout to
-    pass as ``layout=`` where it pays (measure it: ``benchmarks/cp_bench.py``); ``"auto"``
-    does not choose it."""
+    a document's length is not a multiple of ``2W``. Reads the ids on the host."""
     if bias is None or call.length_q != call.length_kv:
         return None
     terms = lower(bias, call.length_q, call.length_kv, call.device, batch=None, heads=1)
@@ -275,26 +273,20 @@ def document_layout(bias: AttnBias | None, call: Call, world: int) -> Layout | N
     return Layout.documents(lengths, world)
 
 
-def choose_layout(
-    bias: AttnBias | None, call: Call, world: int, block_seconds: float, transfer_seconds: float
-) -> Costs:
-    """The costs of the layout of least predicted time for ``bias`` over ``call``: contiguous,
-    zigzag or a balanced one (ties go to the one that receives less, then to fewer chunks).
-
-    Head-tail within documents (:func:`document_layout`) is not a candidate: it evens out the
-    work exactly, but on two H100s it ran slower than zigzag (more pairs, each with its own
-    launches, and every rank reaching the earlier pieces of every document: see
-    ``benchmarks/NOTES.md``), which this model, counting blocks only, does not see."""
+def candidate_layouts(bias: AttnBias | None, call: Call, world: int) -> list[Layout]:
+    """The layouts ``layout="auto"`` weighs for ``bias`` over ``call``: contiguous, zigzag,
+    the balanced assignments of :data:`BALANCED_CHUNKS` chunks a rank (by the kept blocks of
+    each chunk), and for packed documents head-tail within each (:func:`document_layout`),
+    those that split both lengths."""
     finest, balanced = layout_candidates(call.length_q, call.length_kv, world)
-    grid = keep_grid(bias, call, grain(call.length_q, finest), grain(call.length_kv, finest))
     candidates = []
     for layout in (Layout.contiguous(world), Layout.zigzag(world)):
         if call.length_q % layout.pieces == 0 and call.length_kv % layout.pieces == 0:
             candidates.append(layout)
-    for per_rank in balanced:
-        candidates.append(balanced_layout(grid, world, per_rank))
-    costs = [layout_costs(grid, layout, block_seconds, transfer_seconds) for layout in candidates]
-    # within 5% of the fastest the prediction cannot tell them apart: receive less, cut less
-    fastest = min(c.time for c in costs)
-    near = [c for c in costs if c.time <= fastest * 1.05]
-    return min(near, key=lambda c: (max(c.received), c.layout.pieces))
+    if balanced:
+        grid = keep_grid(bias, call, grain(call.length_q, finest), grain(call.length_kv, finest))
+        candidates += [balanced_layout(grid, world, per_rank) for per_rank in balanced]
+    documents = document_layout(bias, call, world)
+    if documents is not None:
+        candidates.append(documents)
+    return candidates

@@ -9,10 +9,8 @@ layouts:
 * ``"zigzag"``: ``P = 2W``, rank ``r`` holds chunks ``r`` and ``2W - 1 - r`` (in that order),
   so that under a causal mask every rank has the same number of kept pairs;
 * ``"auto"``: the chunks assigned by their cost under a bias
-  (:func:`attnbias.distributed.layout_for`).
-
-For packed documents, :meth:`Layout.documents` is zigzag within each document ("head-tail"),
-passed as a :class:`Layout`.
+  (:func:`attnbias.distributed.layout_for`), which may be :meth:`Layout.documents`, zigzag
+  within each packed document ("head-tail").
 
 :func:`shard` takes this rank's part of a tensor every rank holds whole; :func:`unshard` gathers
 the parts back into the whole tensor on every rank. Both are differentiable.

@@ -12,17 +12,17 @@ from torch import Tensor
 from attnbias.biases import AttnBias
 from attnbias.terms import Call
 
-from .blocks import Kept, choose_layout, grain, layout_candidates
+from .blocks import Kept, candidate_layouts, grain, keep_grid, layout_costs
+from .exchange import exchanged_runs
 from .layouts import LAYOUTS, Layout, as_group, check_dim, world_of
+from .model import sequence_seconds
 
 __all__ = ["layout_for", "positions", "resolve_layout", "shard", "unshard"]
 
-#: Predicted seconds of one key/value block's transfers (forward and backward: the keys and
-#: values twice, their float32 gradients once) over one block of kept pairs' computation, for a
-#: block of 256 positions with as many key/value heads as query heads; a rank's time is the
-#: longer of the two, as transfers overlap computation. Used only to choose the layout of
-#: ``layout="auto"``, the same on every rank (benchmarks/NOTES.md, "Context parallelism").
-TRANSFER_PER_BLOCK_AT_256 = 9.0
+#: The call ``layout="auto"`` predicts for: heads (query and key/value), head dim and element
+#: bytes (bf16), one batch row, forward + backward. The layout depends on the bias and the
+#: lengths only, so every rank, and :func:`shard` before the call, find the same one.
+NOMINAL = (16, 128, 2)
 
 
 def layout_for(
@@ -36,10 +36,13 @@ def layout_for(
 ) -> Layout:
     """The layout that balances ``bias`` over a sequence of ``length`` queries (and
     ``length_kv`` keys, by default as many) across the ranks of ``group`` (or ``world``
-    ranks): the least predicted time per step among contiguous, zigzag and a balanced
-    assignment of ``4 W`` chunks by their kept pairs (heaviest chunk first to the least loaded
-    rank), where ties go to the layout whose ranks receive fewer key/value blocks. (Head-tail
-    within documents, :meth:`Layout.documents`, is passed by hand where it pays.)
+    ranks): the least predicted time of a training step in the sequence mode
+    (:func:`~.model.sequence_seconds`, for a call of one batch row and :data:`NOMINAL` heads
+    and head dims) among contiguous, zigzag, a balanced assignment of ``4 W`` chunks by their
+    kept pairs (heaviest chunk first to the least loaded rank) and, where the bias packs
+    documents whose lengths ``2 W`` divides, head-tail within each document
+    (:meth:`Layout.documents`). Within 5% of the fastest, the layout whose ranks receive
+    fewer key/value blocks, then the one of fewer chunks, is taken.
 
     The same bias and lengths give the same layout on every rank, with no communication;
     this is what ``layout="auto"`` means for :func:`shard`, :func:`unshard`,
@@ -62,13 +65,28 @@ def _auto(bias: AttnBias | None, length_q: int, length_kv: int, world: int, devi
     found = _AUTO.get(key) if cacheable else None
     if found is not None:
         return found
-    finest, _ = layout_candidates(length_q, length_kv, world)
     if length_q % world or length_kv % world:
         Layout.contiguous(world).chunk_size(length_q)  # the error for lengths W does not divide
         Layout.contiguous(world).chunk_size(length_kv)
+    heads, dim, element = NOMINAL
+    # the bias lowered without a batch size, for one head (as it was made: per-head parts of
+    # any head count), the step predicted for the nominal heads
     call = Call(None, 1, length_q, length_kv, torch.device(device or "cpu"))
-    ratio = TRANSFER_PER_BLOCK_AT_256 * 256 / grain(length_q, finest)
-    best = choose_layout(bias, call, world, 1.0, ratio).layout
+    step = Call(None, heads, length_q, length_kv, call.device)
+    timed = []
+    for candidate in candidate_layouts(bias, call, world):
+        grid = keep_grid(
+            bias, call, grain(length_q, candidate.pieces), grain(length_kv, candidate.pieces)
+        )
+        needs = exchanged_runs(grid, step, candidate)
+        seconds = sequence_seconds(bias, step, candidate, grid, needs, heads, dim, dim, element,
+                                   True)  # fmt: skip
+        received = max(layout_costs(grid, candidate, 0.0, 0.0).received) * grain(
+            length_kv, candidate.pieces
+        )
+        timed.append((seconds, received, candidate.pieces, candidate))
+    fastest = min(t[0] for t in timed)
+    best = min((t for t in timed if t[0] <= fastest * 1.05), key=lambda t: t[1:3])[3]
     layout = Layout(best.chunks, f"auto: {best.name}", best.length)
     return _AUTO.put(key, layout) if cacheable else layout
 
