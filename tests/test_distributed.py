@@ -889,7 +889,8 @@ def test_the_document_layout_of_a_bias_and_what_auto_predicts_for_it() -> None:
         grains = blocks.grain(length, layout.pieces)
         grid = blocks.keep_grid(docs, step, grains, grains)
         needs = exchange.exchanged_runs(grid, step, layout)
-        return model.sequence_seconds(docs, step, layout, grid, needs, 16, 128, 128, 2, True)
+        shape = model.StepShape(16, 128, 128, 2, needs_grad=True)
+        return model.sequence_seconds(docs, step, layout, grid, needs, shape)
 
     chosen = distributed.layout_for(docs, length, world=2)
     times = {c.name: predicted(c) for c in blocks.candidate_layouts(docs, call, 2)}
@@ -1039,7 +1040,8 @@ def test_the_mode_follows_the_predicted_time() -> None:
         call = attnbias.terms.Call(1, heads, length, length, torch.device("cpu"))
         grid = blocks.keep_grid(bias, call, 256, 256)
         needs = exchange.exchanged_runs(grid, call, layout)
-        return model.choose_mode(mode, bias, call, layout, grid, needs, heads, 128, 128, 2, True)
+        shape = model.StepShape(heads, 128, 128, 2, needs_grad=True)
+        return model.choose_mode(mode, bias, call, layout, grid, needs, shape)
 
     zigzag, contiguous = distributed.Layout.zigzag(2), distributed.Layout.contiguous(2)
     assert choose(causal_upper_left(), 32768, zigzag).mode == "heads"

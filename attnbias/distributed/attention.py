@@ -20,7 +20,7 @@ from .blocks import Kept, grain, keep_grid
 from .exchange import Needs, Schedule, exchange_sdpa, exchanged_runs
 from .heads import heads_sdpa
 from .layouts import Layout, as_group, world_of
-from .model import Choice, choose_mode
+from .model import Choice, StepShape, choose_mode
 from .sharding import resolve_layout
 
 __all__ = ["MODES", "explain", "sdpa"]
@@ -290,8 +290,8 @@ def _decision(
         bias, call, grain(call.length_q, layout.pieces), grain(call.length_kv, layout.pieces)
     )
     needs = exchanged_runs(grid, call, layout)
-    decided = grid, needs, choose_mode(mode, bias, call, layout, grid, needs, heads_kv, dim, dim_v,
-                                   element, needs_grad)  # fmt: skip
+    shape = StepShape(heads_kv, dim, dim_v, element, needs_grad)
+    decided = grid, needs, choose_mode(mode, bias, call, layout, grid, needs, shape)
     return _DECISIONS.put(key, decided) if cacheable else decided
 
 

@@ -17,7 +17,7 @@ from .exchange import Cover, Needs, pair_shapes
 from .heads import heads_reasons
 from .layouts import Layout
 
-__all__ = ["RATES", "Choice", "Rates", "choose_mode", "sequence_seconds"]
+__all__ = ["RATES", "Choice", "Rates", "StepShape", "choose_mode", "sequence_seconds"]
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,25 @@ class Choice:
         )
 
 
-def _block_seconds(call: Call, layout: Layout, dim: int, dim_v: int, needs_grad: bool) -> float:
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's cost depends on beyond the call and the layout: the key/value heads, the
+    head dims, the bytes of an element, and whether the backward runs too."""
+
+    heads_kv: int
+    dim: int
+    dim_v: int
+    element: int
+    needs_grad: bool
+
+
+def _block_seconds(call: Call, layout: Layout, shape: StepShape) -> float:
     """The work of one block of the keep grid at ``layout``'s grains: its two products at
     FlashAttention 4's pace (the backward about 2.5 times more)."""
     pairs = grain(call.length_q, layout.pieces) * grain(call.length_kv, layout.pieces)
-    passes = RATES.backward_factor if needs_grad else 1.0
-    return 2.0 * pairs * call.heads * (dim + dim_v) * call.batch_size * passes / RATES.flops
+    passes = RATES.backward_factor if shape.needs_grad else 1.0
+    width = shape.dim + shape.dim_v
+    return 2.0 * pairs * call.heads * width * call.batch_size * passes / RATES.flops
 
 
 def sequence_seconds(
@@ -84,24 +97,28 @@ def sequence_seconds(
     layout: Layout,
     grid: Tensor,
     needs: Needs,
-    heads_kv: int,
-    dim: int,
-    dim_v: int,
-    element: int,
-    needs_grad: bool,
+    shape: StepShape,
 ) -> float:
     """The sequence mode's predicted seconds per step of ``call`` split by ``layout``: the
     slowest rank's kept blocks' work (slower on the Triton kernel for documents and mask
     functions), plus a cost per pair it runs (its host time) and the log-sum-exp merge of the
     rows several pairs reach, against its transfers, which overlap the work; ``grid``: the
     bias's keep grid at the layout's grains, ``needs``: what each rank receives
-    (:func:`~.exchange.exchanged_runs`). Rates from :data:`RATES`."""
+    (:func:`~.exchange.exchanged_runs`), ``shape``: the step's heads and dims. Rates from
+    :data:`RATES`."""
     world = layout.world
     rates = RATES
+    heads_kv, dim, dim_v, element, needs_grad = (
+        shape.heads_kv,
+        shape.dim,
+        shape.dim_v,
+        shape.element,
+        shape.needs_grad,
+    )
     pass_factor = 1.0 if not needs_grad else rates.backward_factor
     grain_kv = grain(call.length_kv, layout.pieces)
     batch = call.batch_size
-    block_s = _block_seconds(call, layout, dim, dim_v, needs_grad)
+    block_s = _block_seconds(call, layout, shape)
     # one key/value block's transfers: the keys and values, again in the backward with their
     # float32 gradients coming back
     moved = float(grain_kv * heads_kv * (dim + dim_v) * batch * element)
@@ -137,16 +154,19 @@ def choose_mode(
     layout: Layout,
     grid: Tensor,
     needs: Needs,
-    heads_kv: int,
-    dim: int,
-    dim_v: int,
-    element: int,
-    needs_grad: bool,
+    shape: StepShape,
 ) -> Choice:
     """The mode of a call, by predicted time: the sequence mode's
     (:func:`sequence_seconds`) against the head mode's, a W-th of the whole work plus its
     all-to-all, which does not overlap. Rates from :data:`RATES`."""
     world, asked = layout.world, mode
+    heads_kv, dim, dim_v, element, needs_grad = (
+        shape.heads_kv,
+        shape.dim,
+        shape.dim_v,
+        shape.element,
+        shape.needs_grad,
+    )
     refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
     if mode == "heads" and refused:
         raise ValueError(
@@ -154,11 +174,9 @@ def choose_mode(
             + "; use mode='sequence' (or 'auto')"
         )  # fmt: skip
     rates = RATES
-    sequence_s = sequence_seconds(
-        bias, call, layout, grid, needs, heads_kv, dim, dim_v, element, needs_grad
-    )
+    sequence_s = sequence_seconds(bias, call, layout, grid, needs, shape)
     batch = call.batch_size
-    block_s = _block_seconds(call, layout, dim, dim_v, needs_grad)
+    block_s = _block_seconds(call, layout, shape)
     heads_s = None
     if not refused:
         total = int(grid.sum()) * block_s

@@ -15,7 +15,7 @@ from attnbias.terms import Call
 from .blocks import Kept, candidate_layouts, grain, keep_grid, layout_costs
 from .exchange import exchanged_runs
 from .layouts import LAYOUTS, Layout, as_group, check_dim, world_of
-from .model import sequence_seconds
+from .model import StepShape, sequence_seconds
 
 __all__ = ["layout_for", "positions", "resolve_layout", "shard", "unshard"]
 
@@ -73,14 +73,14 @@ def _auto(bias: AttnBias | None, length_q: int, length_kv: int, world: int, devi
     # any head count), the step predicted for the nominal heads
     call = Call(None, 1, length_q, length_kv, torch.device(device or "cpu"))
     step = Call(None, heads, length_q, length_kv, call.device)
+    shape = StepShape(heads, dim, dim, element, needs_grad=True)
     timed = []
     for candidate in candidate_layouts(bias, call, world):
         grid = keep_grid(
             bias, call, grain(length_q, candidate.pieces), grain(length_kv, candidate.pieces)
         )
         needs = exchanged_runs(grid, step, candidate)
-        seconds = sequence_seconds(bias, step, candidate, grid, needs, heads, dim, dim, element,
-                                   True)  # fmt: skip
+        seconds = sequence_seconds(bias, step, candidate, grid, needs, shape)
         received = max(layout_costs(grid, candidate, 0.0, 0.0).received) * grain(
             length_kv, candidate.pieces
         )
