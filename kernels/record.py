@@ -11,11 +11,11 @@ block classification) takes a call's mask as two parameters:
 
 Fields a kernel does not use are passed all the same (an absent tensor as 0: Triton refuses a
 tuple holding ``None``; a kernel reads a field only where a feature says it is there), so
-every kernel takes the same two values. Launches and ``torch.library.wrap_triton`` take flat arguments only:
-:func:`flat_kernel` generates, once per kernel, a kernel with the record's fields and the
-features as flat parameters (and the generated functions' arguments, ``MOD``) that calls the
-kernel with the two tuples. Adding a term is a field (or feature) here with its accessor,
-its value in :func:`~.masks.launch_mask`, and its use in the kernels.
+every kernel takes the same two values. Launches and ``torch.library.wrap_triton`` take flat
+arguments only: :func:`flat_kernel` generates, once per kernel, a kernel with the record's
+fields and the features as flat parameters (and the generated functions' arguments, ``MOD``)
+that calls the kernel with the two tuples. Adding a term is a field (or feature) here with
+its accessor, its value in :func:`~.masks.launch_mask`, and its use in the kernels.
 """
 
 # The @triton.jit bodies annotate only their constexpr parameters.
