@@ -254,6 +254,7 @@ def launch_mask(
             f"pair's distance has one sign ({program.describe()}, L={seq_q}, S={seq_k})"
         )
 
+    qk_scale = scale * LOG2E
     if softcap is not None:
         softcap_in, softcap_out = scale / softcap, softcap * LOG2E
     else:
@@ -272,7 +273,7 @@ def launch_mask(
         slopes=slopes,
         alibi_stride_b=stride_sb,
         alibi_stride_h=stride_sh,
-        qk_scale=scale * LOG2E,
+        qk_scale=qk_scale,
         softcap_in=softcap_in,
         softcap_out=softcap_out,
         table_stride=0 if pages is None else pages.table.stride(0),
@@ -288,7 +289,7 @@ def launch_mask(
         alibi_sign=sign,
         has_softcap=softcap is not None,
         tanh_mode=tanh_mode(q),
-        positive_scale=scale * LOG2E >= FP32_TINY,
+        positive_scale=qk_scale >= FP32_TINY,
         page=0 if pages is None else pages.page_size,
     )
     blocks = program.blocks

@@ -189,10 +189,6 @@ class Costs:
     received: tuple[int, ...]  # key/value blocks received per rank
     seconds: tuple[float, ...]  # predicted time per rank
 
-    @property
-    def time(self) -> float:
-        return max(self.seconds)
-
 
 def layout_costs(
     grid: Tensor, layout: Layout, block_seconds: float, transfer_seconds: float

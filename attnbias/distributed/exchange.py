@@ -32,7 +32,10 @@ from attnbias.terms import Block, Call
 from .blocks import grain, keep_grid
 from .layouts import Layout
 
-__all__ = ["Cover", "Needs", "Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes"]
+__all__ = [
+    "Cover", "Needs", "Schedule", "exchange_sdpa", "exchanged_runs", "pair_shapes",
+    "received_positions",
+]  # fmt: skip
 
 Run = tuple[int, int]  # [start, stop) in a rank's part
 Needs = list[list[list[Run]]]  # needs[r][o]: the runs of rank o's part rank r receives
@@ -122,7 +125,7 @@ class Schedule:
 
     def received(self, rank: int) -> int:
         """The key/value positions ``rank`` receives in the forward."""
-        return sum(b - a for owner in self.needs[rank] for a, b in owner)
+        return received_positions(self.needs, rank)
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -196,6 +199,12 @@ class Schedule:
             needs_lse=True,
         )
         return plan_spec(dataclasses.replace(spec, needs_grad=self.needs_grad))
+
+
+def received_positions(needs: Needs, rank: int) -> int:
+    """The key/value positions ``rank`` receives of the other ranks' parts (``needs``:
+    :func:`exchanged_runs`)."""
+    return sum(b - a for owner in needs[rank] for a, b in owner)
 
 
 def exchanged_runs(grid: Tensor, call: Call, layout: Layout) -> Needs:

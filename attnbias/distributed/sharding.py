@@ -12,8 +12,8 @@ from torch import Tensor
 from attnbias.biases import AttnBias
 from attnbias.terms import Call
 
-from .blocks import Kept, candidate_layouts, grain, keep_grid, layout_costs
-from .exchange import exchanged_runs
+from .blocks import Kept, candidate_layouts, grain, keep_grid
+from .exchange import exchanged_runs, received_positions
 from .layouts import LAYOUTS, Layout, as_group, check_dim, world_of
 from .model import StepShape, sequence_seconds
 
@@ -81,9 +81,7 @@ def _auto(bias: AttnBias | None, length_q: int, length_kv: int, world: int, devi
         )
         needs = exchanged_runs(grid, step, candidate)
         seconds = sequence_seconds(bias, step, candidate, grid, needs, shape)
-        received = max(layout_costs(grid, candidate, 0.0, 0.0).received) * grain(
-            length_kv, candidate.pieces
-        )
+        received = max(received_positions(needs, rank) for rank in range(world))
         timed.append((seconds, received, candidate.pieces, candidate))
     fastest = min(t[0] for t in timed)
     best = min((t for t in timed if t[0] <= fastest * 1.05), key=lambda t: t[1:3])[3]
