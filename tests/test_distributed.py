@@ -962,6 +962,46 @@ def test_a_pair_keeps_only_the_rows_and_keys_that_keep_a_pair() -> None:
     assert [b for _, _, b in remote] == [attnbias.terms.Block(98304, 32768, 32768, 65536)]
 
 
+def test_a_repeated_pair_takes_its_kept_plan_with_the_new_tensors() -> None:
+    """A schedule plans each pair once per layout of its slices and gives a repeated call the
+    kept plan holding that call's tensors (the same result as planning it afresh); a bias with
+    tensors of its own (learnable ALiBi slopes) plans each call again."""
+    length, world = 64, 2
+    call = attnbias.terms.Call(1, 2, length, length, torch.device("cpu"))
+    layout = distributed.Layout.zigzag(world)
+
+    def parts(seed: int) -> list[Tensor]:
+        torch.manual_seed(seed)
+        return [torch.randn(1, 2, length // world, 8, dtype=torch.float64) for _ in range(3)]
+
+    window = causal_upper_left() + SlidingWindowBias(9)
+    schedule = exchange.Schedule.make(window, call, layout, 0, None, scale=None,
+                                      enable_gqa=False, needs_grad=False)  # fmt: skip
+    pair = schedule.pairs[0][0]
+    first = schedule.plan_pair(*parts(0), pair)
+    q, k, v = parts(1)
+    again = schedule.plan_pair(q, k, v, pair)
+    assert len(schedule.plans) == 1 and again.backend is first.backend
+    assert again.spec.query.data_ptr() == q[:, :, pair.rows].data_ptr()
+    assert again.spec.key.data_ptr() == k[:, :, pair.cols].data_ptr()
+    assert again.spec.value.data_ptr() == v[:, :, pair.cols].data_ptr()
+    fresh = exchange.Schedule.make(window, call, layout, 0, None, scale=None,
+                                   enable_gqa=False, needs_grad=False)  # fmt: skip
+    planned = fresh.plan_pair(q, k, v, fresh.pairs[0][0])
+    for got, want in zip(again.backend.forward_lse(again.spec),
+                         planned.backend.forward_lse(planned.spec), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # another layout of the slices is planned apart
+    q2 = q.transpose(1, 2).contiguous().transpose(1, 2)
+    schedule.plan_pair(q2, k, v, pair)
+    assert len(schedule.plans) == 2
+    learnable = causal_upper_left() + AlibiBias(slopes=torch.tensor([0.5, 0.25]).requires_grad_())
+    schedule = exchange.Schedule.make(learnable, call, layout, 0, None, scale=None,
+                                      enable_gqa=False, needs_grad=True)  # fmt: skip
+    schedule.plan_pair(q, k, v, schedule.pairs[0][0])
+    assert schedule.plans == {}
+
+
 def test_a_cover_counts_the_results_reaching_each_stretch() -> None:
     """Stretches of none, one and several results, clipped where a result meets them."""
     cover = exchange.Cover.of([(0, 4), (2, 6), (3, 5)], 8)

@@ -6,7 +6,9 @@ whole call's materialized form at those heads, and its tensors' gradients reach 
 
 ``heads_sdpa`` is checked in ``W`` spawned CPU processes joined by gloo on 127.0.0.1 (every
 check of one ``W`` in one run, bounded by ``TIMEOUT_S``), each rank holding its part of the
-sequence (zigzag and contiguous layouts, cut here with ``Layout.take``): in float64 against
+sequence (zigzag and contiguous layouts, which the exchange writes in place, and a layout of
+four chunks a rank in no order, which it reorders by an indexed copy; cut here with
+``Layout.take``): in float64 against
 single-process ``attnbias.sdpa`` on the whole tensors (output, dq, dk, dv and the bias's
 tensors' gradients summed over the ranks), for every bias kind, sums, ``ModBias`` parts that
 read the head, a user's materializing biases, GQA with whole and with shared (replicated)
@@ -402,11 +404,17 @@ HEADS = {
 def _head_checks(rank: int, world: int) -> None:
     for index, (heads_q, heads_kv) in enumerate(HEADS[world]):
         assert heads_reasons(heads_q, heads_kv, world, None) == [], (heads_q, heads_kv)
-        layouts = [Layout.zigzag(world), Layout.contiguous(world)]
-        # both layouts once; the further head counts on zigzag alone
+        layouts = [Layout.zigzag(world), Layout.contiguous(world), _shuffled(world)]
+        # every layout once; the further head counts on zigzag alone
         for layout in layouts if index == 0 else layouts[:1]:
             _check_float64(world, rank, heads_q, heads_kv, layout)
     _check_bfloat16(world, rank, *HEADS[world][-1])
+
+
+def _shuffled(world: int) -> Layout:
+    """Four chunks a rank, out of sequence order within each rank's part."""
+    w = world
+    return Layout(tuple((2 * w + r, r, 4 * w - 1 - r, 2 * w - 1 - r) for r in range(w)))
 
 
 def _head_worker(rank: int, world: int, port: int) -> None:
@@ -425,7 +433,7 @@ def _head_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_attention_with_the_heads_split_over_the_ranks(world: int) -> None:
     """Every bias kind, sums, ModBias parts reading the head (a learnable table), a user's
-    materializing biases, GQA with whole and with shared key/value heads, both layouts:
+    materializing biases, GQA with whole and with shared key/value heads, three layouts:
     output and every gradient against single-process sdpa in float64, and bfloat16 against
     the oracle."""
     spawn(_head_worker, world)

@@ -76,6 +76,8 @@ class Schedule:
     rows: Cover
     own_columns: Cover
     held_columns: list[Cover]
+    # each pair's plan per layout of its slices (Schedule.plan_pair)
+    plans: dict[Any, Plan] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def make(
@@ -184,21 +186,27 @@ class Schedule:
         """The planned call of a pair: with the block's bias made with the call, or in the
         ``backward`` made again (under grad mode there, so that the gradients of the block's
         tensors reach the bias's own)."""
+        q, k, v = query[:, :, pair.rows], key[:, :, pair.cols], value[:, :, pair.cols]
+        # A bias without tensors of its own plans a pair once per layout of its slices (the
+        # schedule itself is kept only for a bias whose plan-cache key names its values): a
+        # repeated call takes that plan with its own tensors, as the plan cache does, unless
+        # the plan's terms ask for work before each call. Planning a pair costs ~0.1-0.5 ms of
+        # host time, which holds the GPU up where a step's pairs are short.
+        learnable = self.bias is not None and bool(self.bias.parameters())
+        slot = None if learnable else (id(pair), backward, q.stride(), k.stride(), v.stride())
+        found = None if slot is None else self.plans.get(slot)
+        if found is not None:
+            spec = dataclasses.replace(found.spec, query=q, key=k, value=v)
+            return dataclasses.replace(found, spec=spec)
         sub = pair.sub
-        if backward and self.bias is not None:
+        if backward and learnable:
+            assert self.bias is not None
             sub = self.bias.sub_block(self.call, pair.block)
-        spec = make_spec(
-            query[:, :, pair.rows],
-            key[:, :, pair.cols],
-            value[:, :, pair.cols],
-            sub,
-            False,
-            self.scale,
-            0.0,
-            self.enable_gqa,
-            needs_lse=True,
-        )
-        return plan_spec(dataclasses.replace(spec, needs_grad=self.needs_grad))
+        spec = make_spec(q, k, v, sub, False, self.scale, 0.0, self.enable_gqa, needs_lse=True)
+        chosen = plan_spec(dataclasses.replace(spec, needs_grad=self.needs_grad))
+        if slot is not None and not chosen.provisional and not chosen.spec.terms.refresh:
+            self.plans[slot] = chosen
+        return chosen
 
 
 def received_positions(needs: Needs, rank: int) -> int:

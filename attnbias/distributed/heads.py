@@ -113,16 +113,12 @@ def heads_sdpa(
     batch, heads_q, part_q, _ = query.shape
     part_kv = key.shape[2]
     per_rank = heads_q // world
-    # q, k and v in one exchange (and their gradients in one, back)
-    whole_q, whole_k, whole_v = (
-        layout.assemble(list(received.unbind(0)), 2)
-        for received in _AllToAllMany.apply(
-            group,
-            _by_head(query, world),
-            _by_head(_kv_for_ranks(key, world), world),
-            _by_head(_kv_for_ranks(value, world), world),
-        )
-    )
+    key, value = _kv_for_ranks(key, world), _kv_for_ranks(value, world)
+    if part_q == part_kv:  # q, k and v in one exchange (and their gradients in one, back)
+        whole_q, whole_k, whole_v = _ToHeads.apply(group, layout, query, key, value)
+    else:
+        (whole_q,) = _ToHeads.apply(group, layout, query)
+        whole_k, whole_v = _ToHeads.apply(group, layout, key, value)
     call = Call(batch, heads_q, part_q * world, part_kv * world, query.device)
     own = None if bias is None else bias.sub_heads(call, rank * per_rank, per_rank)
     out = sdpa(
@@ -133,21 +129,12 @@ def heads_sdpa(
         scale=scale,
         enable_gqa=whole_k.shape[1] != per_rank,
     )
-    # (W, B, Hq / W, L / W, Ev): rank j's part of the sequence, for this rank's heads
-    parts = torch.stack([layout.take(out, j, 2) for j in range(world)])
-    back = _AllToAll.apply(parts, group)
-    # back[j]: this rank's part of the sequence for rank j's heads, in head order
-    return back.transpose(0, 1).reshape(batch, heads_q, part_q, out.shape[-1])
-
-
-def _by_head(x: Tensor, world: int) -> Tensor:
-    """``(B, H, n, E)`` as ``(W, B, H / W, n, E)``: the heads for each rank, in rank order."""
-    batch, heads, length, dim = x.shape
-    return x.reshape(batch, world, heads // world, length, dim).transpose(0, 1)
+    result: Tensor = _FromHeads.apply(group, layout, out)
+    return result
 
 
 def _kv_for_ranks(x: Tensor, world: int) -> Tensor:
-    """Key/value heads ``(B, Hkv, n, E)`` laid out for :func:`_by_head`: as they are where
+    """Key/value heads ``(B, Hkv, n, E)`` as each rank's share of them: as they are where
     each rank takes ``Hkv / W`` whole heads; with fewer heads than ranks (``Hq / Hkv`` a
     multiple of ``Hq / W``, so every rank's query heads use one key/value head), each head
     repeated for the ``W / Hkv`` ranks that use it, ``(B, W, n, E)``."""
@@ -161,57 +148,162 @@ def _kv_for_ranks(x: Tensor, world: int) -> Tensor:
     )
 
 
-class _AllToAll(torch.autograd.Function):
-    """``out[j]`` = rank ``j``'s ``x[rank]``, for ``x`` of shape ``(W, ...)``. The exchange is
-    its own adjoint: the gradient goes back by the same exchange (differentiable too, so
-    double backward reaches the single-process call)."""
+# The exchanges move rows: a row is one position of the sequence, of one batch entry, with
+# the features of one rank's heads of every tensor exchanged laid end to end (``F`` of them).
+# The whole sequence for a rank's heads is kept position-major, ``(S, B, F)``, so that each
+# chunk of the layout is one contiguous stretch of it: the exchange writes every rank's chunks
+# straight where they belong (one all-to-all per chunk a rank holds), and the attention reads
+# ``(B, H / W, S, E)`` views of it with the sequence as the outer stride, as it reads
+# ``(B, S, H, E)`` tensors. Layouts of more chunks per rank than ``_DIRECT`` exchange in one
+# all-to-all and put the rows in order with one indexed copy.
+_DIRECT = 2
+
+
+class _ToHeads(torch.autograd.Function):
+    """Rank parts ``(B, H, n, E)`` of one or more tensors (the same ``B`` and ``n``, one
+    dtype) to views ``(B, H / W, S, E)`` of the whole sequence for this rank's heads, all in
+    one exchange; the backward is :class:`_FromHeads`' exchange of the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return _exchange(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:
-        return _AllToAll.apply(grad, ctx.group), None
-
-
-class _AllToAllMany(torch.autograd.Function):
-    """:class:`_AllToAll` of several ``(W, ...)`` tensors of one dtype in one exchange: each
-    rank's share of every tensor laid end to end in one buffer (one collective instead of
-    one per tensor, each with its fixed cost). Its own adjoint, as :class:`_AllToAll`."""
-
-    @staticmethod
-    def forward(ctx: Any, group: Any, *xs: Tensor) -> tuple[Tensor, ...]:
-        ctx.group = group
-        return _exchange_many(xs, group)
+    def forward(ctx: Any, group: Any, layout: Layout, *parts: Tensor) -> tuple[Tensor, ...]:
+        world = layout.world
+        ctx.group, ctx.layout = group, layout
+        ctx.shapes = [tuple(p.shape) for p in parts]
+        length = parts[0].shape[2] * world
+        whole = _to_whole(_pack_heads(parts, world), length, layout, group)
+        return tuple(_whole_views(whole, ctx.shapes, world))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        # (an output without a gradient gets zeros: autograd materializes them)
-        return (None, *_AllToAllMany.apply(ctx.group, *grads))
+        world = ctx.layout.world
+        length, batch = grads[0].shape[2], grads[0].shape[0]
+        widths = [g.shape[1] * g.shape[3] for g in grads]
+        rows = grads[0].new_empty((length, batch, sum(widths)))
+        for view, grad in zip(_whole_views(rows, ctx.shapes, world), grads, strict=True):
+            view.copy_(grad)
+        received = _to_parts(rows, ctx.layout, ctx.group)
+        return (None, None, *_unpack_heads(received, ctx.shapes, world))
 
 
-def _exchange_many(xs: tuple[Tensor, ...], group: Any) -> tuple[Tensor, ...]:
-    """``found[i][j]`` = rank ``j``'s ``xs[i][rank]``, through one buffer each way."""
-    world = xs[0].shape[0]
-    sizes = [x[0].numel() for x in xs]
-    packed = torch.empty((world, sum(sizes)), dtype=xs[0].dtype, device=xs[0].device)
+class _FromHeads(torch.autograd.Function):
+    """The output ``(B, H / W, S, Ev)`` of this rank's heads over the whole sequence back to
+    this rank's part ``(B, H, n, Ev)`` of every head; the backward is :class:`_ToHeads`'
+    exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, layout: Layout, out: Tensor) -> Tensor:
+        world = layout.world
+        ctx.group, ctx.layout = group, layout
+        batch, heads, length, dim = out.shape
+        ctx.shape = (batch, heads * world, length // world, dim)
+        rows = out.permute(2, 0, 1, 3).contiguous().flatten(2)  # no copy from (B, S, H, E)
+        (part,) = _unpack_heads(_to_parts(rows, layout, group), [ctx.shape], world)
+        return part
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        world = ctx.layout.world
+        whole = _to_whole(_pack_heads((grad,), world), grad.shape[2] * world, ctx.layout,
+                          ctx.group)  # fmt: skip
+        (view,) = _whole_views(whole, [ctx.shape], world)
+        return None, None, view
+
+
+def _pack_heads(parts: tuple[Tensor, ...], world: int) -> Tensor:
+    """``(W, n, B, F)``: for each rank ``j``, this rank's ``n`` positions of rank ``j``'s heads
+    (of every tensor of ``parts``, each ``(B, H, n, E)``), one copy per tensor."""
+    batch, _, length, _ = parts[0].shape
+    widths = [p.shape[1] // world * p.shape[3] for p in parts]
+    packed = parts[0].new_empty((world, length, batch, sum(widths)))
     start = 0
-    for x, size in zip(xs, sizes, strict=True):
-        packed[:, start : start + size].unflatten(1, x.shape[1:]).copy_(x)
-        start += size
-    out = torch.empty_like(packed)
-    dist.all_to_all_single(out, packed, group=group)
+    for part, width in zip(parts, widths, strict=True):
+        heads, dim = part.shape[1] // world, part.shape[3]
+        target = packed[..., start : start + width].unflatten(-1, (heads, dim))
+        target.copy_(part.unflatten(1, (world, heads)).permute(1, 3, 0, 2, 4))
+        start += width
+    return packed
+
+
+def _unpack_heads(received: Tensor, shapes: list[tuple[int, ...]], world: int) -> list[Tensor]:
+    """The inverse of :func:`_pack_heads`: ``received`` ``(W, n, B, F)`` (for each rank ``j``,
+    rank ``j``'s heads of this rank's positions) as new tensors of ``shapes``."""
     found, start = [], 0
-    for x, size in zip(xs, sizes, strict=True):
-        found.append(out[:, start : start + size].unflatten(1, x.shape[1:]))
-        start += size
-    return tuple(found)
+    for batch, heads, length, dim in shapes:
+        per_rank = heads // world
+        width = per_rank * dim
+        part = received.new_empty((batch, heads, length, dim))
+        source = received[..., start : start + width].unflatten(-1, (per_rank, dim))
+        part.unflatten(1, (world, per_rank)).permute(1, 3, 0, 2, 4).copy_(source)
+        found.append(part)
+        start += width
+    return found
 
 
-def _exchange(x: Tensor, group: Any) -> Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+def _whole_views(whole: Tensor, shapes: list[tuple[int, ...]], world: int) -> list[Tensor]:
+    """The ``(B, H / W, S, E)`` views of the position-major ``whole`` ``(S, B, F)``, one per
+    tensor of ``shapes`` (parts ``(B, H, n, E)``)."""
+    views, start = [], 0
+    for _, heads, _, dim in shapes:
+        width = heads // world * dim
+        views.append(
+            whole[..., start : start + width].unflatten(-1, (heads // world, dim))
+            .permute(1, 2, 0, 3)
+        )  # fmt: skip
+        start += width
+    return views
+
+
+def _to_whole(packed: Tensor, length: int, layout: Layout, group: Any) -> Tensor:
+    """``(S, B, F)``: the whole sequence's rows for this rank's heads, from every rank's
+    ``packed`` ``(W, n, B, F)`` (:func:`_pack_heads`)."""
+    whole = packed.new_empty((length, *packed.shape[2:]))
+    size = layout.chunk_size(length)
+    held = len(layout.chunks[0])
+    if held <= _DIRECT:
+        for i in range(held):
+            dist.all_to_all(
+                [whole[c * size : (c + 1) * size] for c in (held_[i] for held_ in layout.chunks)],
+                list(packed[:, i * size : (i + 1) * size].unbind(0)),
+                group=group,
+            )
+        return whole
+    received = torch.empty_like(packed)
+    dist.all_to_all_single(received, packed, group=group)
+    return whole.index_copy_(0, _order(layout, length, packed.device), received.flatten(0, 1))
+
+
+def _to_parts(rows: Tensor, layout: Layout, group: Any) -> Tensor:
+    """``(W, n, B, F)``: for each rank ``j``, rank ``j``'s rows of this rank's part, from this
+    rank's rows of the whole sequence ``rows`` ``(S, B, F)`` (contiguous)."""
+    world, length = layout.world, rows.shape[0]
+    received = rows.new_empty((world, length // world, *rows.shape[1:]))
+    size = layout.chunk_size(length)
+    held = len(layout.chunks[0])
+    if held <= _DIRECT:
+        for i in range(held):
+            dist.all_to_all(
+                list(received[:, i * size : (i + 1) * size].unbind(0)),
+                [rows[c * size : (c + 1) * size] for c in (held_[i] for held_ in layout.chunks)],
+                group=group,
+            )
+        return received
+    ordered = rows.index_select(0, _order(layout, length, rows.device)).unflatten(0, (world, -1))
+    dist.all_to_all_single(received, ordered, group=group)
+    return received
+
+
+_ORDERS: dict[tuple[Layout, int, torch.device], Tensor] = {}
+
+
+def _order(layout: Layout, length: int, device: torch.device) -> Tensor:
+    """The positions of every rank's part, in rank order (int64, ``(S,)``), kept per layout,
+    length and device."""
+    key = (layout, length, device)
+    found = _ORDERS.get(key)
+    if found is None:
+        if len(_ORDERS) >= 16:
+            _ORDERS.clear()
+        found = _ORDERS[key] = torch.cat(
+            [layout.positions(r, length) for r in range(layout.world)]
+        ).to(device)
+    return found
