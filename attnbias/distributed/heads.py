@@ -261,10 +261,10 @@ def _to_whole(packed: Tensor, length: int, layout: Layout, group: Any) -> Tensor
     held = len(layout.chunks[0])
     if held <= _DIRECT:
         for i in range(held):
-            dist.all_to_all(
+            _all_to_all(
                 [whole[c * size : (c + 1) * size] for c in (held_[i] for held_ in layout.chunks)],
                 list(packed[:, i * size : (i + 1) * size].unbind(0)),
-                group=group,
+                group,
             )
         return whole
     received = torch.empty_like(packed)
@@ -281,15 +281,33 @@ def _to_parts(rows: Tensor, layout: Layout, group: Any) -> Tensor:
     held = len(layout.chunks[0])
     if held <= _DIRECT:
         for i in range(held):
-            dist.all_to_all(
+            _all_to_all(
                 list(received[:, i * size : (i + 1) * size].unbind(0)),
                 [rows[c * size : (c + 1) * size] for c in (held_[i] for held_ in layout.chunks)],
-                group=group,
+                group,
             )
         return received
     ordered = rows.index_select(0, _order(layout, length, rows.device)).unflatten(0, (world, -1))
     dist.all_to_all_single(received, ordered, group=group)
     return received
+
+
+def _all_to_all(outputs: list[Tensor], inputs: list[Tensor], group: Any) -> None:
+    """``outputs[j]`` = rank ``j``'s ``inputs[rank]`` (contiguous tensors). Over NCCL this
+    rank's own share is copied here, not sent through the collective, which would move it
+    through the same channels as the others' at their bandwidth (on two ranks, half of what
+    it carries); gloo takes tensors of one size only."""
+    if dist.get_backend(group) != "nccl":
+        dist.all_to_all(outputs, inputs, group=group)
+        return
+    me = dist.get_rank(group)
+    outputs[me].copy_(inputs[me])
+    nothing = inputs[me].new_empty(0)
+    dist.all_to_all(
+        [nothing if j == me else out for j, out in enumerate(outputs)],
+        [nothing if j == me else x for j, x in enumerate(inputs)],
+        group=group,
+    )
 
 
 _ORDERS: dict[tuple[Layout, int, torch.device], Tensor] = {}
