@@ -1002,6 +1002,42 @@ def test_a_repeated_pair_takes_its_kept_plan_with_the_new_tensors() -> None:
     assert schedule.plans == {}
 
 
+def _merge_inputs(device: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A running result in float32 and a bf16 partial one over a view of its rows (strided
+    like a slice of a larger part), with rows that keep nothing in one or both, and a NaN."""
+    torch.manual_seed(0)
+    out = torch.randn(2, 3, 40, 24, dtype=torch.float32, device=device)[:, :, 5:37]
+    lse = torch.randn(2, 3, 40, dtype=torch.float32, device=device)[:, :, 5:37] * 3
+    part = torch.randn(2, 3, 32, 24, dtype=torch.bfloat16, device=device)
+    part_lse = (torch.randn(2, 3, 48, dtype=torch.float32, device=device) * 3)[:, :, ::1][
+        :, :, 8:40
+    ]
+    lse[0, 0, :4] = -float("inf")  # nothing kept yet: the part's rows as they are
+    out[0, 0, :4] = 0.0
+    part_lse[0, 1, :4] = -float("inf")  # the part keeps nothing: unchanged
+    lse[1, 2, :3] = -float("inf")  # both keep nothing: 0 and -inf
+    out[1, 2, :3] = 0.0
+    part_lse[1, 2, :3] = -float("inf")
+    part_lse[1, 0, 7] = float("nan")  # stays NaN
+    return out, lse, part, part_lse
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_merge_kernel_merges_as_the_tensor_operations_do(device: str) -> None:
+    """``kernels.merge.merge_partial`` (interpreted on the CPU) against the exchange's merge
+    in float64 tensor operations: rows that keep nothing in one or both, NaN, strided views."""
+    from attnbias.kernels.merge import merge_partial
+
+    out, lse, part, part_lse = _merge_inputs(device)
+    want_out, want_lse = out.double().clone(), lse.double().clone()
+    exchange._merge(want_out, want_lse, slice(0, 32), part.double(), part_lse.double())
+    merge_partial(out, lse, part, part_lse)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(out[1, 0, 7]).all() and torch.isnan(lse[1, 0, 7])
+    assert (out[1, 2, :3] == 0).all() and (lse[1, 2, :3] == -float("inf")).all()
+
+
 def test_a_cover_counts_the_results_reaching_each_stretch() -> None:
     """Stretches of none, one and several results, clipped where a result meets them."""
     cover = exchange.Cover.of([(0, 4), (2, 6), (3, 5)], 8)
