@@ -142,6 +142,25 @@ def _sdpa(
         failure: Exception | None = None
     except (TypeError, ValueError) as error:
         local, failure = None, error
+    if local is not None and local.choice.mode == "sequence":
+        # the sequence mode launches its own pairs' attention first and gathers the headers
+        # while the GPU runs it (before any transfer)
+        schedule = _schedule(local, rank, group)
+        return exchange_sdpa(
+            query, key, value, schedule, local.params, lambda: _agree(local, None, group, world)
+        )
+    _agree(local, failure, group, world)
+    assert local is not None  # no failure here
+    return heads_sdpa(
+        query, key, value, local.bias, scale=local.scale, enable_gqa=local.enable_gqa,
+        group=group, layout=local.layout,
+    )  # fmt: skip
+
+
+def _agree(local: _Local | None, failure: Exception | None, group: Any, world: int) -> None:
+    """The call's one gather of every rank's header: raises this rank's ``failure``, or
+    ``ValueError`` where another rank refused its call or the ranks' calls differ. Every rank
+    of the group calls it once per call, before the call's first collective or transfer."""
     headers_group = _headers_group(group)
     summary = _summary(local, _gather_device(headers_group))
     gathered = [torch.empty_like(summary) for _ in range(world)]
@@ -155,14 +174,7 @@ def _sdpa(
             f"attnbias.distributed.sdpa: rank(s) {refused} of the group refused their part of "
             f"the call (their error says why); every rank must make the same call"
         )
-    assert local is not None  # no failure here
     _check_agreement([row[1:] for row in rows])
-    if local.choice.mode == "heads":
-        return heads_sdpa(
-            query, key, value, local.bias, scale=local.scale, enable_gqa=local.enable_gqa,
-            group=group, layout=local.layout,
-        )  # fmt: skip
-    return exchange_sdpa(query, key, value, _schedule(local, rank, group), local.params)
 
 
 _SCHEDULES: Kept[Schedule] = Kept(32)

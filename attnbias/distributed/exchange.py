@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -519,7 +520,13 @@ class ExchangeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, query: Tensor, key: Tensor, value: Tensor, schedule: Schedule, *params: Tensor
+        ctx: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        schedule: Schedule,
+        check: Callable[[], None] | None,
+        *params: Tensor,
     ) -> Tensor:
         compute = compute_dtype(query.dtype)
         batch, heads_q, part_q, _ = query.shape
@@ -529,12 +536,15 @@ class ExchangeAttention(torch.autograd.Function):
         held: tuple[Tensor, ...] | None = own
         for step in range(schedule.world):
             ops, incoming = schedule.transfers(step + 1, own)
-            works = _start(ops)
-            if held is not None:
-                for pair in schedule.pairs[step]:
-                    chosen = schedule.plan_pair(query, held[0], held[1], pair)
-                    pair_out, pair_lse = chosen.backend.forward_lse(chosen.spec)
-                    merged.add(pair.rows.start, pair_out, pair_lse)
+
+            def attend(held: tuple[Tensor, ...] | None = held, step: int = step) -> None:
+                if held is not None:
+                    for pair in schedule.pairs[step]:
+                        chosen = schedule.plan_pair(query, held[0], held[1], pair)
+                        pair_out, pair_lse = chosen.backend.forward_lse(chosen.spec)
+                        merged.add(pair.rows.start, pair_out, pair_lse)
+
+            works = _overlapped(ops, attend, check if step == 0 else None, query.device)
             _wait(works)
             held = incoming
         result, lse = merged.finish()
@@ -569,9 +579,12 @@ class ExchangeAttention(torch.autograd.Function):
         for step in range(schedule.world + 1):
             ops, incoming = schedule.transfers(step + 1, own)
             grad_ops, home = schedule.gradient_transfers(step, finished, template)
-            works = _start(ops + grad_ops)
             finished = None
-            if step < schedule.world and held is not None:
+
+            def attend(held: tuple[Tensor, ...] | None = held, step: int = step) -> None:
+                nonlocal finished
+                if step == schedule.world or held is None:
+                    return
                 # the own part's gradients where they are summed; a received run's in the
                 # compute dtype, to be sent home
                 grad_k, grad_v = grad_own if step == 0 else (
@@ -597,6 +610,8 @@ class ExchangeAttention(torch.autograd.Function):
                             grad_params[i] = grad if total is None else total + grad
                 if step > 0:
                     finished = (grad_k.finish(), grad_v.finish())
+
+            works = _overlapped(ops + grad_ops, attend, None, device)
             _wait(works)
             if home is not None:
                 runs = schedule.home_runs(step)
@@ -608,6 +623,7 @@ class ExchangeAttention(torch.autograd.Function):
             grad_own[0].finish(),
             grad_own[1].finish(),
             None,
+            None,
             *(
                 None if g is None else g.to(p.dtype)
                 for g, p in zip(grad_params, params, strict=True)
@@ -616,10 +632,17 @@ class ExchangeAttention(torch.autograd.Function):
 
 
 def exchange_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, schedule: Schedule, params: tuple[Tensor, ...]
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    schedule: Schedule,
+    params: tuple[Tensor, ...],
+    check: Callable[[], None] | None = None,
 ) -> Tensor:
-    """This rank's rows of the output, ``(B, Hq, L / W, Ev)``."""
-    result: Tensor = ExchangeAttention.apply(query, key, value, schedule, *params)
+    """This rank's rows of the output, ``(B, Hq, L / W, Ev)``. ``check``: called once, after
+    the own part's attention is launched and before the first transfer (the ranks' agreement
+    on the call)."""
+    result: Tensor = ExchangeAttention.apply(query, key, value, schedule, check, *params)
     return result
 
 
@@ -690,6 +713,49 @@ def _receives(tensors: tuple[Tensor, ...], peer: int, group: Any, tag: int) -> l
 
 def _start(ops: list[Any]) -> list[Any]:
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _overlapped(
+    ops: list[Any],
+    attend: Callable[[], None],
+    check: Callable[[], None] | None,
+    device: torch.device,
+) -> list[Any]:
+    """Run ``attend`` (a step's attention) and post ``ops`` (the next step's transfers),
+    ``check`` first of all transfers; returns the transfers' works.
+
+    On a CUDA device the attention is launched first, then the transfers from a side stream
+    that waits only for what was queued before ``attend`` (what the transfers read): the GPU
+    starts on the attention while the host checks and posts the transfers, and the transfers
+    run beside it, not after it as they would if posted after it from the same stream.
+    Elsewhere the transfers are posted first, as the collectives there block."""
+    if device.type != "cuda":
+        if check is not None:
+            check()
+        works = _start(ops)
+        attend()
+        return works
+    stream = torch.cuda.current_stream(device)
+    ready = stream.record_event() if ops else None
+    attend()
+    if check is not None:
+        check()
+    if ready is None:
+        return []
+    side = _side_stream(device)
+    with torch.cuda.stream(side):
+        side.wait_event(ready)
+        return _start(ops)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    found = _SIDE_STREAMS.get(device)
+    if found is None:
+        found = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return found
 
 
 def _wait(works: list[Any]) -> None:
