@@ -4,6 +4,7 @@ mode (all-to-all) and say why."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,11 +144,16 @@ def _sdpa(
     except (TypeError, ValueError) as error:
         local, failure = None, error
     if local is not None and local.choice.mode == "sequence":
-        # the sequence mode launches its own pairs' attention first and gathers the headers
-        # while the GPU runs it (before any transfer)
+        # the sequence mode gathers the headers while it launches its own pairs' attention,
+        # and waits for them before any transfer
         schedule = _schedule(local, rank, group)
         return exchange_sdpa(
-            query, key, value, schedule, local.params, lambda: _agree(local, None, group, world)
+            query,
+            key,
+            value,
+            schedule,
+            local.params,
+            lambda: _start_agreeing(local, None, group, world),
         )
     _agree(local, failure, group, world)
     assert local is not None  # no failure here
@@ -161,20 +167,33 @@ def _agree(local: _Local | None, failure: Exception | None, group: Any, world: i
     """The call's one gather of every rank's header: raises this rank's ``failure``, or
     ``ValueError`` where another rank refused its call or the ranks' calls differ. Every rank
     of the group calls it once per call, before the call's first collective or transfer."""
+    _start_agreeing(local, failure, group, world)()
+
+
+def _start_agreeing(
+    local: _Local | None, failure: Exception | None, group: Any, world: int
+) -> Callable[[], None]:
+    """:func:`_agree` in two halves: the gather is posted now, and the function returned waits
+    for it and raises as :func:`_agree` does (the host can launch work meanwhile)."""
     headers_group = _headers_group(group)
     summary = _summary(local, _gather_device(headers_group))
     gathered = [torch.empty_like(summary) for _ in range(world)]
-    dist.all_gather(gathered, summary, group=headers_group)
-    rows = [g.tolist() for g in gathered]
-    if failure is not None:
-        raise failure
-    refused = [r for r, row in enumerate(rows) if row[0]]
-    if refused:
-        raise ValueError(
-            f"attnbias.distributed.sdpa: rank(s) {refused} of the group refused their part of "
-            f"the call (their error says why); every rank must make the same call"
-        )
-    _check_agreement([row[1:] for row in rows])
+    work = dist.all_gather(gathered, summary, group=headers_group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        rows = [g.tolist() for g in gathered]
+        if failure is not None:
+            raise failure
+        refused = [r for r, row in enumerate(rows) if row[0]]
+        if refused:
+            raise ValueError(
+                f"attnbias.distributed.sdpa: rank(s) {refused} of the group refused their part "
+                f"of the call (their error says why); every rank must make the same call"
+            )
+        _check_agreement([row[1:] for row in rows])
+
+    return finish
 
 
 _SCHEDULES: Kept[Schedule] = Kept(32)

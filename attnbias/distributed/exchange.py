@@ -525,7 +525,7 @@ class ExchangeAttention(torch.autograd.Function):
         key: Tensor,
         value: Tensor,
         schedule: Schedule,
-        check: Callable[[], None] | None,
+        check: Callable[[], Callable[[], None]] | None,
         *params: Tensor,
     ) -> Tensor:
         compute = compute_dtype(query.dtype)
@@ -637,11 +637,12 @@ def exchange_sdpa(
     value: Tensor,
     schedule: Schedule,
     params: tuple[Tensor, ...],
-    check: Callable[[], None] | None = None,
+    check: Callable[[], Callable[[], None]] | None = None,
 ) -> Tensor:
-    """This rank's rows of the output, ``(B, Hq, L / W, Ev)``. ``check``: called once, after
-    the own part's attention is launched and before the first transfer (the ranks' agreement
-    on the call)."""
+    """This rank's rows of the output, ``(B, Hq, L / W, Ev)``. ``check``: the ranks'
+    agreement on the call, started once (it returns the function that waits for it and
+    raises), before the own part's attention is launched, and finished before the first
+    transfer."""
     result: Tensor = ExchangeAttention.apply(query, key, value, schedule, check, *params)
     return result
 
@@ -718,28 +719,30 @@ def _start(ops: list[Any]) -> list[Any]:
 def _overlapped(
     ops: list[Any],
     attend: Callable[[], None],
-    check: Callable[[], None] | None,
+    check: Callable[[], Callable[[], None]] | None,
     device: torch.device,
 ) -> list[Any]:
     """Run ``attend`` (a step's attention) and post ``ops`` (the next step's transfers),
-    ``check`` first of all transfers; returns the transfers' works.
+    ``check`` (started, then finished) before any transfer; returns the transfers' works.
 
-    On a CUDA device the attention is launched first, then the transfers from a side stream
-    that waits only for what was queued before ``attend`` (what the transfers read): the GPU
-    starts on the attention while the host checks and posts the transfers, and the transfers
-    run beside it, not after it as they would if posted after it from the same stream.
-    Elsewhere the transfers are posted first, as the collectives there block."""
+    On a CUDA device ``check`` starts first, the attention is launched while it is under way,
+    and the transfers are posted from a side stream that waits only for what was queued
+    before ``attend`` (what the transfers read): the GPU starts on the attention while the
+    host checks and posts the transfers, and the transfers run beside it, not after it as
+    they would if posted after it from the same stream. Elsewhere the check and the transfers
+    come first, as the collectives there block."""
     if device.type != "cuda":
         if check is not None:
-            check()
+            check()()
         works = _start(ops)
         attend()
         return works
+    finish = None if check is None else check()
     stream = torch.cuda.current_stream(device)
     ready = stream.record_event() if ops else None
     attend()
-    if check is not None:
-        check()
+    if finish is not None:
+        finish()
     if ready is None:
         return []
     side = _side_stream(device)
