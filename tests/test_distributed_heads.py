@@ -226,6 +226,38 @@ def test_the_head_mode_says_why_it_cannot_run_a_call() -> None:
     assert len(heads_reasons(6, 6, 4, DispatchOnly())) == 2
 
 
+def test_over_nccl_a_rank_copies_its_own_share_and_sends_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head mode's all-to-all over NCCL (simulated in one process: rank 1 of 3): the own
+    share is copied on the device, the collective gets empty tensors in its place (NCCL
+    would carry it through its channels at their bandwidth) and every other rank's share."""
+    from attnbias.distributed import heads
+
+    rank, world = 1, 3
+    posted: list[tuple[list[Tensor], list[Tensor]]] = []
+
+    def all_to_all(outputs: list[Tensor], inputs: list[Tensor], group: Any = None) -> None:
+        posted.append((outputs, inputs))
+        for j, out in enumerate(outputs):
+            if j != rank:
+                out.fill_(10.0 * j + rank)  # rank j's share for this rank
+
+    monkeypatch.setattr(heads.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(heads.dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(heads.dist, "all_to_all", all_to_all)
+    inputs = [torch.full((2, 3), float(j)) for j in range(world)]
+    outputs = [torch.zeros(2, 3) for _ in range(world)]
+    heads._all_to_all(outputs, inputs, None)
+    ((sent_out, sent_in),) = posted
+    assert sent_out[rank].numel() == 0 and sent_in[rank].numel() == 0
+    assert all(sent_in[j] is inputs[j] for j in range(world) if j != rank)
+    assert all(sent_out[j] is outputs[j] for j in range(world) if j != rank)
+    assert torch.equal(outputs[rank], inputs[rank])  # copied, not sent
+    assert torch.equal(outputs[0], torch.full((2, 3), 1.0))
+    assert torch.equal(outputs[2], torch.full((2, 3), 21.0))
+
+
 # -- heads_sdpa over gloo ---------------------------------------------------------------------
 
 
