@@ -397,7 +397,8 @@ def _transfers(rank: int, world: int) -> None:
     original = exchange._receives
 
     def counting(tensors: Any, peer: int, group: Any, tag: int) -> Any:
-        received.extend((peer, t.shape[2], tag + i) for i, t in enumerate(tensors))
+        # positions: dim -2 of a part (B, H, n, E) and of keys and values joined (2, ...)
+        received.extend((peer, t.shape[-2], tag + i) for i, t in enumerate(tensors))
         return original(tensors, peer, group, tag)
 
     def peers(tag: int) -> list[int]:
