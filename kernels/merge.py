@@ -52,10 +52,10 @@ def _merge_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     in_rows = offs_m < rows
     lse_at = Lse + off_b * sl_b + off_h * sl_h + offs_m * sl_m
-    current = tl.load(lse_at, mask=in_rows, other=0.0).to(tl.float32)
+    current = tl.load(lse_at, mask=in_rows, other=0.0).to(tl.float32)  # [BLOCK_M]
     part = tl.load(
         PartLse + off_b * spl_b + off_h * spl_h + offs_m * spl_m, mask=in_rows, other=0.0
-    ).to(tl.float32)
+    ).to(tl.float32)  # [BLOCK_M]
     # logaddexp, -inf where both are, NaN where either is
     top = tl.maximum(current, part, propagate_nan=tl.PropagateNan.ALL)
     top_finite = tl.where(top == float("-inf"), 0.0, top)
@@ -69,12 +69,12 @@ def _merge_kernel(
     part_weight = tl.exp(part - finite)
     tile = in_rows[:, None] & (offs_e < dim)[None, :]
     out_at = Out + off_b * so_b + off_h * so_h + offs_m[:, None] * so_m + offs_e[None, :]
-    out = tl.load(out_at, mask=tile, other=0.0).to(tl.float32)
+    out = tl.load(out_at, mask=tile, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_E]
     value = tl.load(
         Part + off_b * sp_b + off_h * sp_h + offs_m[:, None] * sp_m + offs_e[None, :],
         mask=tile,
         other=0.0,
-    ).to(tl.float32)
+    ).to(tl.float32)  # [BLOCK_M, BLOCK_E]
     result = out * weight[:, None] + value * part_weight[:, None]
     tl.store(out_at, result.to(Out.dtype.element_ty), mask=tile)
     tl.store(lse_at, merged.to(Lse.dtype.element_ty), mask=in_rows)

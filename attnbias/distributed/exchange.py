@@ -199,8 +199,8 @@ class Schedule:
         # A bias without tensors of its own plans a pair once per layout of its slices (the
         # schedule itself is kept only for a bias whose plan-cache key names its values): a
         # repeated call takes that plan with its own tensors, as the plan cache does, unless
-        # the plan's terms ask for work before each call. Planning a pair costs ~0.1-0.5 ms of
-        # host time, which holds the GPU up where a step's pairs are short.
+        # the plan's terms ask for work before each call. Planning costs host time, which holds
+        # the GPU up where a step's pairs are short (benchmarks/NOTES.md).
         learnable = self.bias is not None and bool(self.bias.parameters())
         slot = None if learnable else (id(pair), backward, q.stride(), k.stride(), v.stride())
         found = None if slot is None else self.plans.get(slot)
@@ -659,8 +659,8 @@ def _merge(out: Tensor, lse: Tensor, rows: slice, part_out: Tensor, part_lse: Te
     """Merge a partial result (``part_out`` ``(B, Hq, m, Ev)``, ``part_lse`` ``(B, Hq, m)``)
     into ``out`` / ``lse`` at ``rows``, in place: the log-sum-exp weighted mean. Rows that
     keep nothing in both stay 0 and ``-inf``; a NaN row stays NaN. On a CUDA device in
-    float32, one kernel (``kernels.merge``: a dozen tensor operations cost a step's host ~1 ms
-    per merge of 4096 rows, during which the GPU waits for the next launch)."""
+    float32, one kernel (``kernels.merge``): a dozen tensor operations cost the host more than
+    the merge costs the GPU, which then waits for the next launch (benchmarks/NOTES.md)."""
     current_out, current_lse = out[:, :, rows], lse[:, :, rows]
     if (
         out.is_cuda
@@ -711,8 +711,8 @@ def _empty_like_part(x: Tensor, count: int, *, joined: bool = False) -> Tensor:
 def _joined(pair: tuple[Tensor, ...], runs: list[Run]) -> bool:
     """Whether the keys and values of a transfer of ``runs`` (of a part like ``pair``'s) travel
     in one buffer, ``(2, B, Hkv, n, E)``: where they have one shape and packing copies them
-    anyway (not the whole part), one transfer instead of two (each costs the host ~0.1-0.2 ms
-    to post). Both ends decide it from the same runs. (Their gradients travel apart: joining
+    anyway (not the whole part), one transfer instead of two (each costs the host time to
+    post). Both ends decide it from the same runs. (Their gradients travel apart: joining
     them would take a copy that packing does not.)"""
     keys, values = pair
     whole = len(runs) == 1 and runs[0] == (0, keys.shape[2])
