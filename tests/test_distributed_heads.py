@@ -12,7 +12,8 @@ four chunks a rank in no order, which it reorders by an indexed copy; cut here w
 single-process ``attnbias.sdpa`` on the whole tensors (output, dq, dk, dv and the bias's
 tensors' gradients summed over the ranks), for every bias kind, sums, ``ModBias`` parts that
 read the head, a user's materializing biases, GQA with whole and with shared (replicated)
-key/value heads; in bfloat16 against the fp64 oracle (``attnbias.testing.oracle``).
+key/value heads; in bfloat16 against the fp64 oracle (``attnbias.testing.oracle``); and
+second-order gradients (double backward) in float64.
 """
 
 from __future__ import annotations
@@ -441,6 +442,35 @@ def _head_checks(rank: int, world: int) -> None:
         for layout in layouts if index == 0 else layouts[:1]:
             _check_float64(world, rank, heads_q, heads_kv, layout)
     _check_bfloat16(world, rank, *HEADS[world][-1])
+    _check_double_backward(world, rank, *HEADS[world][-1])
+
+
+def _check_double_backward(world: int, rank: int, heads_q: int, heads_kv: int) -> None:
+    """Second-order gradients through the head mode (the exchanges' backward is itself
+    differentiable) against single-process ``sdpa``, float64, on the exact eager route: the
+    gradient of ``sum(dq * z)`` in q, k and v."""
+    torch.manual_seed(1)
+    length = 4 * world
+    q, grad_out, z = (torch.randn(BATCH, heads_q, length, HEAD_DIM, dtype=torch.float64)
+                      for _ in range(3))  # fmt: skip
+    k, v = (torch.randn(BATCH, heads_kv, length, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    bias, gqa = causal_upper_left(), heads_q != heads_kv
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    layout = Layout.zigzag(world)
+    parts = [layout.take(t, rank, 2).detach().requires_grad_() for t in (q, k, v)]
+    with attnbias.use_backends("reference"):  # the route whose double backward is exact
+        out = attnbias.sdpa(*leaves, attn_mask=bias, enable_gqa=gqa)
+        (dq,) = torch.autograd.grad(out, leaves[0], grad_out, create_graph=True)
+        wanted = torch.autograd.grad((dq * z).sum(), leaves)
+        out = heads_sdpa(*parts, bias, scale=None, enable_gqa=gqa, group=None, layout=layout)
+        part_grad = layout.take(grad_out, rank, 2)
+        (dq,) = torch.autograd.grad(out, parts[0], part_grad, create_graph=True)
+        got = torch.autograd.grad((dq * layout.take(z, rank, 2)).sum(), parts)
+    for name, part, whole in zip(("q", "k", "v"), got, wanted, strict=True):
+        error = (_gather(part, layout) - whole).abs().max().item()
+        assert error <= 1e-10 * max(1.0, whole.abs().max().item()), (
+            f"W={world}, Hq={heads_q}, Hkv={heads_kv}: d(sum(dq z))/d{name} differs by {error:.3g}"
+        )
 
 
 def _shuffled(world: int) -> Layout:

@@ -129,7 +129,7 @@ def heads_sdpa(
         scale=scale,
         enable_gqa=whole_k.shape[1] != per_rank,
     )
-    result: Tensor = _FromHeads.apply(group, layout, out)
+    (result,) = _FromHeads.apply(group, layout, out)
     return result
 
 
@@ -162,51 +162,48 @@ _DIRECT = 2
 class _ToHeads(torch.autograd.Function):
     """Rank parts ``(B, H, n, E)`` of one or more tensors (the same ``B`` and ``n``, one
     dtype) to views ``(B, H / W, S, E)`` of the whole sequence for this rank's heads, all in
-    one exchange; the backward is :class:`_FromHeads`' exchange of the gradients."""
+    one exchange. Its adjoint is :class:`_FromHeads`, which its backward applies (so that
+    double backward runs through it too)."""
 
     @staticmethod
     def forward(ctx: Any, group: Any, layout: Layout, *parts: Tensor) -> tuple[Tensor, ...]:
         world = layout.world
         ctx.group, ctx.layout = group, layout
-        ctx.shapes = [tuple(p.shape) for p in parts]
+        shapes = [tuple(p.shape) for p in parts]
         length = parts[0].shape[2] * world
         whole = _to_whole(_pack_heads(parts, world), length, layout, group)
-        return tuple(_whole_views(whole, ctx.shapes, world))
+        return tuple(_whole_views(whole, shapes, world))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        world = ctx.layout.world
-        length, batch = grads[0].shape[2], grads[0].shape[0]
-        widths = [g.shape[1] * g.shape[3] for g in grads]
-        rows = grads[0].new_empty((length, batch, sum(widths)))
-        for view, grad in zip(_whole_views(rows, ctx.shapes, world), grads, strict=True):
-            view.copy_(grad)
-        received = _to_parts(rows, ctx.layout, ctx.group)
-        return (None, None, *_unpack_heads(received, ctx.shapes, world))
+        return (None, None, *_FromHeads.apply(ctx.group, ctx.layout, *grads))
 
 
 class _FromHeads(torch.autograd.Function):
-    """The output ``(B, H / W, S, Ev)`` of this rank's heads over the whole sequence back to
-    this rank's part ``(B, H, n, Ev)`` of every head; the backward is :class:`_ToHeads`'
-    exchange of the gradient."""
+    """Views ``(B, H / W, S, E)`` of the whole sequence for this rank's heads (the output, or
+    the gradients of :class:`_ToHeads`' views), one or more of one dtype, back to this rank's
+    parts ``(B, H, n, E)`` of every head, in one exchange. Its adjoint is :class:`_ToHeads`."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, layout: Layout, out: Tensor) -> Tensor:
+    def forward(ctx: Any, group: Any, layout: Layout, *wholes: Tensor) -> tuple[Tensor, ...]:
         world = layout.world
         ctx.group, ctx.layout = group, layout
-        batch, heads, length, dim = out.shape
-        ctx.shape = (batch, heads * world, length // world, dim)
-        rows = out.permute(2, 0, 1, 3).contiguous().flatten(2)  # no copy from (B, S, H, E)
-        (part,) = _unpack_heads(_to_parts(rows, layout, group), [ctx.shape], world)
-        return part
+        shapes: list[tuple[int, ...]] = [
+            (b, h * world, s // world, e) for b, h, s, e in (w.shape for w in wholes)
+        ]
+        if len(wholes) == 1:  # no copy where it is (B, S, H, E) in memory with B = 1
+            rows = wholes[0].permute(2, 0, 1, 3).contiguous().flatten(2)
+        else:
+            batch, _, length, _ = wholes[0].shape
+            width = sum(w.shape[1] * w.shape[3] for w in wholes)
+            rows = wholes[0].new_empty((length, batch, width))
+            for view, whole in zip(_whole_views(rows, shapes, world), wholes, strict=True):
+                view.copy_(whole)
+        return tuple(_unpack_heads(_to_parts(rows, layout, group), shapes, world))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        world = ctx.layout.world
-        whole = _to_whole(_pack_heads((grad,), world), grad.shape[2] * world, ctx.layout,
-                          ctx.group)  # fmt: skip
-        (view,) = _whole_views(whole, [ctx.shape], world)
-        return None, None, view
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, None, *_ToHeads.apply(ctx.group, ctx.layout, *grads))
 
 
 def _pack_heads(parts: tuple[Tensor, ...], world: int) -> Tensor:
