@@ -108,21 +108,14 @@ def sequence_seconds(
     :data:`RATES`."""
     world = layout.world
     rates = RATES
-    heads_kv, dim, dim_v, element, needs_grad = (
-        shape.heads_kv,
-        shape.dim,
-        shape.dim_v,
-        shape.element,
-        shape.needs_grad,
-    )
-    pass_factor = 1.0 if not needs_grad else rates.backward_factor
+    pass_factor = rates.backward_factor if shape.needs_grad else 1.0
     grain_kv = grain(call.length_kv, layout.pieces)
     batch = call.batch_size
     block_s = _block_seconds(call, layout, shape)
     # one key/value block's transfers: the keys and values, again in the backward with their
     # float32 gradients coming back
-    moved = float(grain_kv * heads_kv * (dim + dim_v) * batch * element)
-    moved *= (2.0 + 4.0 / element) if needs_grad else 1.0
+    moved = float(grain_kv * shape.heads_kv * (shape.dim + shape.dim_v) * batch * shape.element)
+    moved *= (2.0 + 4.0 / shape.element) if shape.needs_grad else 1.0
     transfer_s = moved / rates.link_bytes
     costs = layout_costs(grid, layout, block_s, transfer_s)
     # a shard pair with documents or mask functions gives up FlashAttention 4 (no
@@ -139,7 +132,7 @@ def sequence_seconds(
         # rows that one pair reaches take its output as it comes; the others merge
         spans = [(rows.start, rows.stop) for rows, _, _ in shapes]
         once = Cover.of(spans, call.length_q // world).elements(1)
-        merged = (sum(b - a for a, b in spans) - once) * call.heads * dim_v * batch
+        merged = (sum(b - a for a, b in spans) - once) * call.heads * shape.dim_v * batch
         work = costs.compute[rank] * pair_block_s
         work += len(shapes) * rates.pair_s * pass_factor + merged * rates.merge_element_s
         sequence_s = max(sequence_s, work + rates.sequence_call_s * pass_factor,
@@ -160,14 +153,7 @@ def choose_mode(
     (:func:`sequence_seconds`) against the head mode's, a W-th of the whole work plus its
     all-to-all, which does not overlap. Rates from :data:`RATES`."""
     world, asked = layout.world, mode
-    heads_kv, dim, dim_v, element, needs_grad = (
-        shape.heads_kv,
-        shape.dim,
-        shape.dim_v,
-        shape.element,
-        shape.needs_grad,
-    )
-    refused = tuple(heads_reasons(call.heads, heads_kv, world, bias))
+    refused = tuple(heads_reasons(call.heads, shape.heads_kv, world, bias))
     if mode == "heads" and refused:
         raise ValueError(
             "attnbias.distributed.sdpa: mode='heads' cannot run this call: " + "; ".join(refused)
@@ -183,11 +169,11 @@ def choose_mode(
         # q, k, v there and the output back, each (W - 1) / W of a part; the backward moves
         # the output's gradient there and q, k, v's back
         part_q = call.length_q // world * call.heads * batch
-        part_kv = call.length_kv // world * heads_kv * batch
-        elements = float(part_q * (dim + dim_v) + part_kv * (dim + dim_v))
-        elements *= 2.0 if needs_grad else 1.0
-        exchange_s = rates.all_to_all_s * (2.0 if needs_grad else 1.0)
-        exchange_s += elements * element * (world - 1) / world / rates.all_to_all_bytes
+        part_kv = call.length_kv // world * shape.heads_kv * batch
+        elements = float((part_q + part_kv) * (shape.dim + shape.dim_v))
+        elements *= 2.0 if shape.needs_grad else 1.0
+        exchange_s = rates.all_to_all_s * (2.0 if shape.needs_grad else 1.0)
+        exchange_s += elements * shape.element * (world - 1) / world / rates.all_to_all_bytes
         heads_s = total / world + exchange_s
     if mode == "auto":
         mode = "heads" if heads_s is not None and heads_s < sequence_s else "sequence"
