@@ -192,9 +192,9 @@ class Schedule:
     def plan_pair(
         self, query: Tensor, key: Tensor, value: Tensor, pair: Pair, *, backward: bool = False
     ) -> Plan:
-        """The planned call of a pair: with the block's bias made with the call, or in the
-        ``backward`` made again (under grad mode there, so that the gradients of the block's
-        tensors reach the bias's own)."""
+        """The planned call of a pair: with the block's bias made with the schedule, or, for a
+        bias with tensors of its own, in the ``backward`` made again (under grad mode there,
+        so that the gradients of the block's tensors reach the bias's own)."""
         q, k, v = query[:, :, pair.rows], key[:, :, pair.cols], value[:, :, pair.cols]
         # A bias without tensors of its own plans a pair once per layout of its slices (the
         # schedule itself is kept only for a bias whose plan-cache key names its values): a
