@@ -203,6 +203,8 @@ class Plan:
     decision: str = ""
     # chosen for now, to be measured when the call's class is met again: not kept
     provisional: bool = False
+    # (Plans are made with every field named: torch.compile (2.11) guards a default taken by
+    # a frozen dataclass's constructor by a Python call on each run of the compiled function.)
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.spec)
@@ -426,7 +428,10 @@ def plan(spec: Spec) -> Plan:
     policy = current_policy()
     # a bias that materializes goes where its mask can go, unless backends are pinned
     if fixed is not None and not (spec.form == Form.MATERIALIZE and policy.only is not None):
-        return Plan(spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False, fixed=True)
+        return Plan(
+            spec, ROUTES[fixed], (fixed,), spec.form, frozenset(), False,
+            skipped={}, fixed=True, predicted={}, decision="", provisional=False,
+        )  # fmt: skip
     kind = spec.kind
     if spec.compiling:
         # Only traceable backends can run while torch.compile traces (not FlashAttention 4),
@@ -463,7 +468,10 @@ def plan(spec: Spec) -> Plan:
                 policy.exclude,
                 policy.only is not None,
                 skipped,
+                fixed=False,
                 predicted=predicted,
+                decision="",
+                provisional=False,
             )
         skipped[name] = reasons
     detail = "; ".join(f"{name}: {'; '.join(reasons)}" for name, reasons in skipped.items())

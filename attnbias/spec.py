@@ -70,14 +70,14 @@ def lower(
     """The terms of ``bias`` for a call with ``(B, L, S)``, each part lowering itself and the
     sum merging them; without ``batch``, key ranges keep their own rows (1 or B)."""
     if bias is None:
-        return Terms().finish(length_q, length_kv)
+        return Terms.of().finish(length_q, length_kv)
     call = Call(batch, heads, length_q, length_kv, device)
     terms = bias.lower(call)
     return terms.finish(length_q, length_kv, compiled_mods(terms.mods) if len(terms.mods) else None)
 
 
 # the terms of a call whose form has none (a plain tensor mask, a bias's own dispatch)
-_NO_TERMS = Terms().finish(0, 0)
+_NO_TERMS = Terms.of().finish(0, 0)
 
 
 @dataclass(frozen=True, eq=False)

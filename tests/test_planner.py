@@ -9,7 +9,9 @@ Nothing here needs a GPU: the GPU generation, FlashAttention 4's install and dev
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -946,6 +948,44 @@ def test_the_planner_traces_under_torch_compile(
         lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), fullgraph=True, backend="eager"
     )
     torch.testing.assert_close(compiled(q, k, v), attnbias.sdpa(q, k, v, attn_mask=bias))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: causal_lower_right() + SlidingWindowBias(31) + AlibiBias(2),
+        lambda: DocumentBias.from_seqlens([3, 5]) + causal_lower_right() + SoftcapBias(3.0),
+        lambda: KeyRangeBias(end=torch.tensor([6])) + causal_upper_left(),
+    ],
+)
+def test_a_compiled_call_guards_no_dataclass_default(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[], AttnBias]
+) -> None:
+    """The route's records (terms, plan, mask program) are built with every field named:
+    torch.compile (2.11) guards a default that a frozen dataclass's constructor takes through
+    ``___dataclass_fields``, a Python call on each run of the compiled function, ~6 of them a
+    call (a third of a compiled block's host time on an H100's host)."""
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+    torch._dynamo.reset()
+    bias = make()
+    q, k, v = qkv(length_q=8, length_kv=8, dtype=torch.float32)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    guards = logging.getLogger("torch._dynamo.guards.__guards")
+    torch._logging.set_logs(guards=True)
+    guards.addHandler(handler)
+    try:
+        compiled = torch.compile(
+            lambda q, k, v: attnbias.sdpa(q, k, v, attn_mask=bias), fullgraph=True, backend="eager"
+        )
+        compiled(q, k, v)
+    finally:
+        guards.removeHandler(handler)
+        torch._logging.set_logs()
+    text = log.getvalue()
+    assert "TENSOR_MATCH" in text  # the guards were logged
+    found = sorted(set(re.findall(r"___dataclass_fields\([^)]*\)", text)))
+    assert not found, f"guards on a dataclass's defaults: {found}"
 
 
 def test_triton_refuses_trainable_slopes_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -182,8 +182,8 @@ class AlibiBias(KernelBias):
     def lower(self, call: Call) -> Terms:
         if self.shift and self.slopes is not None and self.slopes.requires_grad:
             # the kernels' form of a shifted ALiBi has no slope gradient: materialized
-            return Terms(others=(self,))
-        return Terms(
+            return Terms.of(others=(self,))
+        return Terms.of(
             slopes=self.slope_tensor(call.device), alibi_shift=self.shift, alibi_parts=(self,)
         )
 

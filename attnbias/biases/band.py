@@ -46,7 +46,7 @@ class BandBias(KernelMask):
         return band_keep(length_q, length_kv, self.lo, self.hi, device)
 
     def lower(self, call: Call) -> Terms:
-        return Terms(band_lo=self.lo, band_hi=self.hi)
+        return Terms.of(band_lo=self.lo, band_hi=self.hi)
 
     def sub_block(self, call: Call, block: Block) -> BandBias:
         return shifted_band(self.lo, self.hi, block)

@@ -242,7 +242,7 @@ class AttnBias(ABC):
     def lower(self, call: Call) -> Terms:
         """The bias's terms for ``call``. By default it has no kernel form: the term is the
         bias itself, materialized by the routes that take it."""
-        return Terms(others=(self,))
+        return Terms.of(others=(self,))
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         """The bias materialized for scores of ``shape=(B, H, L, S)`` as a keep-mask and an
@@ -437,7 +437,7 @@ class CompositeBias(AttnBias):
             part.validate_call(call)
 
     def lower(self, call: Call) -> Terms:
-        terms = Terms()
+        terms = Terms.of()
         for part in self.parts:
             terms = terms.merge(part.lower(call))
         return terms

@@ -74,7 +74,7 @@ class CausalBias(KernelMask):
         )
 
     def lower(self, call: Call) -> Terms:
-        return Terms(band_hi=self.offset_hi(call.length_q, call.length_kv))
+        return Terms.of(band_hi=self.offset_hi(call.length_q, call.length_kv))
 
     def sub_block(self, call: Call, block: Block) -> BandBias:
         """The band of the block: the call's ``j - i <= hi`` (``hi`` from the call's lengths,

@@ -232,7 +232,7 @@ class DocumentBias(KernelMask):
         # The bias's cached device tensors pass on unchanged, so that the kernel can recognise
         # them from call to call; the kernel broadcasts (1, L) against (B, S).
         q_ids, kv_ids = self.ids_on(call.device)
-        return Terms(q_doc=q_ids, kv_doc=kv_ids, doc_parts=(self,))
+        return Terms.of(q_doc=q_ids, kv_doc=kv_ids, doc_parts=(self,))
 
     def sub_block(self, call: Call, block: Block) -> DocumentBias:
         """The ids of the block's queries and keys: views of this bias's, so they follow its

@@ -223,13 +223,13 @@ class KeyRangeBias(KernelMask):
 
     def lower(self, call: Call) -> Terms:
         if self.start is None and self.end is None:
-            return Terms()  # every key of every row
+            return Terms.of()  # every key of every row
         # (B,) int32 on the device, kept with the bias
         rows = call.batch
         if rows is None:
             rows = max(b.shape[0] for b in (self.start, self.end) if b is not None)
         start, end = self.bounds_on(call.device, rows, call.length_kv)
-        return Terms(kv_start=start, kv_end=end)
+        return Terms.of(kv_start=start, kv_end=end)
 
     def sub_block(self, call: Call, block: Block) -> KeyRangeBias:
         """Each row's range moved to the block's keys and clipped to them (an empty range

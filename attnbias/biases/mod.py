@@ -267,8 +267,8 @@ class ModBias(KernelBias):
         form = self.builtin_form()
         if form is None or (form.needs_host and torch.compiler.is_compiling()):
             # (document ids are built and checked on the host, outside a trace)
-            return Terms(mods=(self,))
-        terms = Terms(
+            return Terms.of(mods=(self,))
+        terms = Terms.of(
             band_lo=form.band_lo,
             band_hi=form.band_hi,
             softcap=form.softcap,
@@ -280,7 +280,7 @@ class ModBias(KernelBias):
         if form.ids is not None:
             documents = self._documents_of_ids(call)
             if documents is None:  # ids that decrease along a row: no documents
-                return Terms(mods=(self,))
+                return Terms.of(mods=(self,))
             terms = terms.merge(documents.lower(call))
         return terms
 

@@ -50,7 +50,7 @@ class SoftcapBias(KernelBias):
         )
 
     def lower(self, call: Call) -> Terms:
-        return Terms(softcap=self.cap)
+        return Terms.of(softcap=self.cap)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
         return MaskedBias(None, None, cap=self.cap)

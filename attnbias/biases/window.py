@@ -60,7 +60,7 @@ class SlidingWindowBias(KernelMask):
 
     def lower(self, call: Call) -> Terms:
         lo, hi = self.offsets(call.length_q, call.length_kv)
-        return Terms(band_lo=lo, band_hi=hi)
+        return Terms.of(band_lo=lo, band_hi=hi)
 
     def sub_block(self, call: Call, block: Block) -> BandBias:
         """The band of the block: the call's window (aligned with the call's ``S - L``),
