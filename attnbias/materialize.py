@@ -60,16 +60,18 @@ class MaskedBias:
     # score functions (a ModBias's score_mod on the call's grid), applied in order after the
     # additive part; like the cap, they have no tensor form
     score_fns: tuple[Callable[[Tensor], Tensor], ...] = ()
+    # (built with every field named: torch.compile 2.11 guards a default a frozen dataclass's
+    # constructor takes by a Python call on each run of the compiled function)
 
     @classmethod
     def of_tensor(cls, result: Tensor, compute: torch.dtype) -> MaskedBias:
         """The form of a checked ``materialize`` result: a bool keep-mask, or an additive
         float tensor whose ``-inf`` entries mask."""
         if result.dtype == torch.bool:
-            return cls(result, None)
+            return cls(result, None, None, ())
         result = result.to(compute)
         masked = torch.isneginf(result)
-        return cls(~masked, result.masked_fill(masked, 0.0))
+        return cls(~masked, result.masked_fill(masked, 0.0), None, ())
 
     def merge(self, other: MaskedBias) -> MaskedBias:
         """Both forms at once: keep-masks intersect, additive parts add up."""
@@ -97,7 +99,7 @@ class MaskedBias:
                 return tensor
             return tensor[..., start:stop]
 
-        return MaskedBias(narrow(self.keep), narrow(self.additive), self.cap)
+        return MaskedBias(narrow(self.keep), narrow(self.additive), self.cap, ())
 
     def additive_form(self, dtype: torch.dtype) -> Tensor | None:
         """The single float tensor of ``materialize``: ``additive`` with ``-inf`` where masked

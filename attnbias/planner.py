@@ -289,7 +289,7 @@ def _order(
         heading = "pinned by use_backends"
     else:
         found = PRIORITY[gen].get(kind) if isinstance(kind, Kind) else None  # a form: none
-        preferred = (found or Order(())).pick(needs_grad)
+        preferred = (found or Order((), None)).pick(needs_grad)
         order = tuple(dict.fromkeys(preferred + FALLBACK))
         heading = f"{gen}, {kind}, {'training' if needs_grad else 'inference'}"
         if fa4_first and "fa4" in order:

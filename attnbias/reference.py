@@ -162,6 +162,7 @@ class FiniteInputs:
             value=torch.where(finite[2], value, zero[2]),
             bad_query=~finite[0].all(-1),
             bad_key_value=bad_key_value,
+            clean=False,
         )
 
     def poisoned_rows(self, keep: Tensor | None) -> Tensor:

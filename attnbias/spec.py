@@ -207,6 +207,8 @@ def make_spec(
         mask=mask,
         is_causal=causal,
         needs_lse=needs_lse,
+        mask_reach=None,
+        documents=None,
     )
 
 

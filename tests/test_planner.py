@@ -13,6 +13,7 @@ import io
 import itertools
 import logging
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -986,6 +987,65 @@ def test_a_compiled_call_guards_no_dataclass_default(
     assert "TENSOR_MATCH" in text  # the guards were logged
     found = sorted(set(re.findall(r"___dataclass_fields\([^)]*\)", text)))
     assert not found, f"guards on a dataclass's defaults: {found}"
+
+
+def _frozen_records() -> list[type]:
+    """Every frozen dataclass the library defines."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name == "attnbias" or name.startswith("attnbias."):
+            for value in vars(module).values():
+                if (
+                    isinstance(value, type)
+                    and dataclasses.is_dataclass(value)
+                    and value.__dataclass_params__.frozen  # type: ignore[attr-defined]
+                    and value.__module__ == name
+                ):
+                    found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_a_call_builds_its_records_with_every_field_named(
+    monkeypatch: pytest.MonkeyPatch, needs_grad: bool
+) -> None:
+    """What torch.compile traces of a call (lowering, planning, the exact route) builds each
+    frozen dataclass with every field given: a default taken there becomes a guard that costs
+    a Python call on each run of the compiled function in torch 2.11 (the test above shows it
+    where that version runs). Checked on the eager route, any torch version."""
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+    missing: list[tuple[str, tuple[str, ...]]] = []
+
+    def named(patch: pytest.MonkeyPatch, cls: type) -> None:
+        init = cls.__init__
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            left = tuple(n for n in names[len(args) :] if n not in kwargs)
+            if left:
+                missing.append((cls.__qualname__, left))
+            init(self, *args, **kwargs)
+
+        patch.setattr(cls, "__init__", __init__)
+
+    makers = [
+        *KIND_BIASES.values(),
+        lambda: causal_lower_right() + SlidingWindowBias(5) + AlibiBias(2),
+        lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right() + SoftcapBias(3.0),
+        lambda: KeyRangeBias(end=torch.tensor([12])) + causal_upper_left(),
+    ]
+    for make in makers:
+        bias = make()  # (built by the user, before any trace)
+        q, k, v = qkv(length_q=16, length_kv=16, dtype=torch.float32, needs_grad=needs_grad)
+        with pytest.MonkeyPatch.context() as patch:
+            for cls in _frozen_records():
+                named(patch, cls)
+            out = attnbias.sdpa(q, k, v, attn_mask=bias)
+            spec = make_spec(q, k, v, bias, False, None, 0.0, False)
+            plan(dataclasses.replace(spec, compiling=True))
+            if needs_grad:
+                out.sum().backward()
+        assert not missing, f"records built with defaults: {sorted(set(missing))}"
 
 
 def test_triton_refuses_trainable_slopes_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,7 +121,7 @@ class Backend(ABC):
         run = self.run
 
         def run_call(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-            return run(Spec(query=query, key=key, value=value, **fields))
+            return run(Spec(query=query, key=key, value=value, capturing=False, **fields))
 
         return run_call
 

@@ -222,7 +222,9 @@ class AlibiBias(KernelBias):
         return AlibiBias(slopes=slopes, shift=self.shift)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
-        return MaskedBias(None, self.materialize(device, shape=shape, dtype=compute_dtype(dtype)))
+        return MaskedBias(
+            None, self.materialize(device, shape=shape, dtype=compute_dtype(dtype)), None, ()
+        )
 
     def cache_key(self) -> Hashable | None:
         # the paper's slopes by value; slopes you pass are converted on each call, so that

@@ -443,7 +443,7 @@ class CompositeBias(AttnBias):
         return terms
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
-        masked = MaskedBias(None, None)
+        masked = MaskedBias(None, None, None, ())
         for part in self.parts:
             masked = masked.merge(part.masked(device, shape, dtype))
         return masked
@@ -626,7 +626,7 @@ class KernelMask(KernelBias):
         return keep_to_additive(self.keep(device, shape), dtype or torch.float32)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
-        return MaskedBias(self.keep(device, shape), None)
+        return MaskedBias(self.keep(device, shape), None, None, ())
 
     def sub_heads(self, call: Call, start: int, count: int) -> AttnBias:
         """The bias itself: a mask in the kernels' terms (a band, documents, key ranges) is
@@ -643,7 +643,7 @@ def materialize_masked(
     :func:`~attnbias.materialize.compute_dtype` of ``dtype``): each part's
     :meth:`AttnBias.masked`, the keep-masks intersected and the additive parts added up."""
     if bias is None:
-        return MaskedBias(None, None)
+        return MaskedBias(None, None, None, ())
     shape = None if shape is None else tuple(int(n) for n in shape)
     return bias.masked(device, shape, dtype)
 

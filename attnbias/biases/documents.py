@@ -197,7 +197,7 @@ class DocumentBias(KernelMask):
         if shape is not None:
             shape = tuple(shape)
             batch = shape[0] if len(shape) == 4 else 1
-            self.validate_call(Call(batch, 1, int(shape[-2]), int(shape[-1])))
+            self.validate_call(Call(batch, 1, int(shape[-2]), int(shape[-1]), q_ids.device))
         keep = q_ids[..., :, None] == kv_ids[..., None, :]
         if keep.dim() == 3:  # (B, L, S) -> (B, 1, L, S)
             keep = keep[:, None]

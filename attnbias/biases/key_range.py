@@ -191,7 +191,7 @@ class KeyRangeBias(KernelMask):
         shape = tuple(shape) if shape is not None else ()
         rows = [b.shape[0] for b in (self.start, self.end) if b is not None]
         batch = int(shape[0]) if len(shape) == 4 else max(rows, default=1)
-        self.validate_call(Call(batch, 1, 1, length_kv))
+        self.validate_call(Call(batch, 1, 1, length_kv, device_key(device)))
         cols = torch.arange(length_kv, device=device)
         keep = torch.ones(batch, length_kv, dtype=torch.bool, device=device)
         if self.start is not None:

@@ -436,12 +436,12 @@ class ModBias(KernelBias):
         grid = _grid(device, shape, type(self).__name__)
         keep = graph_eval.mask_grid(traced, *grid)
         if not traced.scores:
-            return MaskedBias(keep, None)
+            return MaskedBias(keep, None, None, ())
 
         def score_fn(scores: Tensor) -> Tensor:
             return graph_eval.score_grid(traced, scores, *grid)
 
-        return MaskedBias(keep, None, score_fns=(score_fn,))
+        return MaskedBias(keep, None, None, (score_fn,))
 
     def materialize(
         self, device: Device = None, *, shape: Shape = None, dtype: torch.dtype | None = None

@@ -53,7 +53,7 @@ class SoftcapBias(KernelBias):
         return Terms.of(softcap=self.cap)
 
     def masked(self, device: Device, shape: Shape, dtype: torch.dtype) -> MaskedBias:
-        return MaskedBias(None, None, cap=self.cap)
+        return MaskedBias(None, None, self.cap, ())
 
     def sub_block(self, call: Call, block: Block) -> SoftcapBias:
         """The same cap: it acts on each score alone."""
