@@ -156,7 +156,7 @@ def _kept_layout(
         starts, key_offsets, query_offsets = (
             torch.zeros(batch, dtype=torch.int32, device=device) for _ in range(3)
         )
-        bias: AttnBias = KeyRangeBias(start=starts)
+        bias: AttnBias = KeyRangeBias(start=starts, end=None)
         for part in rest:
             if isinstance(part, ModBias):
                 part = _in_row(part, key_offsets, query_offsets)

@@ -38,6 +38,7 @@ from attnbias import (
     DocumentBias,
     KeyRangeBias,
     ModBias,
+    PagedKV,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -1075,24 +1076,43 @@ def test_a_call_builds_its_records_with_every_field_named(
 
         patch.setattr(cls, "__init__", __init__)
 
+    # the training kernel's calls (L = 16), and the decode kernel's (L = 1) where the bias
+    # holds no tensor of the query's length
     makers = [
-        *KIND_BIASES.values(),
-        lambda: causal_lower_right() + SlidingWindowBias(5) + AlibiBias(2),
-        lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right() + SoftcapBias(3.0),
-        lambda: KeyRangeBias(end=torch.tensor([12])) + causal_upper_left(),
-    ]
-    for make in makers:
-        bias = make()  # (built by the user, before any trace)
-        q, k, v = qkv(length_q=16, length_kv=16, dtype=torch.float32, needs_grad=needs_grad)
+        *((make, (16,) if kind in ("documents", "materialized") else (16, 1))
+          for kind, make in KIND_BIASES.items()),
+        (lambda: causal_lower_right() + SlidingWindowBias(5) + AlibiBias(2), (16, 1)),
+        (lambda: DocumentBias.from_seqlens([6, 10]) + causal_lower_right() + SoftcapBias(3.0),
+         (16,)),
+        (lambda: KeyRangeBias(end=torch.tensor([12])) + causal_upper_left(), (16, 1)),
+    ]  # fmt: skip
+    for make, lengths in makers:
+        for length_q in lengths:
+            bias = make()  # (built by the user, before any trace)
+            q, k, v = qkv(
+                length_q=length_q, length_kv=16, dtype=torch.float32, needs_grad=needs_grad
+            )
+            with pytest.MonkeyPatch.context() as patch:
+                for cls in _frozen_records():
+                    named(patch, cls)
+                out = attnbias.sdpa(q, k, v, attn_mask=bias)
+                spec = make_spec(q, k, v, bias, False, None, 0.0, False)
+                plan(dataclasses.replace(spec, compiling=True))
+                if needs_grad:
+                    out.sum().backward()
+            assert not missing, f"records built with defaults: {sorted(set(missing))}"
+    if needs_grad:
+        return  # a paged cache serves inference only
+    pool_k, pool_v = (torch.randn(10, 4, 2, 16) for _ in range(2))  # pages of 4 tokens
+    table = torch.tensor([[7, 2, 9, 0], [7, 2, 4, 4], [1, 0, 0, 0]], dtype=torch.int32)
+    paged = PagedKV(table, torch.tensor([13, 10, 3], dtype=torch.int32))
+    for rest in (causal_lower_right(), causal_lower_right() + SlidingWindowBias(3)):
+        query = torch.randn(3, 4, 2, 16)
         with pytest.MonkeyPatch.context() as patch:
             for cls in _frozen_records():
                 named(patch, cls)
-            out = attnbias.sdpa(q, k, v, attn_mask=bias)
-            spec = make_spec(q, k, v, bias, False, None, 0.0, False)
-            plan(dataclasses.replace(spec, compiling=True))
-            if needs_grad:
-                out.sum().backward()
-        assert not missing, f"records built with defaults: {sorted(set(missing))}"
+            attnbias.sdpa(query, pool_k, pool_v, attn_mask=paged + rest, enable_gqa=True)
+        assert not missing, f"paged: records built with defaults: {sorted(set(missing))}"
 
 
 def test_triton_refuses_trainable_slopes_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
