@@ -15,11 +15,14 @@ gaps).
 
 ``CASES``: comma-separated ``bias:S:layout:mode`` (bias ``window`` 4096 + causal,
 ``documents`` ragged + causal, ``causal``; layout ``contiguous``, ``zigzag`` or ``auto``).
+``PIN_NEW``: backends this tree's steps are pinned to (``use_backends``, comma-separated),
+e.g. ``triton`` against the same code unpinned as the older tree.
 Writes ``$OUT/cp_ab_w{W}.json`` and prints a table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cp_bench import timed, timed_local
 
 OUT = os.environ.get("OUT", "/tmp")
+PIN_NEW = tuple(n for n in os.environ.get("PIN_NEW", "").split(",") if n)
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 TREES = ("attnbias", "attnbias_old")
 DEFAULT_CASES = (
@@ -116,10 +120,12 @@ def bench_case(
 
     def step(tree: str) -> list[Tensor]:
         leaves = [p.detach().requires_grad_() for p in parts]
-        out = trees[tree].distributed.sdpa(
-            *leaves, attn_mask=biases[tree], layout=layouts[tree], mode=mode
-        )
-        out.backward(part_grad)
+        pinned = PIN_NEW if tree == "attnbias" else ()
+        with trees[tree].use_backends(*pinned) if pinned else contextlib.nullcontext():
+            out = trees[tree].distributed.sdpa(
+                *leaves, attn_mask=biases[tree], layout=layouts[tree], mode=mode
+            )
+            out.backward(part_grad)
         return [out.detach(), *(x.grad for x in leaves)]
 
     results = {t: step(t) for t in TREES}
