@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnbias.biases import AttnBias, parts_of
+from attnbias.distributed.blocks import Kept
 from attnbias.distributed.layouts import Layout, as_group, world_of
 from attnbias.functional import sdpa
 from attnbias.terms import Call
@@ -307,7 +308,7 @@ def _all_to_all(outputs: list[Tensor], inputs: list[Tensor], group: Any) -> None
     )
 
 
-_ORDERS: dict[tuple[Layout, int, torch.device], Tensor] = {}
+_ORDERS: Kept[Tensor] = Kept(16)
 
 
 def _order(layout: Layout, length: int, device: torch.device) -> Tensor:
@@ -316,9 +317,6 @@ def _order(layout: Layout, length: int, device: torch.device) -> Tensor:
     key = (layout, length, device)
     found = _ORDERS.get(key)
     if found is None:
-        if len(_ORDERS) >= 16:
-            _ORDERS.clear()
-        found = _ORDERS[key] = torch.cat(
-            [layout.positions(r, length) for r in range(layout.world)]
-        ).to(device)
+        positions = [layout.positions(r, length) for r in range(layout.world)]
+        found = _ORDERS.put(key, torch.cat(positions).to(device))
     return found
