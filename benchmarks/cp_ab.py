@@ -7,14 +7,18 @@ The older tree is a copy of the package renamed ``attnbias_old`` (``python bench
 gradients are bit-identical to the older tree's and to a second run of this tree (``=`` per
 tensor: out, dq, dk, dv), the largest error against one GPU running the whole call, the
 slowest rank's median ms per forward + backward step of each tree and of one GPU, and for the
-first window case a profile of one step per rank (the GPU's busy time and its longest idle
-gaps).
+first case of the bias ``PROFILE_BIAS`` (default ``window``) a profile of one step per rank
+(the GPU's busy time, its longest idle gaps, and the kernels' time summed by kind).
 
     PYTHONPATH=.old W=2 python benchmarks/cp_ab.py
     CASES=window:131072:contiguous:sequence W=4 python benchmarks/cp_ab.py
 
 ``CASES``: comma-separated ``bias:S:layout:mode`` (bias ``window`` 4096 + causal,
 ``documents`` ragged + causal, ``causal``; layout ``contiguous``, ``zigzag`` or ``auto``).
+``LEAD_MS``: each timed step (of both trees and of one GPU) starts behind a GPU sleep of this
+many ms, subtracted from its time, so that the host runs that far ahead of the GPU, as where
+a model's other layers keep the GPU busy: the time the step's GPU work takes when the host's
+time (planning, FlashAttention 4's calls) is hidden.
 ``PIN_NEW``: backends this tree's steps are pinned to (``use_backends``, comma-separated),
 e.g. ``triton`` against the same code unpinned as the older tree.
 Writes ``$OUT/cp_ab_w{W}.json`` and prints a table.
@@ -29,6 +33,7 @@ import os
 import socket
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,7 @@ from cp_bench import timed, timed_local
 
 OUT = os.environ.get("OUT", "/tmp")
 PIN_NEW = tuple(n for n in os.environ.get("PIN_NEW", "").split(",") if n)
+LEAD_MS = float(os.environ.get("LEAD_MS", "0"))
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 TREES = ("attnbias", "attnbias_old")
 DEFAULT_CASES = (
@@ -90,12 +96,53 @@ def gaps(profiler: Any, label: str) -> dict[str, Any]:
             end = max(end, stop)
         previous = name
     busy += end - first
+    by_kind: dict[str, float] = {}
+    for start, stop, name in kernels:
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + stop - start
     return {
         "label": label,
         "span_us": kernels[-1][1] - kernels[0][0],
         "busy_us": busy,
         "holes": sorted(holes, reverse=True)[:8],
+        "kinds_us": {k: round(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
     }
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's name reduced to what it does: NCCL's, attention's, copies, the rest."""
+    lowered = name.lower()
+    for word, kind in (
+        ("nccl", "nccl"), ("flash", "attention"), ("fmha", "attention"), ("attn", "attention"),
+        ("copy", "copy"), ("memcpy", "copy"), ("memset", "fill"), ("fill", "fill"),
+        ("index", "index"), ("reduce", "reduce"),
+    ):  # fmt: skip
+        if word in lowered:
+            return kind
+    return name[:40]
+
+
+def leading(ms: float) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """A wrapper that puts a GPU sleep of ``ms`` milliseconds before a step (none for 0)."""
+    if ms <= 0:
+        return lambda step: step
+    cycles = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    count = int(cycles * ms / start.elapsed_time(end))
+
+    def wrap(step: Callable[[], Any]) -> Callable[[], Any]:
+        def led() -> Any:
+            torch.cuda._sleep(count)
+            return step()
+
+        return led
+
+    return wrap
 
 
 def bench_case(
@@ -153,19 +200,20 @@ def bench_case(
 
     reps = 6 if length <= 131072 else 3
     times: dict[str, list[float]] = {"attnbias": [], "attnbias_old": [], "one": []}
+    lead = leading(LEAD_MS)
     for round_index in range(2):
-        one = timed_local(single, reps) if rank == 0 else 0.0
+        one = timed_local(lead(single), reps) - LEAD_MS if rank == 0 else 0.0
         shared = torch.tensor([one], device="cuda")
         dist.broadcast(shared, 0)
         times["one"].append(float(shared))
         for tree in TREES if round_index == 0 else TREES[::-1]:
-            times[tree].append(timed(lambda tree=tree: step(tree), reps))
+            times[tree].append(timed(lead(lambda tree=tree: step(tree)), reps) - LEAD_MS)
     row = {
         "case": bias_name, "mode": mode, "S": length, "layout": str(layouts["attnbias"]),
         "W": world, "bitwise_same": same, "err_vs_one": errors,
         **{key: statistics.mean(value) for key, value in times.items()}, "rounds": times,
     }  # fmt: skip
-    profile_this = bias_name == "window" and not profiles
+    profile_this = bias_name == os.environ.get("PROFILE_BIAS", "window") and not profiles
     if profile_this and os.environ.get("PROFILE", "1") == "1":
         from torch.profiler import ProfilerActivity, profile
 
@@ -222,6 +270,7 @@ def main() -> None:
                 span, busy = found["span_us"] / 1e3, found["busy_us"] / 1e3
                 print(f"rank {rank} {found['label']}: GPU span {span:.2f} ms, busy {busy:.2f} "
                       f"ms, gaps {found['holes'][:3]}")  # fmt: skip
+                print(f"  kernels (us) {found.get('kinds_us')}")
     print("case mode S W | one GPU | new | old | new/old | bitwise (old/again) | errors | eff")
     with open(f"{OUT}/cp_ab_w{world}.json") as f:
         rows = json.load(f)
