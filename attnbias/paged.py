@@ -369,8 +369,11 @@ def _reader(
         plan, key_rows, value_rows = chosen
         spec, scale_ = plan.spec, plan.spec.resolved_scale
         if plan.backend.name == "triton-decode":
+            # a window's reach bounds the keys each row keeps (the pages read are its
+            # stretch): the rows keep about as many each, however long they are
+            windowed = reach(tuple(parts_of(bias)), placed.shape[2]) is not None
             decode = plan_decode(spec.query, key_rows, value_rows, spec.program, scale=scale_,
-                                 pages=layout)  # fmt: skip
+                                 pages=layout, even_rows=windowed)  # fmt: skip
 
             def reader(q: Tensor, k: Tensor, v: Tensor, pages: Pages) -> Tensor:
                 batch = q.shape[0]

@@ -83,6 +83,11 @@ MAX_SPLITS = 128  # beyond this the merge costs more than the parallelism gains
 SPLIT_EFFICIENCY = 0.85
 # Below this fraction of the SMs busy, splitting the keys pays.
 FULL_ENOUGH = 0.8
+# Where each row's keys are known only on the device (documents, key ranges, pages), the rows
+# of one call may hold far fewer keys than the cache: a row's share is then cut for about this
+# many waves of programs, so that the longest row's shares do not run alone while the rest of
+# the GPU idles (a share past a row's end costs a program that stores an empty partial result).
+RAGGED_WAVES = 8
 # The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic, splitting
 # the keys of one or two programs, and fast (each program costs the interpreter time).
 INTERPRETER_SM_COUNT = 4
@@ -208,6 +213,7 @@ def num_splits(
     key_blocks: int,
     sms: int,
     full_enough: float = FULL_ENOUGH,
+    ragged: bool = False,
 ) -> int:
     """How many programs share the key blocks of one (batch entry, key/value head, row tile).
 
@@ -217,15 +223,26 @@ def num_splits(
     that change the blocks per split, never more splits than ``key_blocks`` nor
     :data:`MAX_SPLITS`, nor more than two waves' worth (beyond that a split adds merge work
     and fills the GPU no better).
+
+    ``ragged``: the rows' key counts are on the device (documents, key ranges, pages), up to
+    ``key_blocks`` each; the host cannot see how unequal they are. Then the most splits that
+    change the blocks per split, up to :data:`RAGGED_WAVES` waves' worth (and the same
+    bounds), so that no row's share is long against the GPU's whole work.
     """
     programs = batch * kv_heads * row_tiles
-    if programs == 0 or key_blocks <= 1 or programs >= full_enough * sms:
+    if programs == 0 or key_blocks <= 1:
         return 1
-    limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
 
     def changes_share(splits: int) -> bool:
         # a split count that leaves the largest share as it was only adds merge work
         return splits == 1 or -(-key_blocks // splits) != -(-key_blocks // (splits - 1))
+
+    if ragged:
+        limit = min(MAX_SPLITS, key_blocks, -(-RAGGED_WAVES * sms // programs))
+        return next(s for s in range(limit, 0, -1) if changes_share(s))
+    if programs >= full_enough * sms:
+        return 1
+    limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
 
     def efficiency(splits: int) -> float:
         waves = programs * splits / sms
@@ -256,10 +273,12 @@ def decode_layout(
     *,
     itemsize: int,
     splits: int | None = None,
+    even_rows: bool = False,
 ) -> DecodeLayout:
     """The layout of a call with ``q`` ``(B, Hq, L, E)`` and ``k`` ``(B, Hkv, S, E)`` of
     ``itemsize``-byte elements, from shapes and the program's band only (``splits`` forces
-    the split count)."""
+    the split count; ``even_rows``: the caller knows the rows keep about as many keys each,
+    so the keys are not split for rows of unequal lengths)."""
     batch, num_heads, seq_q, head_dim = q_shape
     num_kv_heads, seq_k = k_shape[1], k_shape[2]
     band_lo, band_hi = program.band_lo, program.band_hi
@@ -274,13 +293,26 @@ def decode_layout(
     block_m = min(config.max_rows, max(MIN_ROWS, triton.next_power_of_2(max(rows, 1))))
     row_tiles = triton.cdiv(rows, block_m)
     if splits is None:
+        key_blocks = visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, config.block_n)
+        # rows of unequal lengths where the band does not bound what a row visits (a window
+        # does: each row's tile visits its width); the interpreter's tests keep the two-wave
+        # rule (each program costs it time)
+        ragged = (
+            has_docs
+            and not even_rows
+            and device.type == "cuda"
+            and not interpreting()
+            and visited_key_blocks(seq_q, seq_k, band_lo, band_hi, False, config.block_n)
+            >= key_blocks
+        )
         splits = num_splits(
             batch=batch,
             kv_heads=num_kv_heads,
             row_tiles=row_tiles,
-            key_blocks=visited_key_blocks(seq_q, seq_k, band_lo, band_hi, has_docs, config.block_n),
+            key_blocks=key_blocks,
             sms=sm_count(device),
             full_enough=config.full_enough,
+            ragged=ragged,
         )
     return DecodeLayout(group_size, block_m, row_tiles, splits, config)
 
@@ -457,10 +489,11 @@ def plan_decode(
     scale: float,
     num_splits: int | None = None,
     pages: Pages | None = None,
+    even_rows: bool = False,
 ) -> DecodePlan:
     """The :class:`DecodePlan` of :func:`decode_forward` with these arguments; ``q``, ``k``,
     ``v`` (and ``pages``) give only their shapes, dtypes and devices (the plan keeps none
-    of them)."""
+    of them). ``even_rows``: as :func:`decode_layout` takes it."""
     if program.blocks is not None:
         raise ValueError(
             "the decode kernel iterates the analytic band only; a mask program with block "
@@ -476,8 +509,9 @@ def plan_decode(
         return DecodePlan(identity, None, None, (), None, 0, 0)
     mask = launch_mask(q, k, program, scale=scale, rows=True, cols=False, lists=False, pages=pages)
     layout = decode_layout(
-        q.shape, k.shape, q.device, program, itemsize=q.element_size(), splits=num_splits
-    )
+        q.shape, k.shape, q.device, program, itemsize=q.element_size(), splits=num_splits,
+        even_rows=even_rows,
+    )  # fmt: skip
     cfg = layout.config
     block_e = padded_head_dim(head_dim)
     split = layout.splits > 1

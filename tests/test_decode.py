@@ -551,6 +551,59 @@ def test_num_splits_choices() -> None:
                       full_enough=0.45) > 1  # fmt: skip
 
 
+@given(
+    batch=st.integers(1, 64),
+    kv_heads=st.integers(1, 64),
+    row_tiles=st.integers(1, 8),
+    key_blocks=st.integers(0, 4096),
+    sms=st.sampled_from([16, 108, 132, 148]),
+)
+def test_num_splits_ragged_properties(
+    batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int
+) -> None:
+    """Rows of unequal lengths: never fewer splits than even rows get, within the same bounds
+    and at most RAGGED_WAVES waves' worth, and no count that leaves the largest share as the
+    count below it does."""
+    shape = {"batch": batch, "kv_heads": kv_heads, "row_tiles": row_tiles, "sms": sms}
+    splits = num_splits(key_blocks=key_blocks, ragged=True, **shape)
+    assert 1 <= splits <= max(1, key_blocks)
+    assert splits <= decode.MAX_SPLITS
+    assert splits >= num_splits(key_blocks=key_blocks, **shape)
+    programs = batch * kv_heads * row_tiles
+    assert programs * splits < decode.RAGGED_WAVES * sms + programs
+    if splits > 1:
+        assert -(-key_blocks // splits) < -(-key_blocks // (splits - 1))
+
+
+def test_rows_of_unequal_lengths_split_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key ranges (or documents) whose band does not bound a row's keys: each row's keys cut
+    into shares for several waves of programs (B = 8, Hkv = 8, a cache of 32768, as a
+    server's rows of 4096 to 32768 tokens), not one program per row and head, which leaves
+    the longest row's programs running alone; a window's band (or ``even_rows``) keeps the
+    even rule; the interpreter keeps the even rule."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 227 * 1024)  # H100
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    starts = torch.zeros(8, dtype=torch.int32)
+    ranged = MaskProgram(band_hi=32767, kv_start=starts)
+    plain = MaskProgram(band_hi=32767)
+    windowed = MaskProgram(band_lo=32767 - 4095, band_hi=32767, kv_start=starts)
+
+    def splits(program: MaskProgram, device: torch.device = cuda, **kwargs: Any) -> int:
+        layout = decode.decode_layout(
+            (8, 32, 1, 128), (8, 8, 32768, 128), device, program, itemsize=2, **kwargs
+        )
+        return layout.splits
+
+    assert splits(plain) == 1  # 64 programs of little work per key: busy enough
+    assert splits(ranged) >= 8  # ~8 waves of 132 programs
+    assert splits(ranged, even_rows=True) == splits(plain)
+    assert splits(windowed) == splits(MaskProgram(band_lo=32767 - 4095, band_hi=32767))
+    monkeypatch.setattr(decode, "interpreting", lambda: True)
+    assert splits(ranged, torch.device("cpu")) == splits(plain, torch.device("cpu"))
+
+
 def test_small_tiles_take_their_config_where_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles of at most 16 packed rows at E=128 on key ranges of at most 32768 keys take
     longer key blocks and split less, on a GPU whose shared memory holds their blocks (16-bit
