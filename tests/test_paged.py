@@ -554,3 +554,29 @@ def test_pending_checks_read_only_those_done(monkeypatch: pytest.MonkeyPatch) ->
     assert len(paged._PENDING) == 1 and paged._PENDING[0] is later
     paged.check_pending(wait=True)  # the last one, waited for: nothing wrong
     assert paged._PENDING == []
+
+
+@pytest.mark.parametrize("rest", ["causal", "window"])
+def test_the_decode_over_pages_says_whether_a_window_evens_the_rows(
+    rest: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode kernel splits rows of unequal lengths into more shares; a paged call's
+    window narrows every row to the window's reach, so its rows keep about as many keys each
+    and the route plans the decode with ``even_rows`` (a causal call does not). The result is
+    the oracle's either way."""
+    decode = importlib.import_module("attnbias.kernels.decode")
+    seen: list[bool] = []
+    original = decode.plan_decode
+
+    def spy(*args: Any, even_rows: bool = False, **kwargs: Any) -> Any:
+        seen.append(even_rows)
+        return original(*args, even_rows=even_rows, **kwargs)
+
+    monkeypatch.setattr(decode, "plan_decode", spy)
+    k, v = pools(10, 4, 2, 16, seed=31)
+    lens = lens_of([13, 10, 6])
+    pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
+    query = torch.randn(3, 4, 1, 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, RESTS[rest]())
+    assert seen == [rest == "window"]
