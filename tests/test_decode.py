@@ -503,13 +503,17 @@ def test_visited_key_blocks() -> None:
     assert visited_key_blocks(4, 100, None, -10, False, block) == 0  # keys before the first
 
 
-@given(
-    batch=st.integers(1, 64),
-    kv_heads=st.integers(1, 64),
-    row_tiles=st.integers(1, 8),
-    key_blocks=st.integers(0, 4096),
-    sms=st.sampled_from([16, 108, 132, 148]),
-)
+# the shapes num_splits is drawn at
+SPLIT_SHAPES = {
+    "batch": st.integers(1, 64),
+    "kv_heads": st.integers(1, 64),
+    "row_tiles": st.integers(1, 8),
+    "key_blocks": st.integers(0, 4096),
+    "sms": st.sampled_from([16, 108, 132, 148]),
+}
+
+
+@given(**SPLIT_SHAPES)
 def test_num_splits_properties(
     batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int
 ) -> None:
@@ -551,13 +555,7 @@ def test_num_splits_choices() -> None:
                       full_enough=0.45) > 1  # fmt: skip
 
 
-@given(
-    batch=st.integers(1, 64),
-    kv_heads=st.integers(1, 64),
-    row_tiles=st.integers(1, 8),
-    key_blocks=st.integers(0, 4096),
-    sms=st.sampled_from([16, 108, 132, 148]),
-)
+@given(**SPLIT_SHAPES)
 def test_num_splits_ragged_properties(
     batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int
 ) -> None:
