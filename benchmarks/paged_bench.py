@@ -3,7 +3,9 @@ kernel reading the pages in place), the same call through the gather route (each
 copied into a contiguous cache first), the same tokens already contiguous (each row's at the
 end of its cache, a key range keeping them) and, where FlashAttention 4 is installed, its own
 paged forward (``page_table``, ``seqused_k``, causal aligned at each row's end, its split
-heuristic), as CUDA-graph replays.
+heuristic) and FlexAttention's paged attention (``torch.nn.attention.experimental``: its page
+table and logical-to-physical block mask over the same pages, converted once to its
+``(1, Hkv, pages * page, E)`` cache; compiled), as CUDA-graph replays.
 
 B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row), Hq / Hkv = 32 / 8, E = 128, bf16,
 ``PagedKV + causal_lower_right()`` with or without a sliding window of 4096, pages in a random
@@ -46,6 +48,49 @@ def fa4_paged() -> Any:
     except ImportError:
         return None
     return flash_attn_varlen_func
+
+
+def flex_paged(
+    q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,
+    lens: torch.Tensor, window: int | None,
+) -> Callable[[], Any]:  # fmt: skip
+    """FlexAttention's paged attention over the same pages: its ``PagedAttention`` holding
+    this table (each row's pages in order), the pools copied once into its cache layout, a
+    block mask of the rows' logical keys (causal at each row's end, the window) converted to
+    the physical pages; ``torch.compile(flex_attention)``."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, heads_q, length_q, _ = q.shape
+    pages, page, heads_kv, dim = pool_k.shape
+    paged = PagedAttention(pages, page, batch, device=str(q.device))
+    for b, n in enumerate(((lens + page - 1) // page).tolist()):
+        rows = table[b, :n].long()
+        paged.page_table[b, :n] = rows
+        paged.physical_to_logical[b, rows] = torch.arange(n, device=q.device)
+        paged.capacity[b] = n * page
+    cache_k, cache_v = (
+        pool.permute(2, 0, 1, 3).reshape(1, heads_kv, pages * page, dim).contiguous()
+        for pool in (pool_k, pool_v)
+    )
+    lens64 = lens.long()
+
+    def keep(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        position = lens64[b] - length_q + q_idx  # the query's position in its row
+        kept = kv_idx <= position
+        return kept if window is None else kept & (position - kv_idx <= window)
+
+    logical = create_block_mask(
+        keep, batch, None, length_q, table.shape[1] * page, device=str(q.device),
+        BLOCK_SIZE=(128, page),
+    )  # fmt: skip
+    mask = paged.convert_logical_block_mask(logical, kv_len=lens64)
+    attend = torch.compile(flex_attention)
+
+    def run() -> Any:
+        return attend(q, cache_k, cache_v, block_mask=mask, enable_gqa=heads_q != heads_kv)
+
+    return run
 
 
 def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
@@ -114,6 +159,13 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
             runs["fa4 paged"] = fa4
         except Exception as error:  # a case FlashAttention 4 refuses: say so, time the rest
             print(f"FA4 paged refused page={page} L={length_q} window={window}: {error}")
+    try:
+        flex = flex_paged(q, pool_k, pool_v, table, lens, window)
+        with torch.no_grad():
+            flex()
+        runs["flex paged"] = flex
+    except Exception as error:  # a case FlexAttention refuses: say so, time the rest
+        print(f"FlexAttention paged refused page={page} L={length_q} window={window}: {error}")
     with torch.no_grad():
         outs = {name: run().float() for name, run in runs.items()}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -136,13 +188,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(rows[0]["route"])
     print("| page | L | window | in place ms | gather ms | contiguous ms | FA4 paged ms | "
-          "in place / contiguous | bytes floor ms | max diff |")  # fmt: skip
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "Flex paged ms | in place / contiguous | bytes floor ms | max diff |")  # fmt: skip
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
-        fa4 = f"{r['fa4 paged']:.3f}" if "fa4 paged" in r else "-"
+        fa4, flex = (f"{r[name]:.3f}" if name in r else "-" for name in ("fa4 paged", "flex paged"))
         print(
             f"| {r['page']} | {r['L']} | {r['window'] or '-'} | {r['in place']:.3f} | "
-            f"{r['gather']:.3f} | {r['contiguous']:.3f} | {fa4} | "
+            f"{r['gather']:.3f} | {r['contiguous']:.3f} | {fa4} | {flex} | "
             f"{r['in place'] / r['contiguous']:.2f} | {r['floor']:.3f} | {r['diff']:.1e} |"
         )
 

@@ -5,7 +5,8 @@ autograd function costs (``bare``: a custom ``autograd.Function`` that allocates
 and the three gradients and calls a no-op launcher once forward, twice backward). Then the top
 of a profile of the attnbias call.
 
-Run: ``python benchmarks/probes/host_training.py`` (CPU tensors).
+Run: ``python benchmarks/probes/host_training.py`` (CPU tensors); ``SORT=cumtime ROWS=45``
+for the profile by cumulative time and longer.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main() -> None:
     for _ in range(500):
         ours()
     profile.disable()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+    rows = int(os.environ.get("ROWS", "22"))
+    pstats.Stats(profile).sort_stats(os.environ.get("SORT", "tottime")).print_stats(rows)
 
 
 if __name__ == "__main__":
