@@ -93,7 +93,9 @@ def flex_paged(
     return run
 
 
-def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
+def case(page: int, length_q: int, window: int | None, peers: bool = True) -> dict[str, Any]:
+    """One row of the table (``peers``: FlashAttention 4 and FlexAttention too, where they
+    run)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     need = [-(-n // page) for n in LENGTHS]
@@ -142,7 +144,7 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
     runs: dict[str, Callable[[], Any]] = {
         "in place": paged, "gather": gathered, "contiguous": contiguous,
     }  # fmt: skip
-    peer = fa4_paged()
+    peer = fa4_paged() if peers else None
     if peer is not None:
 
         def fa4() -> Any:
@@ -160,10 +162,11 @@ def case(page: int, length_q: int, window: int | None) -> dict[str, Any]:
         except Exception as error:  # a case FlashAttention 4 refuses: say so, time the rest
             print(f"FA4 paged refused page={page} L={length_q} window={window}: {error}")
     try:
-        flex = flex_paged(q, pool_k, pool_v, table, lens, window)
-        with torch.no_grad():
-            flex()
-        runs["flex paged"] = flex
+        if peers:
+            flex = flex_paged(q, pool_k, pool_v, table, lens, window)
+            with torch.no_grad():
+                flex()
+            runs["flex paged"] = flex
     except Exception as error:  # a case FlexAttention refuses: say so, time the rest
         print(f"FlexAttention paged refused page={page} L={length_q} window={window}: {error}")
     with torch.no_grad():
