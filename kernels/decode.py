@@ -18,7 +18,10 @@ keeps its own ALiBi slope (heads differ within a tile).
 Splitting. The key blocks a tile visits (its band and documents decide them, so a window of
 ``W`` keys visits about ``W / BLOCK_N`` blocks whatever ``S`` is) are cut into ``num_splits``
 even shares, one program each; :func:`num_splits` picks the count on the host from the shapes
-and the band alone (never from tensor contents, so the launch is CUDA-graph safe). With one
+and the band alone (never from tensor contents, so the launch is CUDA-graph safe). Where the
+rows' extents are on the device (documents, key ranges, pages) and the band does not bound
+them, the rows may be of very unequal lengths: more, shorter shares then keep the GPU busy
+while the longest row is read (:data:`RAGGED_WAVES`). With one
 split the program normalises and stores the output. With more, each program stores its
 normalised partial output ``o_s`` and its base-2 log-sum-exp ``lse_s`` in float32 and counts
 itself done on the tile's counter; the program that finishes last merges the shares per row::
