@@ -93,6 +93,22 @@ def flex_paged(
     return run
 
 
+def add_peer(
+    runs: dict[str, Callable[[], Any]], name: str, make: Callable[[], Callable[[], Any]],
+    where: str,
+) -> None:  # fmt: skip
+    """``make()``'s run timed as ``name`` where it builds and runs once; where the peer
+    refuses the case, say so and time the rest."""
+    try:
+        run = make()
+        with torch.no_grad():
+            run()
+    except Exception as error:
+        print(f"{name} refused {where}: {error}")
+        return
+    runs[name] = run
+
+
 def case(page: int, length_q: int, window: int | None, peers: bool = True) -> dict[str, Any]:
     """One row of the table (``peers``: FlashAttention 4 and FlexAttention too, where they
     run)."""
@@ -144,6 +160,7 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
     runs: dict[str, Callable[[], Any]] = {
         "in place": paged, "gather": gathered, "contiguous": contiguous,
     }  # fmt: skip
+    where = f"page={page} L={length_q} window={window}"
     peer = fa4_paged() if peers else None
     if peer is not None:
 
@@ -155,20 +172,11 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
             )  # fmt: skip
             return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
-        try:
-            with torch.no_grad():
-                fa4()
-            runs["fa4 paged"] = fa4
-        except Exception as error:  # a case FlashAttention 4 refuses: say so, time the rest
-            print(f"FA4 paged refused page={page} L={length_q} window={window}: {error}")
-    try:
-        if peers:
-            flex = flex_paged(q, pool_k, pool_v, table, lens, window)
-            with torch.no_grad():
-                flex()
-            runs["flex paged"] = flex
-    except Exception as error:  # a case FlexAttention refuses: say so, time the rest
-        print(f"FlexAttention paged refused page={page} L={length_q} window={window}: {error}")
+        add_peer(runs, "fa4 paged", lambda: fa4, where)
+    if peers:
+        add_peer(
+            runs, "flex paged", lambda: flex_paged(q, pool_k, pool_v, table, lens, window), where
+        )
     with torch.no_grad():
         outs = {name: run().float() for name, run in runs.items()}
         times: dict[str, list[float]] = {name: [] for name in runs}
