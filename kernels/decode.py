@@ -21,7 +21,7 @@ even shares, one program each; :func:`num_splits` picks the count on the host fr
 and the band alone (never from tensor contents, so the launch is CUDA-graph safe). Where the
 rows' extents are on the device (documents, key ranges, pages) and the band does not bound
 them, the rows may be of very unequal lengths: more, shorter shares then keep the GPU busy
-while the longest row is read (:data:`RAGGED_WAVES`). With one
+while the longest row is read (:data:`RAGGED_WAVES`, :data:`RAGGED_MIN_KEYS`). With one
 split the program normalises and stores the output. With more, each program stores its
 normalised partial output ``o_s`` and its base-2 log-sum-exp ``lse_s`` in float32 and counts
 itself done on the tile's counter; the program that finishes last merges the shares per row::
@@ -87,10 +87,15 @@ SPLIT_EFFICIENCY = 0.85
 # Below this fraction of the SMs busy, splitting the keys pays.
 FULL_ENOUGH = 0.8
 # Where each row's keys are known only on the device (documents, key ranges, pages), the rows
-# of one call may hold far fewer keys than the cache: a row's share is then cut for about this
+# of one call may hold far fewer keys than the cache: a row's share is then cut for up to this
 # many waves of programs, so that the longest row's shares do not run alone while the rest of
-# the GPU idles (a share past a row's end costs a program that stores an empty partial result).
-RAGGED_WAVES = 8
+# the GPU idles (a share past a row's end costs a program that stores an empty partial result),
+# but no shorter than RAGGED_MIN_KEYS keys: rows that are full after all (a key range over a
+# whole cache) then lose little to the extra shares and their merge. H100, rows of 4096 to
+# 32768 keys: 2 waves as fast as 4 or 8; full rows of 8192 to 131072 keys lose 2-5% at 2 waves
+# and up to 2.4x (B = 1, 8192 keys) at 8 waves without the shortest share.
+RAGGED_WAVES = 2
+RAGGED_MIN_KEYS = 2048
 # The interpreter has no SMs: a fixed small machine keeps CPU tests deterministic, splitting
 # the keys of one or two programs, and fast (each program costs the interpreter time).
 INTERPRETER_SM_COUNT = 4
@@ -217,6 +222,7 @@ def num_splits(
     sms: int,
     full_enough: float = FULL_ENOUGH,
     ragged: bool = False,
+    min_share: int = 1,
 ) -> int:
     """How many programs share the key blocks of one (batch entry, key/value head, row tile).
 
@@ -228,9 +234,11 @@ def num_splits(
     and fills the GPU no better).
 
     ``ragged``: the rows' key counts are on the device (documents, key ranges, pages), up to
-    ``key_blocks`` each; the host cannot see how unequal they are. Then the most splits that
-    change the blocks per split, up to :data:`RAGGED_WAVES` waves' worth (and the same
-    bounds), so that no row's share is long against the GPU's whole work.
+    ``key_blocks`` each; the host cannot see how unequal they are. Then, where it is more
+    than the even rows' count, the most splits that fill their waves as well as the best
+    count does, up to :data:`RAGGED_WAVES` waves' worth and shares of at least
+    ``min_share`` blocks (and the same bounds), so that no row's share is long against the
+    GPU's whole work.
     """
     programs = batch * kv_heads * row_tiles
     if programs == 0 or key_blocks <= 1:
@@ -240,20 +248,24 @@ def num_splits(
         # a split count that leaves the largest share as it was only adds merge work
         return splits == 1 or -(-key_blocks // splits) != -(-key_blocks // (splits - 1))
 
-    if ragged:
-        limit = min(MAX_SPLITS, key_blocks, -(-RAGGED_WAVES * sms // programs))
-        return next(s for s in range(limit, 0, -1) if changes_share(s))
-    if programs >= full_enough * sms:
-        return 1
-    limit = min(MAX_SPLITS, key_blocks, -(-2 * sms // programs))
-
     def efficiency(splits: int) -> float:
         waves = programs * splits / sms
         return waves / -(-waves // 1)
 
-    candidates = [s for s in range(1, limit + 1) if changes_share(s)]
-    best = max(efficiency(s) for s in candidates)
-    return next(s for s in candidates if efficiency(s) >= SPLIT_EFFICIENCY * best)
+    def fill(limit: int, most: bool) -> int:
+        candidates = [s for s in range(1, max(1, limit) + 1) if changes_share(s)]
+        best = max(efficiency(s) for s in candidates)
+        good = [s for s in candidates if efficiency(s) >= SPLIT_EFFICIENCY * best]
+        return good[-1] if most else good[0]
+
+    if programs >= full_enough * sms:
+        even = 1
+    else:
+        even = fill(min(MAX_SPLITS, key_blocks, -(-2 * sms // programs)), most=False)
+    if not ragged:
+        return even
+    limit = min(MAX_SPLITS, key_blocks // max(1, min_share), -(-RAGGED_WAVES * sms // programs))
+    return max(even, fill(limit, most=True))
 
 
 @dataclass(frozen=True)
@@ -316,6 +328,7 @@ def decode_layout(
             sms=sm_count(device),
             full_enough=config.full_enough,
             ragged=ragged,
+            min_share=-(-RAGGED_MIN_KEYS // config.block_n),
         )
     return DecodeLayout(group_size, block_m, row_tiles, splits, config)
 

@@ -555,20 +555,35 @@ def test_num_splits_choices() -> None:
                       full_enough=0.45) > 1  # fmt: skip
 
 
-@given(**SPLIT_SHAPES)
+@given(**SPLIT_SHAPES, min_share=st.integers(1, 64))
 def test_num_splits_ragged_properties(
-    batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int
+    batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int, min_share: int
 ) -> None:
-    """Rows of unequal lengths: never fewer splits than even rows get, within the same bounds
-    and at most RAGGED_WAVES waves' worth, and no count that leaves the largest share as the
-    count below it does."""
+    """Rows of unequal lengths: never fewer splits than even rows get; beyond that count,
+    within the same bounds, at most RAGGED_WAVES waves' worth, shares of at least
+    ``min_share`` blocks, and waves filled within SPLIT_EFFICIENCY of the best count's; no
+    count that leaves the largest share as the count below it does."""
     shape = {"batch": batch, "kv_heads": kv_heads, "row_tiles": row_tiles, "sms": sms}
-    splits = num_splits(key_blocks=key_blocks, ragged=True, **shape)
+    even = num_splits(key_blocks=key_blocks, **shape)
+    splits = num_splits(key_blocks=key_blocks, ragged=True, min_share=min_share, **shape)
     assert 1 <= splits <= max(1, key_blocks)
     assert splits <= decode.MAX_SPLITS
-    assert splits >= num_splits(key_blocks=key_blocks, **shape)
+    assert splits >= even
     programs = batch * kv_heads * row_tiles
-    assert programs * splits < decode.RAGGED_WAVES * sms + programs
+    if splits > even:
+        assert programs * splits < decode.RAGGED_WAVES * sms + programs
+        assert key_blocks // splits >= min_share
+
+        def efficiency(count: int) -> float:
+            waves = programs * count / sms
+            return waves / math.ceil(waves)
+
+        changes = [
+            count
+            for count in range(1, splits + 1)
+            if count == 1 or -(-key_blocks // count) < -(-key_blocks // (count - 1))
+        ]
+        assert efficiency(splits) >= decode.SPLIT_EFFICIENCY * max(map(efficiency, changes))
     if splits > 1:
         assert -(-key_blocks // splits) < -(-key_blocks // (splits - 1))
 
@@ -588,14 +603,23 @@ def test_rows_of_unequal_lengths_split_on_a_gpu(monkeypatch: pytest.MonkeyPatch)
     plain = MaskProgram(band_hi=32767)
     windowed = MaskProgram(band_lo=32767 - 4095, band_hi=32767, kv_start=starts)
 
-    def splits(program: MaskProgram, device: torch.device = cuda, **kwargs: Any) -> int:
+    def splits(
+        program: MaskProgram,
+        device: torch.device = cuda,
+        k_shape: tuple[int, ...] = (8, 8, 32768, 128),
+        **kwargs: Any,
+    ) -> int:
         layout = decode.decode_layout(
-            (8, 32, 1, 128), (8, 8, 32768, 128), device, program, itemsize=2, **kwargs
+            (8, 32, 1, 128), k_shape, device, program, itemsize=2, **kwargs
         )
         return layout.splits
 
     assert splits(plain) == 1  # 64 programs of little work per key: busy enough
-    assert splits(ranged) >= 8  # ~8 waves of 132 programs
+    # 2 waves of 132 programs where 64 fill half of one (4 shares of 8192 keys each)
+    assert splits(ranged) == 4
+    # a short cache: no share below RAGGED_MIN_KEYS, so the even rule's count
+    short = MaskProgram(band_hi=2047, kv_start=starts)
+    assert splits(short, k_shape=(8, 8, 2048, 128)) == 1
     assert splits(ranged, even_rows=True) == splits(plain)
     assert splits(windowed) == splits(MaskProgram(band_lo=32767 - 4095, band_hi=32767))
     monkeypatch.setattr(decode, "interpreting", lambda: True)
