@@ -32,18 +32,30 @@ cache's offset while ``torch.compile`` traces) is materialised, by transformers'
 function, and passed as :class:`attnbias.TensorBias`; a warning names the model, the layer and
 the reason, once per reason.
 
+Continuous batching (``model.generate_batch``, transformers' paged cache): :func:`register`
+also adds :func:`paged_attention_forward` under :data:`CB_IMPLEMENTATION`; run the batching
+inside :func:`continuous_batching`::
+
+    with attnbias_hf.continuous_batching(model):
+        outputs = model.generate_batch(prompts, generation_config=config)
+
+Each step's rows (prefill chunks and decode tokens packed together) run as one
+:class:`attnbias.PagedKV` call with ``causal_lower_right()``, the layer's window and soft-cap
+aligned per row: no ``(L, S)`` mask is built.
+
 Shape legend: B batch, Hq query heads, Hkv key/value heads, L query length, S key length,
 E head dimension.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import operator
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +67,7 @@ from attnbias.biases import (
     AttnBias,
     DocumentBias,
     KeyRangeBias,
+    PagedKV,
     SlidingWindowBias,
     SoftcapBias,
     TensorBias,
@@ -65,15 +78,23 @@ from attnbias.functional import explain, sdpa
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CB_IMPLEMENTATION",
     "ModelMask",
     "attention_forward",
+    "continuous_batching",
     "explain_model",
     "make_mask",
+    "paged_attention_forward",
     "register",
 ]
 
 # The name models are loaded with: attn_implementation="attnbias".
 ATTN_IMPLEMENTATION = "attnbias"
+# The name continuous batching runs under (see continuous_batching()): transformers 5.17-5.23
+# batch continuously only with "sdpa", "paged|eager" or a name that contains "flash" (then
+# without a dense mask), and read no version number after it ("flash...2" selects its
+# FlashAttention 2 decode path).
+CB_IMPLEMENTATION = "attnbias_paged_flash"
 
 # What the recogniser below reads from transformers' mask functions: they are closures, and
 # closures made by one `def` share its code object, so a function is identified exactly by
@@ -87,7 +108,9 @@ def register() -> None:
     """Register attnbias in transformers under ``attn_implementation="attnbias"``.
 
     Adds :func:`attention_forward` to ``transformers.AttentionInterface`` and :func:`make_mask`
-    to ``transformers.masking_utils.AttentionMaskInterface``. Calling it again does nothing more.
+    to ``transformers.masking_utils.AttentionMaskInterface``, and
+    :func:`paged_attention_forward` under :data:`CB_IMPLEMENTATION` (continuous batching, see
+    :func:`continuous_batching`). Calling it again does nothing more.
     Then ``AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnbias")`` (or
     ``from_config``, or ``model.set_attn_implementation("attnbias")``) runs the model's
     attention through :func:`attnbias.sdpa` with bias objects.
@@ -97,6 +120,7 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, make_mask)
+    AttentionInterface.register(CB_IMPLEMENTATION, paged_attention_forward)
 
 
 @dataclass(frozen=True, eq=False)
@@ -501,6 +525,215 @@ def attention_forward(
         query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+@dataclass
+class _StepRows:
+    """One kind of layer's rows in a continuous-batching step, as a :class:`PagedKV` over the
+    step's gathered keys: each key its own page (``page_size = 1``), row ``b``'s pages the
+    slots ``cu_seq_lens_k[b]:cu_seq_lens_k[b + 1]``, and one more row for the query padding
+    past ``cu_seq_lens_q[-1]`` (padded steps, for CUDA graphs: its queries read slot 0; their
+    outputs are not used). The tables are written in place on the device when a step's
+    lengths change (no host synchronisation), so one bias serves every step of the same
+    shape and its sums keep their plans."""
+
+    table: Tensor  # int32 (B + 1, W)
+    lens: Tensor  # int32 (B + 1,)
+    cu_q: Tensor  # int32 (B + 2,)
+    paged: PagedKV
+    sums: dict[tuple[int | None, float | None], AttnBias] = field(default_factory=dict)
+    # the step's tensors the tables were written from, and their versions and key count
+    sources: tuple[Tensor, ...] = ()
+    filled: tuple[int, ...] = ()
+
+
+# (device, rows, width, queries) -> the rows of that shape; a few shapes live at once (steps
+# bucket their widths to powers of two)
+_STEP_ROWS: dict[tuple[Any, ...], _StepRows] = {}
+_STEP_ROWS_KEPT = 16
+
+
+def _step_bias(
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_k: int,
+    queries: int,
+    keys: int,
+    window: int | None,
+    softcap: float | None,
+) -> AttnBias:
+    """``PagedKV + causal_lower_right()`` (+ the layer's window and soft-cap) for a step whose
+    ``queries`` packed query tokens and ``keys`` gathered keys are split into rows by
+    ``cu_q`` and ``cu_k`` (int32 ``(B + 1,)``, on the device), the longest row ``max_k``."""
+    rows = cu_q.shape[0] - 1
+    width = 1 << max(max_k, queries, 1).bit_length()  # a power of two above both
+    key = (cu_q.device, rows, width, queries)
+    found = _STEP_ROWS.get(key)
+    if found is None:
+        table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
+        lens = torch.zeros((rows + 1,), dtype=torch.int32, device=cu_q.device)
+        cu = torch.zeros((rows + 2,), dtype=torch.int32, device=cu_q.device)
+        cu[-1] = queries
+        # made on zeros (valid), filled below
+        found = _StepRows(table, lens, cu, PagedKV(table, lens, cu_seqlens_q=cu))
+        if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:
+            _STEP_ROWS.clear()
+        _STEP_ROWS[key] = found
+    filled = (cu_q._version, cu_k._version, keys)
+    if (
+        len(found.sources) != 2
+        or found.sources[0] is not cu_q
+        or found.sources[1] is not cu_k
+        or found.filled != filled
+    ):
+        slots = torch.arange(width, dtype=torch.int32, device=cu_q.device)
+        found.table[:rows].copy_((cu_k[:-1, None] + slots).clamp_(max=max(keys - 1, 0)))
+        found.lens[:rows].copy_(cu_k[1:] - cu_k[:-1])
+        found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
+        found.cu_q[: rows + 1].copy_(cu_q)
+        found.sources, found.filled = (cu_q, cu_k), filled
+    sum_key = (window, softcap)
+    bias = found.sums.get(sum_key)
+    if bias is None:
+        bias = found.paged + causal_lower_right()
+        if window is not None:
+            bias = bias + SlidingWindowBias(window - 1)
+        if softcap is not None:
+            bias = bias + SoftcapBias(softcap)
+        found.sums[sum_key] = bias
+    return bias
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention function for continuous batching (:data:`CB_IMPLEMENTATION`,
+    inside :func:`continuous_batching`).
+
+    Writes the step's new keys and values into transformers' paged cache and reads each row's
+    keys back (``cache.update``, as transformers' own functions do), then runs the packed rows
+    as one :class:`attnbias.PagedKV` call: ``causal_lower_right()`` per row, the layer's
+    ``sliding_window`` (``SlidingWindowBias(W - 1)``) and soft-cap, its ``scaling``; no mask.
+
+    Args:
+        module: the attention layer (its ``layer_idx`` and ``is_causal`` are read).
+        query: ``(1, Hq, L, E)``, the step's query tokens packed (rows by ``cu_seq_lens_q``).
+        key: ``(1, Hkv, L, E)``, the step's new keys (``value`` likewise).
+        attention_mask: ``None`` (continuous batching builds none for this implementation).
+        cache: transformers' ``PagedAttentionCache``; the step's ``cu_seq_lens_q``,
+            ``cu_seq_lens_k``, ``max_length_k``, ``read_index`` and ``write_index`` come in
+            ``kwargs``.
+
+    Returns:
+        ``(attn_output, None)``: ``(1, L, Hq, E)``, contiguous.
+
+    Raises:
+        ValueError: called without a paged cache (outside continuous batching: load the model
+            with ``attn_implementation="attnbias"``), for a layer that is not causal, with a
+            mask, or with attention sinks (``s_aux``).
+        NotImplementedError: the cache's block-table decode path (continuous batching's
+            ``max_blocks_per_request`` > 0), which writes the cache inside the attention call.
+    """
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    name = type(module).__name__
+    if not isinstance(cache, PagedAttentionCache):
+        raise ValueError(
+            f"attnbias: {name} ran {CB_IMPLEMENTATION!r} without transformers' paged cache; it "
+            f"serves continuous batching only (inside attnbias.integrations.transformers."
+            f"continuous_batching(model)); load the model with attn_implementation="
+            f"{ATTN_IMPLEMENTATION!r} for other calls"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            f"attnbias: {name} passes attention sinks (s_aux), which attnbias.sdpa does not "
+            f"compute; batch it with attn_implementation='paged|eager'"
+        )
+    if kwargs.get("block_table") is not None:
+        raise NotImplementedError(
+            f"attnbias: {name} got the paged cache's block table (its decode path that writes "
+            f"the cache inside the attention call); pass ContinuousBatchingConfig("
+            f"max_blocks_per_request=0)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"attnbias: {name} got a {type(attention_mask).__name__} attention_mask in "
+            f"continuous batching; {CB_IMPLEMENTATION!r} builds its rows from the cache's "
+            f"sequence lengths and takes no mask"
+        )
+    is_causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        raise ValueError(
+            f"attnbias: {name} is not causal; continuous batching generates with causal layers"
+        )
+    key, value = cache.update(
+        key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
+    )
+    bias = _step_bias(
+        kwargs["cu_seq_lens_q"],
+        kwargs["cu_seq_lens_k"],
+        int(kwargs["max_length_k"]),
+        query.shape[2],
+        key.shape[2],
+        sliding_window,
+        softcap,
+    )
+    # (1, Hkv, S, E) -> pools of one-token pages (S, 1, Hkv, E), views
+    pool_k, pool_v = (t[0].transpose(0, 1).unsqueeze(1) for t in (key, value))
+    output = sdpa(
+        query,
+        pool_k,
+        pool_v,
+        attn_mask=bias,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def continuous_batching(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run ``model``'s continuous batching (``generate_batch``, ``init_continuous_batching``,
+    ``continuous_batching_context_manager``) on attnbias inside this block::
+
+        with attnbias_hf.continuous_batching(model):
+            outputs = model.generate_batch(prompts, generation_config=config)
+
+    Sets the model's attention implementation to :data:`CB_IMPLEMENTATION` (registering it
+    if needed) and restores the one it had on leaving; a batching manager must not outlive
+    the block. Pass ``ContinuousBatchingConfig(max_blocks_per_request=0)`` if you set that
+    option (the block-table decode path writes the cache inside the attention call).
+    """
+    register()
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(
+            f"attnbias: continuous_batching takes a transformers model, got "
+            f"{type(model).__name__} (it has no config)"
+        )
+    previous = config._attn_implementation
+    # set on the config directly: set_attn_implementation() would look the name up as a
+    # FlashAttention package, since it contains "flash"
+    config._attn_implementation = CB_IMPLEMENTATION
+    try:
+        yield model
+    finally:
+        config._attn_implementation = previous
 
 
 # --------------------------------------------------------------------------------------------
