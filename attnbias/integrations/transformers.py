@@ -551,10 +551,13 @@ class _StepRows:
     filled: tuple[int, ...] = ()
 
 
-# (device, rows, width, queries) -> the rows of that shape; a few shapes live at once (steps
-# bucket their widths to powers of two)
+# (thread, device, stream, rows, width, queries, window) -> the rows of that shape; a few
+# shapes live at once (steps bucket their widths to powers of two). Tables are written in place
+# in stream order: a batching loop on another thread or stream (double-buffered steps) gets
+# tables of its own, and each kind of layer (a window or none) too, so that alternating layers
+# do not write them back and forth.
 _STEP_ROWS: dict[tuple[Any, ...], _StepRows] = {}
-_STEP_ROWS_KEPT = 16
+_STEP_ROWS_KEPT = 32
 
 
 def _step_bias(
@@ -571,7 +574,8 @@ def _step_bias(
     ``cu_q`` and ``cu_k`` (int32 ``(B + 1,)``, on the device), the longest row ``max_k``."""
     rows = cu_q.shape[0] - 1
     width = 1 << max(max_k, queries, 1).bit_length()  # a power of two above both
-    key = (cu_q.device, rows, width, queries)
+    stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
+    key = (threading.get_ident(), cu_q.device, stream, rows, width, queries, window)
     found = _STEP_ROWS.get(key)
     if found is None:
         table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
