@@ -1,0 +1,87 @@
+"""Continuous batching (``generate_batch``) of the ~1B-parameter Llama-like model of
+``transformers_bench.py`` (random weights, bf16): attnbias (``continuous_batching(model)``)
+against transformers' own SDPA batching (which builds a dense mask per step), on ragged
+prompts, tokens per second over two rounds in alternating order, and whether the greedy
+outputs agree (bf16: the two may part ways after a near tie; the count of requests whose
+tokens are equal is printed).
+
+    pip install -e ".[transformers]" && python benchmarks/batching_bench.py
+
+``--requests``, ``--new-tokens``, ``--prompts MIN MAX``: the workload (default 64 requests of
+256 to 4096 prompt tokens, 128 new tokens each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers_bench import config  # a sibling, found through this script's folder
+
+import attnbias
+import attnbias.integrations.transformers as attnbias_hf
+
+
+def run(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
+    """Seconds for one ``generate_batch`` of ``prompts`` and its outputs."""
+    generation = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    batching = ContinuousBatchingConfig(max_blocks_per_request=0)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    outputs = model.generate_batch(
+        inputs=prompts, generation_config=generation, continuous_batching_config=batching
+    )
+    torch.cuda.synchronize()
+    return time.perf_counter() - began, {k: v.generated_tokens for k, v in outputs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    args = parser.parse_args()
+    attnbias_hf.register()
+    torch.manual_seed(0)
+    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
+    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
+    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.set_attn_implementation("sdpa")
+    names = ("sdpa", "attnbias")
+
+    def one(name: str) -> tuple[float, dict]:
+        if name == "sdpa":
+            return run(model, prompts, args.new_tokens)
+        with attnbias_hf.continuous_batching(model):
+            return run(model, prompts, args.new_tokens)
+
+    for name in names:  # warm up: kernels compiled, CUDA graphs captured
+        one(name)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    outputs: dict[str, dict] = {}
+    for order in (names, names[::-1]):
+        for name in order:
+            took, outputs[name] = one(name)
+            seconds[name].append(took)
+    tokens = args.requests * args.new_tokens
+    same = sum(outputs["sdpa"][k] == outputs["attnbias"].get(k) for k in outputs["sdpa"])
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, attnbias "
+          f"{attnbias.__version__}; {args.requests} requests of {args.prompts[0]}-"
+          f"{args.prompts[1]} prompt tokens, {args.new_tokens} new each")  # fmt: skip
+    print("| implementation | s (two rounds) | tokens/s |")
+    print("|---|--:|--:|")
+    for name in names:
+        mean = sum(seconds[name]) / len(seconds[name])
+        rounds = " / ".join(f"{s:.2f}" for s in seconds[name])
+        print(f"| {name} | {rounds} | {tokens / mean:.0f} |")
+    print(f"requests with equal greedy tokens: {same} of {len(outputs['sdpa'])}")
+
+
+if __name__ == "__main__":
+    main()
