@@ -55,10 +55,11 @@ class PagedKV(AttnBias):
     written in place between calls (a server's step; a CUDA-graph replay sees them too).
     Forward only: inputs that require grad are refused.
 
-    Their values are checked when the bias is made, by :meth:`validate`, and at each eager
-    call: on the CPU before anything runs, on a GPU on the device, read at the next eager call
-    (no synchronisation per step), which raises naming the problem; that call's output is not
-    to be trusted. The replays of a captured CUDA graph are not checked.
+    Their values are checked when the bias is made (outside a CUDA-graph capture), by
+    :meth:`validate`, and at each eager call: on the CPU before anything runs, on a GPU on the
+    device, read at the next eager call (no synchronisation per step), which raises naming the
+    problem; that call's output is not to be trusted. The replays of a captured CUDA graph are
+    not checked.
 
     Example::
 
@@ -108,7 +109,9 @@ class PagedKV(AttnBias):
                     f"PagedKV cu_seqlens_q is on {cu.device} but block_table on "
                     f"{table.device}; put both on the device of the page pools"
                 )
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not (
+            table.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
             self._check_values()
 
     def _check_values(self) -> None:

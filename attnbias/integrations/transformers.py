@@ -549,6 +549,9 @@ class _StepRows:
     # the step's tensors the tables were written from, and their versions and key count
     sources: tuple[Tensor, ...] = ()
     filled: tuple[int, ...] = ()
+    # written inside a CUDA-graph capture: the graph writes and reads these tensors at each
+    # replay, so they are kept as long as the process
+    captured: bool = False
 
 
 # (thread, device, stream, rows, width, queries, window) -> the rows of that shape; a few
@@ -576,6 +579,7 @@ def _step_bias(
     width = 1 << max(max_k, queries, 1).bit_length()  # a power of two above both
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
     key = (threading.get_ident(), cu_q.device, stream, rows, width, queries, window)
+    capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
     found = _STEP_ROWS.get(key)
     if found is None:
         table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
@@ -584,12 +588,16 @@ def _step_bias(
         cu[-1] = queries
         # made on zeros (valid), filled below
         found = _StepRows(table, lens, cu, PagedKV(table, lens, cu_seqlens_q=cu))
-        if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:
-            _STEP_ROWS.clear()
+        if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:  # the oldest that no graph holds go
+            for old in [k for k, rows_of in _STEP_ROWS.items() if not rows_of.captured]:
+                del _STEP_ROWS[old]
+                if len(_STEP_ROWS) < _STEP_ROWS_KEPT // 2:
+                    break
         _STEP_ROWS[key] = found
     filled = (cu_q._version, cu_k._version, keys)
     if (
-        len(found.sources) != 2
+        capturing  # the graph must write the tables at each replay
+        or len(found.sources) != 2
         or found.sources[0] is not cu_q
         or found.sources[1] is not cu_k
         or found.filled != filled
@@ -599,7 +607,9 @@ def _step_bias(
         found.lens[:rows].copy_(cu_k[1:] - cu_k[:-1])
         found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
         found.cu_q[: rows + 1].copy_(cu_q)
-        found.sources, found.filled = (cu_q, cu_k), filled
+        # after a capture the tables hold what the last replay wrote: written again next time
+        found.sources, found.filled = ((), ()) if capturing else ((cu_q, cu_k), filled)
+        found.captured |= capturing
     sum_key = (window, softcap)
     bias = found.sums.get(sum_key)
     if bias is None:
