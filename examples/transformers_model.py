@@ -4,7 +4,8 @@ A tiny Gemma 2 (random weights, from config): its layers alternate between a sli
 and full attention, and every score is soft-capped, which transformers' own SDPA path cannot
 run. The same weights run with attnbias and with transformers' eager attention (stock PyTorch,
 independent of attnbias): the logits agree with eager run in float64, the greedy generations
-with eager in the same precision, and each layer's bias and route is printed.
+with eager in the same precision, and each layer's bias and route is printed. Then the same
+prompts batched continuously (``generate_batch``) on attnbias.
 
     pip install -e ".[transformers]" && python examples/transformers_model.py
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import attnbias.integrations.transformers as attnbias_hf
 
@@ -74,6 +76,23 @@ def main() -> None:
     print()
     print("what each layer ran (prefill):")
     print(attnbias_hf.explain_model(ours, ids, attention_mask=padding))
+
+    # Continuous batching: prompts of unequal lengths, prefill and decode packed in each step
+    prompts = [ids[0].tolist(), ids[1, 5:].tolist(), ids[0, :3].tolist()]
+    with attnbias_hf.continuous_batching(ours):
+        batched = ours.generate_batch(
+            inputs=prompts,
+            generation_config=GenerationConfig(**greedy, eos_token_id=-1),
+            continuous_batching_config=ContinuousBatchingConfig(
+                num_blocks=16, max_batch_tokens=16, max_blocks_per_request=0
+            ),
+        )
+    alone = [
+        eager.generate(torch.tensor([p], device=DEVICE), **greedy)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    same = [batched[f"req_{i}"].generated_tokens == a for i, a in enumerate(alone)]
+    print(f"continuous batching (generate_batch), same tokens as each prompt alone: {same}")
 
 
 if __name__ == "__main__":
