@@ -137,6 +137,30 @@ def test_generate_batch_matches_the_model(kind: str) -> None:
         _assert_same(got, _generate_batch(model))
 
 
+def test_full_attention_layers_read_the_cache_pages_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gemma 2's full-attention layers run on the cache's own pages of 16 tokens once rows
+    have cached keys; its sliding-window layers (a ring of slots) on gathered keys, pages of
+    one token; the outputs as each prompt alone."""
+    pages: dict[int, set[int]] = {}
+    step_bias = hf._step_bias
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        window = args[4]
+        pages.setdefault(kwargs["page"], set()).add(window)
+        return step_bias(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "_step_bias", spy)
+    model = _model("gemma2")
+    alone = _generate_each(model)
+    with hf.continuous_batching(model):
+        got = _generate_batch(model)
+    _assert_same(got, alone)
+    assert pages[16] == {None}  # in place: full attention only
+    assert 6 in pages[1]  # the windowed layers' gathered keys
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])

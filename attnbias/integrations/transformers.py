@@ -41,7 +41,7 @@ inside :func:`continuous_batching`::
 
 Each step's rows (prefill chunks and decode tokens packed together) run as one
 :class:`attnbias.PagedKV` call with ``causal_lower_right()``, the layer's window and soft-cap
-aligned per row: no ``(L, S)`` mask is built.
+aligned per row, over the cache's own pages: no ``(L, S)`` mask is built.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, L query length, S key length,
 E head dimension.
@@ -533,13 +533,12 @@ def attention_forward(
 
 @dataclass
 class _StepRows:
-    """One kind of layer's rows in a continuous-batching step, as a :class:`PagedKV` over the
-    step's gathered keys: each key its own page (``page_size = 1``), row ``b``'s pages the
-    slots ``cu_seq_lens_k[b]:cu_seq_lens_k[b + 1]``, and one more row for the query padding
-    past ``cu_seq_lens_q[-1]`` (padded steps, for CUDA graphs: its queries read slot 0; their
-    outputs are not used). The tables are written in place on the device when a step's
-    lengths change (no host synchronisation), so one bias serves every step of the same
-    shape and its sums keep their plans."""
+    """One kind of layer's rows in a continuous-batching step, as a :class:`PagedKV`: row
+    ``b``'s queries ``cu_seq_lens_q[b]:cu_seq_lens_q[b + 1]``, and one more row for the query
+    padding past ``cu_seq_lens_q[-1]`` (padded steps, for CUDA graphs: its queries read page
+    0; their outputs are not used). The tables are written in place on the device when a
+    step's lengths change (no host synchronisation), so one bias serves every step of the
+    same shape and its sums keep their plans."""
 
     table: Tensor  # int32 (B + 1, W)
     lens: Tensor  # int32 (B + 1,)
@@ -554,7 +553,7 @@ class _StepRows:
     captured: bool = False
 
 
-# (thread, device, stream, rows, width, queries, window) -> the rows of that shape; a few
+# (thread, device, stream, rows, width, page, queries, window) -> the rows of that shape; a few
 # shapes live at once (steps bucket their widths to powers of two). Tables are written in place
 # in stream order: a batching loop on another thread or stream (double-buffered steps) gets
 # tables of its own, and each kind of layer (a window or none) too, so that alternating layers
@@ -568,17 +567,24 @@ def _step_bias(
     cu_k: Tensor,
     max_k: int,
     queries: int,
-    keys: int,
     window: int | None,
     softcap: float | None,
+    *,
+    keys: int = 0,
+    read_index: Tensor | None = None,
+    page: int = 1,
 ) -> AttnBias:
     """``PagedKV + causal_lower_right()`` (+ the layer's window and soft-cap) for a step whose
-    ``queries`` packed query tokens and ``keys`` gathered keys are split into rows by
-    ``cu_q`` and ``cu_k`` (int32 ``(B + 1,)``, on the device), the longest row ``max_k``."""
+    ``queries`` packed query tokens are split into rows by ``cu_q`` and their keys by ``cu_k``
+    (int32 ``(B + 1,)``, on the device), the longest row ``max_k`` keys. The pages: the step's
+    ``keys`` gathered keys, each a page of one token (``read_index`` ``None``); or the cache's
+    own pages of ``page`` tokens, where ``read_index`` (the keys' rows in the cache, per row
+    in order, a row starting on a page) says which."""
     rows = cu_q.shape[0] - 1
-    width = 1 << max(max_k, queries, 1).bit_length()  # a power of two above both
+    # a power of two above both (the padding row may hold every query)
+    width = 1 << (-(-max(max_k, queries, 1) // page)).bit_length()
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
-    key = (threading.get_ident(), cu_q.device, stream, rows, width, queries, window)
+    key = (threading.get_ident(), cu_q.device, stream, rows, width, page, queries, window)
     capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
     found = _STEP_ROWS.get(key)
     if found is None:
@@ -594,21 +600,28 @@ def _step_bias(
                 if len(_STEP_ROWS) < _STEP_ROWS_KEPT // 2:
                     break
         _STEP_ROWS[key] = found
-    filled = (cu_q._version, cu_k._version, keys)
+    sources = (cu_q, cu_k) if read_index is None else (cu_q, cu_k, read_index)
+    filled = (*(t._version for t in sources), keys)
     if (
         capturing  # the graph must write the tables at each replay
-        or len(found.sources) != 2
-        or found.sources[0] is not cu_q
-        or found.sources[1] is not cu_k
+        or len(found.sources) != len(sources)
+        or any(a is not b for a, b in zip(found.sources, sources, strict=True))
         or found.filled != filled
     ):
-        slots = torch.arange(width, dtype=torch.int32, device=cu_q.device)
-        found.table[:rows].copy_((cu_k[:-1, None] + slots).clamp_(max=max(keys - 1, 0)))
+        first = cu_k[:-1, None]  # (B, 1): each row's first key in the step's key order
+        if read_index is None:  # gathered: the key itself
+            slots = torch.arange(width, dtype=torch.int32, device=cu_q.device)
+            table = (first + slots).clamp_(max=max(keys - 1, 0))
+        else:  # the page of each row's first token of each of its pages
+            starts = torch.arange(0, width * page, page, dtype=torch.int32, device=cu_q.device)
+            at = (first + starts).clamp_(max=read_index.shape[0] - 1)
+            table = read_index[at.long()] // page
+        found.table[:rows].copy_(table)
         found.lens[:rows].copy_(cu_k[1:] - cu_k[:-1])
         found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
         found.cu_q[: rows + 1].copy_(cu_q)
         # after a capture the tables hold what the last replay wrote: written again next time
-        found.sources, found.filled = ((), ()) if capturing else ((cu_q, cu_k), filled)
+        found.sources, found.filled = ((), ()) if capturing else (sources, filled)
         found.captured |= capturing
     sum_key = (window, softcap)
     bias = found.sums.get(sum_key)
@@ -620,6 +633,20 @@ def _step_bias(
             bias = bias + SoftcapBias(softcap)
         found.sums[sum_key] = bias
     return bias
+
+
+def _cache_pages(cache: Any, layer_idx: int) -> Any:
+    """The allocator of ``layer_idx`` where each row's keys lie in the cache's pages in order
+    (full attention: row ``b``'s token ``t`` in page ``t // page_size`` of its pages), else
+    ``None`` (a sliding window's ring of slots, another allocator)."""
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+
+    allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
+    if type(allocator) is not FullAttentionCacheAllocator:
+        return None
+    return allocator
 
 
 def paged_attention_forward(
@@ -638,10 +665,13 @@ def paged_attention_forward(
     """transformers' attention function for continuous batching (:data:`CB_IMPLEMENTATION`,
     inside :func:`continuous_batching`).
 
-    Writes the step's new keys and values into transformers' paged cache and reads each row's
-    keys back (``cache.update``, as transformers' own functions do), then runs the packed rows
-    as one :class:`attnbias.PagedKV` call: ``causal_lower_right()`` per row, the layer's
-    ``sliding_window`` (``SlidingWindowBias(W - 1)``) and soft-cap, its ``scaling``; no mask.
+    Writes the step's new keys and values into transformers' paged cache (``cache.update``)
+    and runs the packed rows as one :class:`attnbias.PagedKV` call: ``causal_lower_right()``
+    per row, the layer's ``sliding_window`` (``SlidingWindowBias(W - 1)``) and soft-cap, its
+    ``scaling``; no mask. Full-attention layers read the cache's own pages in place (the
+    pages of each row found from the indices transformers would read them back by); layers
+    whose cache is a sliding window's ring of slots read the keys ``cache.update`` gathers,
+    each a page of one token.
 
     Args:
         module: the attention layer (its ``layer_idx`` and ``is_causal`` are read).
@@ -694,20 +724,39 @@ def paged_attention_forward(
         raise ValueError(
             f"attnbias: {name} is not causal; continuous batching generates with causal layers"
         )
-    key, value = cache.update(
-        key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs
-    )
+    step = dict(kwargs)  # cache.update sets the layer's cu_seq_lens_k and max_length_k in it
+    layer: int = getattr(module, "layer_idx")  # noqa: B009 (an nn.Module attribute, untyped)
+    allocator = _cache_pages(cache, layer)
+    read_index = None
+    if allocator is not None:
+        read_index = step["read_index"][allocator.index]
+        if read_index.shape[0] == 0:  # no cached key: the step's keys are the new ones
+            allocator = read_index = None
+    if allocator is not None and read_index is not None:
+        # the cache's own pages, read in place: the new keys written (an update that reads
+        # nothing back), then each row's pages from the indices it would have read
+        indices = list(step["read_index"])
+        indices[allocator.index] = read_index[:0]
+        step["read_index"] = indices
+        cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
+        pool_k, pool_v = allocator.get_cache_for_block_table(layer)
+        page = allocator.tokens_per_page
+    else:
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
+        # (1, Hkv, S, E) -> pools of one-token pages (S, 1, Hkv, E), views
+        pool_k, pool_v = (t[0].transpose(0, 1).unsqueeze(1) for t in (key, value))
+        page = 1
     bias = _step_bias(
-        kwargs["cu_seq_lens_q"],
-        kwargs["cu_seq_lens_k"],
-        int(kwargs["max_length_k"]),
+        step["cu_seq_lens_q"],
+        step["cu_seq_lens_k"],
+        int(step["max_length_k"]),
         query.shape[2],
-        key.shape[2],
         sliding_window,
         softcap,
+        keys=pool_k.shape[0] if read_index is None else 0,
+        read_index=read_index,
+        page=page,
     )
-    # (1, Hkv, S, E) -> pools of one-token pages (S, 1, Hkv, E), views
-    pool_k, pool_v = (t[0].transpose(0, 1).unsqueeze(1) for t in (key, value))
     output = sdpa(
         query,
         pool_k,
@@ -715,7 +764,7 @@ def paged_attention_forward(
         attn_mask=bias,
         dropout_p=dropout,
         scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
+        enable_gqa=query.shape[1] != pool_k.shape[2],
     )
     return output.transpose(1, 2).contiguous(), None
 
