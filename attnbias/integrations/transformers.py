@@ -638,13 +638,19 @@ def _step_bias(
 def _cache_pages(cache: Any, layer_idx: int) -> Any:
     """The allocator of ``layer_idx`` where each row's keys lie in the cache's pages in order
     (full attention: row ``b``'s token ``t`` in page ``t // page_size`` of its pages), else
-    ``None`` (a sliding window's ring of slots, another allocator)."""
-    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
-        FullAttentionCacheAllocator,
-    )
-
+    ``None`` (a sliding window's ring of slots, another allocator, a transformers whose cache
+    is laid out otherwise: the keys are then gathered)."""
+    try:
+        from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+            FullAttentionCacheAllocator,
+        )
+    except ImportError:
+        return None
     allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
-    if type(allocator) is not FullAttentionCacheAllocator:
+    needed = ("index", "tokens_per_page", "get_cache_for_block_table")
+    if type(allocator) is not FullAttentionCacheAllocator or not all(
+        hasattr(allocator, name) for name in needed
+    ):
         return None
     return allocator
 
