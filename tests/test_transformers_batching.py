@@ -1,7 +1,8 @@
 """Continuous batching on attnbias (``attnbias.integrations.transformers.continuous_batching``):
-``generate_batch`` on real model definitions (random weights) against transformers' own paged
-implementations, and one step's packed rows (prefill chunks, decode tokens, query padding)
-against the fp64 oracle row by row."""
+``generate_batch`` on real model definitions (random weights) against each prompt generated
+alone on the model's own attention and against transformers' SDPA batching, and one step's
+packed rows (prefill chunks, decode tokens, query padding) against the fp64 oracle row by
+row."""
 
 from __future__ import annotations
 
