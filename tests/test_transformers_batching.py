@@ -56,7 +56,7 @@ def _model(kind: str) -> Any:
 
 
 PROMPT_LENGTHS = (3, 17, 9, 30, 1)
-NEW_TOKENS = 10
+NEW_TOKENS = 6
 
 
 def _prompts() -> list[list[int]]:
@@ -119,13 +119,32 @@ def _assert_same(
         assert difference < tolerance, (request, difference)
 
 
+# Which pages each kind of model's layers read (page size -> the windows of the layers that
+# read them): full attention in place from the cache's pages of 16 once rows have cached keys
+# (and the first prefill's keys as one-token pages), a sliding window's ring of slots gathered
+PAGES = {
+    "llama": {1: {None}, 16: {None}},
+    "mistral": {1: {6}},
+    "gemma2": {1: {None, 6}, 16: {None}},
+}
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
-def test_generate_batch_matches_the_model(kind: str) -> None:
+def test_generate_batch_matches_the_model(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy tokens equal to each prompt generated alone on the model's own (eager)
     attention, and their log-probabilities within float32 rounding (Gemma 2's soft-cap
     included: without it, other tokens); for the models transformers batches on SDPA, equal
-    to its continuous batching too. The model's implementation is back on leaving the
-    block. (transformers' own ``paged|eager`` leaves Gemma 2's soft-cap out.)"""
+    to its continuous batching too. Full-attention layers read the cache's pages in place,
+    windowed ones the gathered keys. The model's implementation is back on leaving the block.
+    (transformers' own ``paged|eager`` leaves Gemma 2's soft-cap out.)"""
+    pages: dict[int, set[int | None]] = {}
+    step_bias = hf._step_bias
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        pages.setdefault(kwargs["page"], set()).add(args[4])  # args[4]: the window
+        return step_bias(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "_step_bias", spy)
     model = _model(kind)
     alone = _generate_each(model)
     with hf.continuous_batching(model):
@@ -133,33 +152,10 @@ def test_generate_batch_matches_the_model(kind: str) -> None:
         got = _generate_batch(model)
     assert model.config._attn_implementation == "eager"
     _assert_same(got, alone)
+    assert pages == PAGES[kind]
     if kind != "gemma2":  # transformers batches it on "sdpa"
         model.set_attn_implementation("sdpa")
         _assert_same(got, _generate_batch(model))
-
-
-def test_full_attention_layers_read_the_cache_pages_in_place(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Gemma 2's full-attention layers run on the cache's own pages of 16 tokens once rows
-    have cached keys; its sliding-window layers (a ring of slots) on gathered keys, pages of
-    one token; the outputs as each prompt alone."""
-    pages: dict[int, set[int]] = {}
-    step_bias = hf._step_bias
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        window = args[4]
-        pages.setdefault(kwargs["page"], set()).add(window)
-        return step_bias(*args, **kwargs)
-
-    monkeypatch.setattr(hf, "_step_bias", spy)
-    model = _model("gemma2")
-    alone = _generate_each(model)
-    with hf.continuous_batching(model):
-        got = _generate_batch(model)
-    _assert_same(got, alone)
-    assert pages[16] == {None}  # in place: full attention only
-    assert 6 in pages[1]  # the windowed layers' gathered keys
 
 
 @pytest.mark.gpu
