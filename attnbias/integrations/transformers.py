@@ -57,7 +57,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -731,7 +731,7 @@ def paged_attention_forward(
             f"attnbias: {name} is not causal; continuous batching generates with causal layers"
         )
     step = dict(kwargs)  # cache.update sets the layer's cu_seq_lens_k and max_length_k in it
-    layer: int = getattr(module, "layer_idx")  # noqa: B009 (an nn.Module attribute, untyped)
+    layer = cast(int, module.layer_idx)  # an attribute nn.Module's types do not know
     allocator = _cache_pages(cache, layer)
     read_index = None
     if allocator is not None:
