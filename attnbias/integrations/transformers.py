@@ -75,6 +75,7 @@ from attnbias.biases import (
     causal_upper_left,
 )
 from attnbias.functional import explain, sdpa
+from attnbias.spec import capturing
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -585,7 +586,7 @@ def _step_bias(
     width = 1 << (-(-max(max_k, queries, 1) // page)).bit_length()
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
     key = (threading.get_ident(), cu_q.device, stream, rows, width, page, queries, window)
-    capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    capture = capturing(cu_q)
     found = _STEP_ROWS.get(key)
     if found is None:
         table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
@@ -603,7 +604,7 @@ def _step_bias(
     sources = (cu_q, cu_k) if read_index is None else (cu_q, cu_k, read_index)
     filled = (*(t._version for t in sources), keys)
     if (
-        capturing  # the graph must write the tables at each replay
+        capture  # the graph must write the tables at each replay
         or len(found.sources) != len(sources)
         or any(a is not b for a, b in zip(found.sources, sources, strict=True))
         or found.filled != filled
@@ -621,8 +622,8 @@ def _step_bias(
         found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
         found.cu_q[: rows + 1].copy_(cu_q)
         # after a capture the tables hold what the last replay wrote: written again next time
-        found.sources, found.filled = ((), ()) if capturing else (sources, filled)
-        found.captured |= capturing
+        found.sources, found.filled = ((), ()) if capture else (sources, filled)
+        found.captured |= capture
     sum_key = (window, softcap)
     bias = found.sums.get(sum_key)
     if bias is None:
@@ -733,12 +734,10 @@ def paged_attention_forward(
     step = dict(kwargs)  # cache.update sets the layer's cu_seq_lens_k and max_length_k in it
     layer = cast(int, module.layer_idx)  # an attribute nn.Module's types do not know
     allocator = _cache_pages(cache, layer)
-    read_index = None
-    if allocator is not None:
-        read_index = step["read_index"][allocator.index]
-        if read_index.shape[0] == 0:  # no cached key: the step's keys are the new ones
-            allocator = read_index = None
-    if allocator is not None and read_index is not None:
+    read_index = None if allocator is None else step["read_index"][allocator.index]
+    if read_index is not None and read_index.shape[0] == 0:
+        read_index = None  # no cached key: the step's keys are the new ones
+    if read_index is not None:
         # the cache's own pages, read in place: the new keys written (an update that reads
         # nothing back), then each row's pages from the indices it would have read
         indices = list(step["read_index"])
