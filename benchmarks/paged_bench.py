@@ -12,7 +12,8 @@ B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row), Hq / Hkv = 32 / 8, E 
 order in the pool; decode (L = 1, 16) and chunked prefill (L = 512, 2048: each row's last L
 tokens). Each case: the largest difference from the contiguous route's output, then ms per
 call (mean of two rounds, the routes alternating) and the bytes floor (the keys and values the
-rows keep, read once at 3.35 TB/s).
+rows keep, read once at the device's peak memory bandwidth: 3.35 TB/s on an H100 SXM, 4.8 TB/s
+on an H200; other devices use the H100's figure and say so).
 
     python benchmarks/paged_bench.py
 """
@@ -36,6 +37,18 @@ from decode_bench import graph_ms
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
 LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
 CAPACITY = 32768
+PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the data sheets' HBM bandwidth
+
+
+def peak_bandwidth() -> tuple[float, str]:
+    """The device's peak memory bandwidth (bytes/s) and where the figure comes from."""
+    name = torch.cuda.get_device_name()
+    for model, rate in PEAK_BYTES_PER_S.items():
+        if model in name:
+            return rate, f"{model} data sheet"
+    return PEAK_BYTES_PER_S["H100"], "H100 data sheet (device not listed)"
+
+
 CASES = [(16, 1, None), (64, 1, None), (256, 1, None), (16, 16, None), (16, 1, 4095),
          (256, 16, 4095), (64, 512, None), (64, 2048, None)]  # fmt: skip
 
@@ -188,7 +201,7 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
     return {
         "page": page, "L": length_q, "window": window,
         **{name: sum(t) / len(t) for name, t in times.items()},
-        "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / 3.35e12 * 1e3,
+        "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / peak_bandwidth()[0] * 1e3,
         "diff": max(float((outs[a] - outs["contiguous"]).abs().max()) for a in outs),
         "route": how.splitlines()[0],
     }  # fmt: skip
@@ -196,7 +209,9 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
 
 def main() -> None:
     rows = [case(*c) for c in CASES]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rate, source = peak_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"floor at {rate / 1e12:.2f} TB/s ({source})")  # fmt: skip
     print(rows[0]["route"])
     print("| page | L | window | in place ms | gather ms | contiguous ms | FA4 paged ms | "
           "Flex paged ms | in place / contiguous | bytes floor ms | max diff |")  # fmt: skip

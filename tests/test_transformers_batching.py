@@ -6,6 +6,7 @@ row."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -20,6 +21,14 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import PagedAttentionCache  # noqa: E402
 
 import attnbias.integrations.transformers as hf  # noqa: E402
+
+# The page size's name in ContinuousBatchingConfig: ``block_size`` up to transformers 5.17,
+# ``page_size`` since.
+PAGE_FIELD = (
+    "page_size"
+    if "page_size" in getattr(ContinuousBatchingConfig, "__dataclass_fields__", {})
+    else "block_size"
+)
 
 COMMON = {
     "vocab_size": 128,
@@ -70,7 +79,7 @@ def _generate_batch(model: Any, graphs: bool = False) -> dict[str, tuple[list[in
     their cached keys while other rows decode; ``graphs``: steps captured in CUDA graphs
     (padded to their sizes) and replayed."""
     batching = ContinuousBatchingConfig(
-        page_size=16,
+        **{PAGE_FIELD: 16},
         num_blocks=32,
         max_batch_tokens=24,
         max_blocks_per_request=0,
@@ -127,6 +136,11 @@ PAGES = {
     "mistral": {1: {6}},
     "gemma2": {1: {None, 6}, 16: {None}},
 }
+# transformers before 5.18 keeps no per-layer allocators: every layer reads gathered keys.
+if importlib.util.find_spec(
+    "transformers.generation.continuous_batching.cache_allocators"
+) is None:  # fmt: skip
+    PAGES = {kind: {1: set().union(*windows.values())} for kind, windows in PAGES.items()}
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
@@ -148,7 +162,9 @@ def test_generate_batch_matches_the_model(kind: str, monkeypatch: pytest.MonkeyP
     model = _model(kind)
     alone = _generate_each(model)
     with hf.continuous_batching(model):
-        assert model.config._attn_implementation == hf.CB_IMPLEMENTATION
+        # the name, with the "paged|" prefix transformers 5.17 and 5.18 batch under
+        name = model.config._attn_implementation
+        assert name.removeprefix("paged|") == hf.CB_IMPLEMENTATION
         got = _generate_batch(model)
     assert model.config._attn_implementation == "eager"
     _assert_same(got, alone)

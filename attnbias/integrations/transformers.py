@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import operator
 import threading
 import warnings
@@ -91,10 +92,12 @@ __all__ = [
 
 # The name models are loaded with: attn_implementation="attnbias".
 ATTN_IMPLEMENTATION = "attnbias"
-# The name continuous batching runs under (see continuous_batching()): transformers 5.17-5.23
-# batch continuously only with "sdpa", "paged|eager" or a name that contains "flash" (then
-# without a dense mask), and read no version number after it ("flash...2" selects its
-# FlashAttention 2 decode path).
+# The name continuous batching runs under (see continuous_batching()): transformers 5.19 and
+# later batch continuously only with "sdpa", "paged|eager" or a name that contains "flash"
+# (then without a dense mask), and read no version number after it ("flash...2" selects its
+# FlashAttention 2 decode path). 5.17 and 5.18 batch under a registered name with the
+# "paged|" prefix (and warn from 5.19 on where a "flash" name carries it): both are registered,
+# continuous_batching() sets the one the installed version reads.
 CB_IMPLEMENTATION = "attnbias_paged_flash"
 
 # What the recogniser below reads from transformers' mask functions: they are closures, and
@@ -122,6 +125,7 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, make_mask)
     AttentionInterface.register(CB_IMPLEMENTATION, paged_attention_forward)
+    AttentionInterface.register(f"paged|{CB_IMPLEMENTATION}", paged_attention_forward)
 
 
 @dataclass(frozen=True, eq=False)
@@ -656,6 +660,38 @@ def _cache_pages(cache: Any, layer_idx: int) -> Any:
     return allocator
 
 
+@functools.cache
+def _updates_by_indices(cache_type: Any) -> bool:
+    """Whether ``cache_type.update`` takes the read and write indices as arguments of their
+    own (transformers before 5.19) rather than the step's arguments (``kwargs``)."""
+    return "kwargs" not in inspect.signature(cache_type.update).parameters
+
+
+def _update(
+    cache: Any, key: Tensor, value: Tensor, layer: int, step: dict[str, Any]
+) -> tuple[Tensor, Tensor, int, Tensor | None]:
+    """Writes the step's keys into transformers' (5.19 and later) paged cache and gives the
+    pools the call reads, their page size and, where they are the cache's own pages, the
+    indices the keys would have been gathered by (``None`` for gathered keys)."""
+    allocator = _cache_pages(cache, layer)
+    read_index = None if allocator is None else step["read_index"][allocator.index]
+    if read_index is not None and read_index.shape[0] == 0:
+        read_index = None  # no cached key: the step's keys are the new ones
+    if read_index is not None:
+        # the cache's own pages, read in place: the new keys written (an update that reads
+        # nothing back), then each row's pages from the indices it would have read
+        indices = list(step["read_index"])
+        indices[allocator.index] = read_index[:0]
+        step["read_index"] = indices
+        cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
+        pool_k, pool_v = allocator.get_cache_for_block_table(layer)
+        return pool_k, pool_v, allocator.tokens_per_page, read_index
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
+    # (1, Hkv, S, E) -> pools of one-token pages (S, 1, Hkv, E), views
+    pool_k, pool_v = (t[0].transpose(0, 1).unsqueeze(1) for t in (key, value))
+    return pool_k, pool_v, 1, None
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -733,24 +769,24 @@ def paged_attention_forward(
         )
     step = dict(kwargs)  # cache.update sets the layer's cu_seq_lens_k and max_length_k in it
     layer = cast(int, module.layer_idx)  # an attribute nn.Module's types do not know
-    allocator = _cache_pages(cache, layer)
-    read_index = None if allocator is None else step["read_index"][allocator.index]
-    if read_index is not None and read_index.shape[0] == 0:
-        read_index = None  # no cached key: the step's keys are the new ones
-    if read_index is not None:
-        # the cache's own pages, read in place: the new keys written (an update that reads
-        # nothing back), then each row's pages from the indices it would have read
-        indices = list(step["read_index"])
-        indices[allocator.index] = read_index[:0]
-        step["read_index"] = indices
-        cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
-        pool_k, pool_v = allocator.get_cache_for_block_table(layer)
-        page = allocator.tokens_per_page
+    if _updates_by_indices(cast(Any, type(cache))):
+        # transformers before 5.19: the indices passed one by one, the keys gathered (S, Hkv,
+        # E), the keys' lengths in the call's arguments (per layer type where a dict)
+        key, value = cache.update(
+            key_states=key,
+            value_states=value,
+            layer_idx=layer,
+            read_index=step["read_index"],
+            write_index=step["write_index"],
+        )
+        kind = "sliding_attention" if sliding_window else "full_attention"
+        for given, used in (("cu_seq_lens_k", "cu_seq_lens_k"), ("max_seqlen_k", "max_length_k")):
+            found = step[given]
+            step[used] = found[kind] if isinstance(found, dict) else found
+        pool_k, pool_v = key.unsqueeze(1), value.unsqueeze(1)  # pages of one token
+        page, read_index = 1, None
     else:
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=step)
-        # (1, Hkv, S, E) -> pools of one-token pages (S, 1, Hkv, E), views
-        pool_k, pool_v = (t[0].transpose(0, 1).unsqueeze(1) for t in (key, value))
-        page = 1
+        pool_k, pool_v, page, read_index = _update(cache, key, value, layer, step)
     bias = _step_bias(
         step["cu_seq_lens_q"],
         step["cu_seq_lens_k"],
@@ -772,6 +808,15 @@ def paged_attention_forward(
         enable_gqa=query.shape[1] != pool_k.shape[2],
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _cb_name() -> str:
+    """:data:`CB_IMPLEMENTATION` as the installed transformers' batching reads it: with the
+    ``paged|`` prefix before 5.19 (which would otherwise add it and look the name up again)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return f"paged|{CB_IMPLEMENTATION}" if (major, minor) < (5, 19) else CB_IMPLEMENTATION
 
 
 @contextlib.contextmanager
@@ -797,7 +842,7 @@ def continuous_batching(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     previous = config._attn_implementation
     # set on the config directly: set_attn_implementation() would look the name up as a
     # FlashAttention package, since it contains "flash"
-    config._attn_implementation = CB_IMPLEMENTATION
+    config._attn_implementation = _cb_name()
     try:
         yield model
     finally:
