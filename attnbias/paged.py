@@ -221,13 +221,12 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     return placed, row * total + place
 
 
-def _prepare(
+def _checked(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
-) -> tuple[Tensor, Pages, AttnBias, Tensor | None, dict[Any, Any]]:
-    """The call on a contiguous cache: the query placed (ragged rows at the end of theirs),
-    where that cache's ``keys`` positions lie in the pools (each row's last tokens, its last
-    token last), the bias of that call, for ragged queries where each packed query lands,
-    and the table of runs kept for that bias (:func:`_reader`)."""
+) -> tuple[PagedKV, tuple[AttnBias, ...], int, int]:
+    """The call's :class:`PagedKV`, its other parts and the pools' ``(num_pages,
+    page_size)``, after the checks every paged call makes (the tables' values: on the CPU at
+    once, on a GPU flagged on the device and read at a later eager call)."""
     pages, rest = _split(attn_mask)
     if is_causal:
         raise ValueError(
@@ -257,6 +256,16 @@ def _prepare(
         event.record()
         with _PENDING_LOCK:
             _PENDING.append((host, event, said))
+    return pages, rest, num_pages, page_size
+
+
+def _prepare(
+    query: Tensor, pages: PagedKV, rest: tuple[AttnBias, ...], num_pages: int, page_size: int
+) -> tuple[Tensor, Pages, AttnBias, Tensor | None, dict[Any, Any]]:
+    """The call on a contiguous cache: the query placed (ragged rows at the end of theirs),
+    where that cache's ``keys`` positions lie in the pools (each row's last tokens, its last
+    token last), the bias of that call, for ragged queries where each packed query lands,
+    and the table of runs kept for that bias (:func:`_reader`)."""
     batch, max_pages = pages.block_table.shape
     # a window keeps only each row's last tokens: gather those (the queries' span and the
     # window; ragged rows' queries are at most the packed total)
@@ -398,6 +407,165 @@ def _reader(
     return reader
 
 
+# FlashAttention 4's paged forward takes calls of at least this many queries per row (on
+# average, for ragged rows): chunked prefill, where it is faster than the library's kernel
+# reading the pages; decode stays on the decode kernel (benchmarks/PAGED_RESULTS.md).
+FA4_MIN_QUERIES = 128
+# The compute capabilities whose FlashAttention 4 paged forward is checked against the oracle
+# with garbage (NaN) past each row's length.
+FA4_PAGED_CAPABILITIES = (9,)
+# The compilation keys FlashAttention 4's paged forward has run with eagerly: a CUDA-graph
+# capture takes it only for those (its first call compiles, which a capture must not see).
+_FA4_SEEN: set[tuple[Any, ...]] = set()
+_FA4_SEEN_LOCK = threading.Lock()
+
+
+def _fa4_key_tiles(head_dim: int) -> set[int] | None:
+    """The key tiles FlashAttention 4's forward on capability 9 may take at this head dim
+    (causal or not, a window or not), ``None`` where this version does not say (its private
+    helper missing or changed)."""
+    from attnbias.backends import fa4
+
+    helper = getattr(fa4.interface_module(), "_tile_size_fwd_sm90", None)
+    if helper is None:
+        return None
+    try:
+        return {
+            int(helper(head_dim, head_dim, causal, local).tile_n)
+            for causal in (False, True)
+            for local in (False, True)
+        }
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _fa4_form(
+    rest: tuple[AttnBias, ...],
+) -> tuple[bool, tuple[int | None, int | None]] | None:
+    """``(causal, window_size)`` of FlashAttention 4 for the parts beside the PagedKV, or
+    ``None`` where a part has no such form (soft-cap, ALiBi, ModBias)."""
+    causal = False
+    left: int | None = None
+    right: int | None = None
+    for part in rest:
+        if isinstance(part, CausalBias):
+            causal = True  # lower right: _split refused the rest
+        elif isinstance(part, SlidingWindowBias):
+            if part.window_left is not None:
+                left = part.window_left if left is None else min(left, part.window_left)
+            if part.window_right is not None:
+                right = part.window_right if right is None else min(right, part.window_right)
+        else:
+            return None
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None  # a band that keeps no pair, or starts past the diagonal: the kernel's
+    return causal, (left, right)
+
+
+def fa4_paged(
+    query: Tensor, key: Tensor, value: Tensor, pages: PagedKV, rest: tuple[AttnBias, ...],
+    page_size: int, dropout_p: Any, scale: Any, enable_gqa: Any,
+) -> Callable[[], Tensor] | None:  # fmt: skip
+    """FlashAttention 4's paged forward for this call (``page_table``, ``seqused_k``, causal
+    and windows aligned at each row's end, ragged rows through ``cu_seqlens_q``) as a
+    function giving the output, or ``None`` where the call takes the library's kernels:
+
+    - FlashAttention 4 not installed, not a CUDA device of capability 9 (the one checked),
+      not float16 / bfloat16, head dims it does not take, ``Hq != Hkv`` without
+      ``enable_gqa``, dropout, a scale that is not a positive number;
+    - parts other than ``causal_lower_right()`` and sliding windows;
+    - fewer than :data:`FA4_MIN_QUERIES` queries per row (decode is faster on the decode
+      kernel);
+    - a page size equal to its key tile: it then loads whole pages by TMA, slots past a row's
+      length included, and a NaN there would reach the output (``P = 0`` times ``NaN``); with
+      other page sizes it loads each key row under a predicate on the row's length;
+    - tables or pools in layouts it does not read in place, ``torch.compile`` tracing, and a
+      CUDA-graph capture of options it has not run eagerly (its first call compiles);
+    - a :func:`attnbias.use_backends` region that excludes ``fa4`` or pins another backend
+      first."""
+    from attnbias.backends import fa4
+    from attnbias.planner import current_policy
+
+    if not (query.is_cuda and fa4._installed()) or torch.compiler.is_compiling():
+        return None
+    policy = current_policy()  # use_backends: FlashAttention 4 first, or no pin
+    if "fa4" in policy.exclude or (policy.only is not None and policy.only[0] != "fa4"):
+        return None
+    if query.dtype not in (torch.float16, torch.bfloat16) or dropout_p != 0.0:
+        return None
+    if not (scale is None or (type(scale) in (int, float) and scale > 0)):
+        return None
+    major = fa4._capability(query.device.index or 0)[0]
+    head_dim, head_dim_v = key.shape[3], value.shape[3]
+    if major not in FA4_PAGED_CAPABILITIES or head_dim != query.shape[3]:
+        return None
+    if fa4._head_dim_reasons(major, head_dim, head_dim_v, query.dtype):
+        return None
+    heads_q, heads_kv = query.shape[1], key.shape[2]
+    if heads_q != heads_kv and not (enable_gqa and heads_q % heads_kv == 0):
+        return None
+    form = _fa4_form(rest)
+    if form is None:
+        return None
+    causal, window = form
+    batch = pages.batch_size
+    if query.shape[2] < FA4_MIN_QUERIES * (batch if pages.cu_seqlens_q is not None else 1):
+        return None
+    tiles = _fa4_key_tiles(head_dim)
+    if tiles is None or page_size in tiles:
+        return None
+    table, lens = pages.block_table, pages.seq_lens
+    if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.stride(-1) != 1:
+        return None
+    if any(t.stride(-1) != 1 for t in (key, value)):
+        return None
+    cu = pages.cu_seqlens_q
+    options = (
+        query.shape[1:], query.dtype, query.device, key.shape[1:], cu is None, causal, window,
+        scale,
+    )  # fmt: skip
+    if torch.cuda.is_current_stream_capturing():
+        if options not in _FA4_SEEN:
+            return None
+    else:
+        with _FA4_SEEN_LOCK:
+            _FA4_SEEN.add(options)
+    function = fa4._flash_attn_varlen_func()
+
+    def run() -> Tensor:
+        if cu is None:
+            q = query.transpose(1, 2)  # (B, L, Hq, E)
+            more: dict[str, Any] = {}
+        else:
+            q = query[0].transpose(0, 1)  # (total, Hq, E)
+            # an upper bound (no host synchronisation): the packed total
+            more = {"cu_seqlens_q": cu, "max_seqlen_q": query.shape[2]}
+        found = function(
+            q, key, value, seqused_k=lens, page_table=table, causal=causal,
+            window_size=window, softmax_scale=scale, num_splits=1, **more,
+        )  # fmt: skip
+        out = found[0] if isinstance(found, tuple) else found
+        if cu is None:
+            return out.transpose(1, 2)
+        return out.transpose(0, 1).unsqueeze(0)
+
+    return run
+
+
+def _fa4_words(query: Tensor, pages: PagedKV, rest: tuple[AttnBias, ...], page_size: int) -> str:
+    form = _fa4_form(rest)
+    assert form is not None
+    causal, window = form
+    rows = "ragged rows (cu_seqlens_q)" if pages.cu_seqlens_q is not None else "rows"
+    return (
+        f"{rows} of {query.shape[2]} queries, causal={causal}, window_size={window}, pages "
+        f"of {page_size} loaded row by row under each row's length (not FlashAttention 4's "
+        f"key tile: no slot past a row's length is read)"
+    )
+
+
 def paged_sdpa(
     query: Tensor,
     key: Tensor,
@@ -414,7 +582,11 @@ def paged_sdpa(
 
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
-    placed, layout, bias, where, runs = _prepare(query, key, value, attn_mask, is_causal)
+    pages, rest, num_pages, page_size = _checked(query, key, value, attn_mask, is_causal)
+    fa4 = fa4_paged(query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa)
+    if fa4 is not None:
+        return fa4()
+    placed, layout, bias, where, runs = _prepare(query, pages, rest, num_pages, page_size)
     reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
     if reader is not None:  # a kernel reads the pages where they are
         out = reader(placed, key, value, layout)
@@ -445,8 +617,14 @@ def paged_explain(
     the call on them."""
     from attnbias.functional import explain
 
-    placed, layout, bias, _, _ = _prepare(query, key, value, attn_mask, is_causal)
-    pages, count = _split(attn_mask)[0], layout.keys
+    pages, rest, num_pages, page_size = _checked(query, key, value, attn_mask, is_causal)
+    if fa4_paged(query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa):
+        return (
+            f"{pages!r}: FlashAttention 4's paged forward (page_table, seqused_k) reads the "
+            f"pages in place: {_fa4_words(query, pages, rest, page_size)}"
+        )
+    placed, layout, bias, _, _ = _prepare(query, pages, rest, num_pages, page_size)
+    count = layout.keys
     found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     if found is not None:
         return (

@@ -580,3 +580,154 @@ def test_the_decode_over_pages_says_whether_a_window_evens_the_rows(
     with attnbias.use_backends("triton-decode"):
         run_and_check(query, k, v, pages, RESTS[rest]())
     assert seen == [rest == "window"]
+
+
+def test_flashattention4_paged_forms() -> None:
+    """The parts FlashAttention 4's paged forward expresses, as its (causal, window_size);
+    the others (soft-cap, ALiBi, a ModBias) keep the library's kernels."""
+    from attnbias.paged import _fa4_form
+
+    causal = causal_lower_right()
+    assert _fa4_form(()) == (False, (None, None))
+    assert _fa4_form((causal,)) == (True, (None, 0))
+    assert _fa4_form((causal, SlidingWindowBias(255))) == (True, (255, 0))
+    assert _fa4_form((SlidingWindowBias(7, 3), SlidingWindowBias(5, 9))) == (False, (5, 3))
+    assert _fa4_form((SlidingWindowBias(7, 3), causal)) == (True, (7, 0))
+    assert _fa4_form((causal, SoftcapBias(30.0))) is None
+    assert _fa4_form((causal, AlibiBias(num_heads=4))) is None
+
+
+def test_flashattention4_paged_is_not_taken_off_a_gpu() -> None:
+    """On the CPU (or without FlashAttention 4) the paged call keeps the library's routes."""
+    from attnbias.paged import _split, fa4_paged
+
+    k, v = pools(8, 4, 2, 16, seed=3)
+    pages = PagedKV(table_of([[0, 1, 2], [5, 3, 0]]), lens_of([10, 7]))
+    query = torch.randn(2, 2, 200, 16, device=DEVICE)
+    if DEVICE == "cpu":
+        _, rest = _split(pages + causal_lower_right())
+        assert fa4_paged(query, k, v, pages, rest, 4, 0.0, None, True) is None
+
+
+def _fa4_paged_here() -> bool:
+    from attnbias.backends import fa4
+
+    return (
+        torch.cuda.is_available()
+        and fa4._installed()
+        and torch.cuda.get_device_capability()[0] in attnbias.paged.FA4_PAGED_CAPABILITIES
+    )
+
+
+def _poison_shared_memory() -> None:
+    """Leave NaN in the GPU's shared memory: every multiprocessor runs matrix products of NaN
+    tiles, whose operands pass through shared memory, just before the call under test."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def products(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+        rows, cols = tl.arange(0, M), tl.arange(0, N)
+        a = tl.load(x_ptr + rows[:, None] * N + cols[None, :])
+        b = tl.load(x_ptr + cols[:, None] * M + rows[None, :])
+        acc = tl.dot(a, b)
+        tl.store(out_ptr + tl.program_id(0) * M * M + rows[:, None] * M + rows[None, :], acc)
+
+    count = torch.cuda.get_device_properties(0).multi_processor_count * 2
+    nan = torch.full((128 * 128,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(count, 128, 128, device="cuda", dtype=torch.float32)
+    products[(count,)](nan, out, 128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("rest", ["causal", "window"])
+def test_gpu_chunked_prefill_on_flashattention4_keeps_garbage_out(
+    page_size: int, ragged: bool, rest: str
+) -> None:
+    """Chunked prefill (>= FA4_MIN_QUERIES queries a row) runs on FlashAttention 4's paged
+    forward where its pages are not its key tile (16, 64 at head dim 128), and on the
+    library's kernel where they are (128: FlashAttention 4 would load whole pages by TMA,
+    slots past a row's length included). Slots past each row's length and the pages no row
+    uses hold NaN, and so does the shared memory before the call: the output matches the
+    oracle, finite, on either route."""
+    if not _fa4_paged_here():
+        pytest.skip("needs FlashAttention 4 on a GPU of capability 9")
+    gen = torch.Generator().manual_seed(page_size + ragged)
+    heads_q, heads_kv, head_dim = 8, 2, 128
+    lens = [700, 1000, 333, 517]  # none a multiple of the page sizes
+    per_row = -(-max(lens) // page_size)
+    num_pages = per_row * len(lens) + 4
+    order = torch.randperm(num_pages, generator=gen)
+    table = order[: per_row * len(lens)].reshape(len(lens), per_row).to(I32)
+    pool_k, pool_v = (
+        torch.full((num_pages, page_size, heads_kv, head_dim), float("nan")) for _ in range(2)
+    )
+    for b, length in enumerate(lens):
+        t = torch.arange(length)
+        page, slot = table[b, t // page_size].long(), t % page_size
+        for pool in (pool_k, pool_v):
+            pool[page, slot] = torch.randn(length, heads_kv, head_dim, generator=gen)
+    pool_k, pool_v = pool_k.cuda(), pool_v.cuda()
+    queries = [200, 130, 300, 150]
+    if ragged:
+        cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=I32).cuda()
+        pages = PagedKV(table.cuda(), lens_of(lens).cuda(), cu_seqlens_q=cu)
+        query = torch.randn(1, heads_q, sum(queries), head_dim, generator=gen).cuda()
+    else:
+        pages = PagedKV(table.cuda(), lens_of(lens).cuda())
+        query = torch.randn(len(lens), heads_q, 160, head_dim, generator=gen).cuda()
+    parts = RESTS[rest]()
+    bias = pages + parts
+    said = attnbias.explain(
+        query.bfloat16(), pool_k.bfloat16(), pool_v.bfloat16(), attn_mask=bias,
+        enable_gqa=True,
+    )  # fmt: skip
+    assert ("FlashAttention 4's paged forward" in said) == (page_size != 128), said
+    _poison_shared_memory()
+    run_and_check(query, pool_k, pool_v, pages, parts, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_flashattention4_paged_follows_the_backends_pinned_and_the_lengths() -> None:
+    """Decode keeps the decode kernel; a region pinning the Triton kernel or excluding
+    FlashAttention 4 keeps chunked prefill off it; a captured prefill step replays with
+    lengths advanced in place as an eager call computes it."""
+    if not _fa4_paged_here():
+        pytest.skip("needs FlashAttention 4 on a GPU of capability 9")
+    pool_k, pool_v = (t.cuda().bfloat16() for t in pools(64, 16, 2, 128, seed=21))
+    table = torch.arange(64, dtype=I32, device="cuda").reshape(2, 32)
+    lens = lens_of([400, 300]).cuda()
+    bias = PagedKV(table, lens) + causal_lower_right()
+    prefill = torch.randn(2, 8, 160, 128, device="cuda", dtype=torch.bfloat16)
+    decode = prefill[:, :, :1]
+
+    def route(query: torch.Tensor) -> str:
+        return attnbias.explain(query, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
+
+    assert "FlashAttention 4's paged forward" in route(prefill)
+    assert "FlashAttention 4" not in route(decode)
+    for region in (attnbias.use_backends("triton"), attnbias.use_backends(exclude=["fa4"])):
+        with region:
+            assert "FlashAttention 4" not in route(prefill)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return attnbias.sdpa(prefill, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        lens += 33
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = paged_attention(prefill, pool_k, pool_v, table, lens, causal_lower_right())
+        assert (out.double() - expected).abs().max().item() < 3e-2

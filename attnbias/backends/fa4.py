@@ -72,12 +72,17 @@ def _flash_attn_func() -> Callable[..., Any]:
 
 
 @functools.cache
+def interface_module() -> Any:
+    """``flash_attn.cute.interface``, whose private helpers some routes read."""
+    return importlib.import_module("flash_attn.cute.interface")
+
+
+@functools.cache
 def _flash_attn_bwd() -> Callable[..., Any] | None:
     """FlashAttention 4's backward given an output and log-sum-exp, or ``None`` where this
     version has none. It is not public API: context parallelism needs it with the merged
     output and log-sum-exp (:meth:`FlashAttention4.backward_lse`)."""
-    module = importlib.import_module("flash_attn.cute.interface")
-    return getattr(module, "_flash_attn_bwd", None)
+    return getattr(interface_module(), "_flash_attn_bwd", None)
 
 
 @functools.cache
