@@ -431,7 +431,7 @@ def _fa4_key_tiles(head_dim: int) -> set[int] | None:
         return None
     try:
         return {
-            int(helper(head_dim, head_dim, causal, local).tile_n)
+            int(helper(head_dim, head_dim, causal, local).n_block_size)
             for causal in (False, True)
             for local in (False, True)
         }

@@ -615,7 +615,8 @@ def _fa4_paged_here() -> bool:
     return (
         torch.cuda.is_available()
         and fa4._installed()
-        and torch.cuda.get_device_capability()[0] in attnbias.paged.FA4_PAGED_CAPABILITIES
+        and torch.cuda.get_device_capability()[0]
+        in importlib.import_module("attnbias.paged").FA4_PAGED_CAPABILITIES
     )
 
 
