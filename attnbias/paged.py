@@ -407,10 +407,13 @@ def _reader(
     return reader
 
 
-# FlashAttention 4's paged forward takes calls of at least this many queries per row (on
-# average, for ragged rows): chunked prefill, where it is faster than the library's kernel
-# reading the pages; decode stays on the decode kernel (benchmarks/PAGED_RESULTS.md).
-FA4_MIN_QUERIES = 128
+# FlashAttention 4's paged forward takes calls of at least this many queries per row, or in
+# all for ragged rows: chunked prefill, where it is faster than the library's kernel reading
+# the pages (1.2-1.6x from 64 queries a row on an H200, slower at 32 and below), and packed
+# ragged rows, which the library's kernel runs each at the full packed length (6-13x slower
+# than FlashAttention 4 for one prefill chunk among decode rows); decode stays on the decode
+# kernel (benchmarks/PAGED_RESULTS.md).
+FA4_MIN_QUERIES = 64
 # The compute capabilities whose FlashAttention 4 paged forward is checked against the oracle
 # with garbage (NaN) past each row's length.
 FA4_PAGED_CAPABILITIES = (9,)
@@ -476,8 +479,8 @@ def fa4_paged(
       not float16 / bfloat16, head dims it does not take, ``Hq != Hkv`` without
       ``enable_gqa``, dropout, a scale that is not a positive number;
     - parts other than ``causal_lower_right()`` and sliding windows;
-    - fewer than :data:`FA4_MIN_QUERIES` queries per row (decode is faster on the decode
-      kernel);
+    - fewer than :data:`FA4_MIN_QUERIES` queries a row, or packed for ragged rows (decode
+      is faster on the decode kernel);
     - a page size equal to its key tile: it then loads whole pages by TMA, slots past a row's
       length included, and a NaN there would reach the output (``P = 0`` times ``NaN``); with
       other page sizes it loads each key row under a predicate on the row's length;
@@ -510,8 +513,7 @@ def fa4_paged(
     if form is None:
         return None
     causal, window = form
-    batch = pages.batch_size
-    if query.shape[2] < FA4_MIN_QUERIES * (batch if pages.cu_seqlens_q is not None else 1):
+    if query.shape[2] < FA4_MIN_QUERIES:  # a row's queries, or all the packed rows'
         return None
     tiles = _fa4_key_tiles(head_dim)
     if tiles is None or page_size in tiles:
