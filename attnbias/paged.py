@@ -13,8 +13,10 @@ anything runs).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,11 +38,17 @@ from attnbias.biases.paged import PagedKV, check_layout, row_queries
 from attnbias.kernels.forward import reads_pages, stand_in
 from attnbias.kernels.record import Pages
 
-__all__ = ["check_pending", "paged_explain", "paged_sdpa"]
+__all__ = ["check_pending", "gathered_pages", "paged_explain", "paged_sdpa"]
 
 # the parts that align per row when each row's keys end the gathered cache (a ModBias reads
 # its row's own positions through per-row offsets: _in_row)
 _ALIGNED = (CausalBias, SlidingWindowBias, AlibiBias, SoftcapBias, ModBias)
+
+# Set by gathered_pages(): the calls in its context read the pages gathered into a contiguous
+# cache, neither a kernel over the pages nor FlashAttention 4's paged forward.
+_GATHER_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "attnbias_paged_gather_only", default=False
+)
 
 # The problems found on a GPU by earlier calls, copied to pinned host memory without waiting:
 # (host flags, the copy's event, the call in words), read once the copy is done
@@ -163,7 +171,9 @@ def _kept_layout(
             bias = bias + part
         # the parts held with it: their ids in the key stay theirs
         found = (rest, bias, (starts, key_offsets, query_offsets), {})
-        pages._kept.put(key, found)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            # (made while capturing, the zeros are written when that graph is replayed only)
+            pages._kept.put(key, found)
     return found[1], found[2], found[3]
 
 
@@ -399,7 +409,7 @@ def _reader(
 
         if spec.program.mods is not None or spec.terms.refresh:
             return reader
-    if not plain:
+    if not plain or capturing:  # (what a capture planned may hold what only it fills)
         return reader
     if len(runs) >= _RUNS_KEPT:
         runs.clear()
@@ -568,6 +578,18 @@ def _fa4_words(query: Tensor, pages: PagedKV, rest: tuple[AttnBias, ...], page_s
     )
 
 
+@contextlib.contextmanager
+def gathered_pages() -> Iterator[None]:
+    """Paged calls in this context gather each row's pages into a contiguous cache and run
+    there (the exact route every backend takes), instead of a kernel reading the pages or
+    FlashAttention 4's paged forward."""
+    token = _GATHER_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _GATHER_ONLY.reset(token)
+
+
 def paged_sdpa(
     query: Tensor,
     key: Tensor,
@@ -585,11 +607,16 @@ def paged_sdpa(
     if _PENDING and not torch.cuda.is_current_stream_capturing():
         check_pending()
     pages, rest, num_pages, page_size = _checked(query, key, value, attn_mask, is_causal)
-    fa4 = fa4_paged(query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa)
+    gather = _GATHER_ONLY.get()
+    fa4 = None
+    if not gather:
+        fa4 = fa4_paged(query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa)
     if fa4 is not None:
         return fa4()
     placed, layout, bias, where, runs = _prepare(query, pages, rest, num_pages, page_size)
-    reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
+    reader = None
+    if not gather:
+        reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
     if reader is not None:  # a kernel reads the pages where they are
         out = reader(placed, key, value, layout)
     else:
@@ -620,14 +647,19 @@ def paged_explain(
     from attnbias.functional import explain
 
     pages, rest, num_pages, page_size = _checked(query, key, value, attn_mask, is_causal)
-    if fa4_paged(query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa):
+    gather = _GATHER_ONLY.get()
+    if not gather and fa4_paged(
+        query, key, value, pages, rest, page_size, dropout_p, scale, enable_gqa
+    ):
         return (
             f"{pages!r}: FlashAttention 4's paged forward (page_table, seqused_k) reads the "
             f"pages in place: {_fa4_words(query, pages, rest, page_size)}"
         )
     placed, layout, bias, _, _ = _prepare(query, pages, rest, num_pages, page_size)
     count = layout.keys
-    found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
+    found = None
+    if not gather:
+        found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     if found is not None:
         return (
             f"{pages!r}: the kernel reads each row's last {count} tokens in place, through "

@@ -20,7 +20,9 @@ Where the planner routes a call differently while it is captured in a CUDA graph
 (:func:`attnbias.planner.captured_fa4_first`), its entry holds both routes and takes the one
 for the capture state of each call: a call warmed up eagerly and then captured reuses its
 entry (validating it again during the capture could need a host synchronisation, which a
-capture does not allow).
+capture does not allow). A call first planned while captured is not kept: what its lowering
+made then (a key range's default ends, copies of small tensors) is filled by the captured work,
+which runs only when that graph is replayed.
 
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
@@ -151,6 +153,10 @@ def store(key: Hashable, chosen: Plan) -> CachedPlan | None:
     if spec.terms.refresh:
         run = _refreshed(run, spec.terms.refresh)
     entry = CachedPlan(spec.bias, spec.terms, run)
+    if spec.capturing:
+        # not kept: tensors made while capturing (the terms' copies and defaults) are filled
+        # by the captured work, which runs only when this graph is replayed
+        return entry
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:

@@ -732,3 +732,56 @@ def test_gpu_flashattention4_paged_follows_the_backends_pinned_and_the_lengths()
         torch.cuda.synchronize()
         expected = paged_attention(prefill, pool_k, pool_v, table, lens, causal_lower_right())
         assert (out.double() - expected).abs().max().item() < 3e-2
+
+
+def test_gathered_pages_runs_on_the_gathered_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``gathered_pages()`` a paged call gathers (no kernel over the pages) and still
+    matches the oracle; outside it the kernels read the pages again."""
+    paged = importlib.import_module("attnbias.paged")
+    calls: list[int] = []
+    reader = paged._reader
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "_reader", spy)
+    k, v = pools(8, 4, 2, 16, seed=5)
+    pages = PagedKV(table_of([[0, 1, 2], [5, 3, 0]]), lens_of([10, 7]))
+    query = torch.randn(2, 4, 2, 16, device=DEVICE)
+    with paged.gathered_pages():
+        run_and_check(query, k, v, pages, causal_lower_right())
+        assert "gathered on the device" in attnbias.explain(
+            query, k, v, attn_mask=pages + causal_lower_right(), enable_gqa=True
+        )
+    assert calls == []
+    run_and_check(query, k, v, pages, causal_lower_right())
+    assert calls
+
+
+def test_nothing_made_while_capturing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor a bias makes while a CUDA graph is captured (a key range's default ends) is
+    filled only when that graph is replayed: it is not kept for other calls, nor is a plan
+    made then (which holds it); the same calls outside a capture keep both."""
+    from attnbias import plan_cache
+    from attnbias.biases import base
+
+    bias = KeyRangeBias(start=torch.tensor([1, 0], dtype=I32))
+    monkeypatch.setattr(base, "capturing_now", lambda: True)
+    first = bias.bounds_on(torch.device("cpu"), 2, 6)[1]
+    assert first is not bias.bounds_on(torch.device("cpu"), 2, 6)[1]
+    monkeypatch.setattr(base, "capturing_now", lambda: False)
+    kept = bias.bounds_on(torch.device("cpu"), 2, 6)[1]
+    assert kept is bias.bounds_on(torch.device("cpu"), 2, 6)[1]
+    assert kept.tolist() == [6, 6]
+
+    spec_module = importlib.import_module("attnbias.spec")
+    q = torch.randn(2, 2, 3, 8)
+    plan_cache.clear()
+    monkeypatch.setattr(spec_module, "capturing", lambda tensor: True)
+    attnbias.sdpa(q, q, q, attn_mask=KeyRangeBias(start=torch.tensor([1, 0], dtype=I32)))
+    assert len(plan_cache._ENTRIES) == 0
+    monkeypatch.setattr(spec_module, "capturing", lambda tensor: False)
+    attnbias.sdpa(q, q, q, attn_mask=KeyRangeBias(start=torch.tensor([1, 0], dtype=I32)))
+    assert len(plan_cache._ENTRIES) == 1
+    plan_cache.clear()

@@ -313,3 +313,43 @@ def test_bad_calls_are_refused() -> None:
         hf.continuous_batching(torch.nn.Linear(2, 2)),
     ):
         pass
+
+
+def test_step_tables_are_written_whole_at_each_refill() -> None:
+    """Tables made while one CUDA graph was captured are filled only when that graph
+    replays, and other graphs read them too: each refill writes every entry (the padding
+    row's table and the query offsets' tail included), not only those a step changes."""
+    hf._STEP_ROWS.clear()
+    cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9], dtype=torch.int32)
+    hf._step_bias(cu_q, cu_k, 5, 4, None, None, keys=9)
+    (found,) = hf._STEP_ROWS.values()
+    rows = 2
+    found.table[rows:].fill_(-7)  # what a graph that never replayed leaves
+    found.cu_q[rows + 1 :].fill_(-7)
+    hf._step_bias(cu_q.clone(), cu_k.clone(), 5, 4, None, None, keys=9)  # new sources
+    assert (found.table[rows:] == 0).all()
+    assert found.cu_q.tolist() == [0, 2, 3, 4]
+    assert found.lens.tolist() == [5, 4, 1]
+    hf._STEP_ROWS.clear()
+
+
+def test_a_captured_step_reads_the_gathered_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a step is captured in a CUDA graph, its call gathers the pages (no kernel over
+    them): the route measured right under transformers' graphs."""
+    import attnbias.paged as paged
+
+    seen: list[bool] = []
+    reader = paged._reader
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(True)
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "_reader", spy)
+    _step([2, 1], [3, 0], (0, 0), None, None, None)
+    assert seen  # eager: the kernels may read the pages
+    seen.clear()
+    monkeypatch.setattr(hf, "capturing", lambda tensor: True)
+    _step([2, 1], [3, 0], (0, 0), None, None, None)
+    assert not seen

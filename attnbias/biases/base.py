@@ -102,12 +102,23 @@ def cached_on(cache: dict[Any, Tensor], key: Any, make: Callable[[], Tensor]) ->
 
     Built-in biases copy their small tensors (slopes, document ids) to the inputs' device once:
     a copy from host memory on every call would synchronise the device with the host each time.
+
+    Not kept while a CUDA graph is being captured either: a tensor made then is filled by the
+    captured work, which runs only when that graph is replayed, so no other call may read it.
     """
     if torch.compiler.is_compiling():
         return make()
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    found = cache.get(key)
+    if found is None:
+        found = make()
+        if not capturing_now():
+            cache[key] = found
+    return found
+
+
+def capturing_now() -> bool:
+    """Whether the current CUDA stream is capturing a graph (``False`` without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def device_key(device: Device) -> torch.device:

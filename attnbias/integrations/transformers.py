@@ -76,6 +76,7 @@ from attnbias.biases import (
     causal_upper_left,
 )
 from attnbias.functional import explain, sdpa
+from attnbias.paged import gathered_pages
 from attnbias.spec import capturing
 
 __all__ = [
@@ -622,9 +623,13 @@ def _step_bias(
             at = (first + starts).clamp_(max=read_index.shape[0] - 1)
             table = read_index[at.long()] // page
         found.table[:rows].copy_(table)
+        found.table[rows:].zero_()  # the padding row's keys: the pools' first rows
         found.lens[:rows].copy_(cu_k[1:] - cu_k[:-1])
         found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
         found.cu_q[: rows + 1].copy_(cu_q)
+        # written at every refill, not only when made: tables made while one graph was
+        # captured are filled when that graph is replayed, and other graphs read them too
+        found.cu_q[rows + 1 :].fill_(queries)
         # after a capture the tables hold what the last replay wrote: written again next time
         found.sources, found.filled = ((), ()) if capture else (sources, filled)
         found.captured |= capture
@@ -798,15 +803,20 @@ def paged_attention_forward(
         read_index=read_index,
         page=page,
     )
-    output = sdpa(
-        query,
-        pool_k,
-        pool_v,
-        attn_mask=bias,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != pool_k.shape[2],
-    )
+    # While transformers captures a step in a CUDA graph, the pages are gathered: generation
+    # with the kernels reading them in place was measured wrong under transformers 5.17's
+    # graphs (gathered, it matched the model), cause not yet found
+    region = gathered_pages() if capturing(query) else contextlib.nullcontext()
+    with region:
+        output = sdpa(
+            query,
+            pool_k,
+            pool_v,
+            attn_mask=bias,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=query.shape[1] != pool_k.shape[2],
+        )
     return output.transpose(1, 2).contiguous(), None
 
 
