@@ -431,6 +431,7 @@ FA4_PAGED_CAPABILITIES = (9,)
 # capture takes it only for those (its first call compiles, which a capture must not see).
 _FA4_SEEN: set[tuple[Any, ...]] = set()
 _FA4_SEEN_LOCK = threading.Lock()
+_FA4_SEEN_KEPT = 4096
 
 
 def _fa4_key_tiles(head_dim: int) -> set[int] | None:
@@ -473,7 +474,7 @@ def _fa4_form(
     if causal:
         right = 0 if right is None else min(right, 0)
     if (left is not None and left < 0) or (right is not None and right < 0):
-        return None  # a band that keeps no pair, or starts past the diagonal: the kernel's
+        return None  # a band that keeps no pair, or starts past the diagonal (ours take it)
     return causal, (left, right)
 
 
@@ -543,6 +544,8 @@ def fa4_paged(
             return None
     else:
         with _FA4_SEEN_LOCK:
+            if len(_FA4_SEEN) >= _FA4_SEEN_KEPT:  # (ragged totals vary from step to step)
+                _FA4_SEEN.clear()
             _FA4_SEEN.add(options)
     function = fa4._flash_attn_varlen_func()
 

@@ -867,7 +867,9 @@ def test_one_plan_cache_entry_serves_both_capture_states(
 ) -> None:
     """A call warmed up eagerly and then captured keeps its one plan-cache entry (the capture
     validates and plans nothing again), which takes FlashAttention 4 while capturing and the
-    decode kernel otherwise; the same from a first call made while capturing."""
+    decode kernel otherwise. A first call made while capturing is not kept (what its lowering
+    made then is filled only when that graph replays): the eager call after it makes the one
+    entry, which the next captured call takes."""
     import attnbias.backends.fa4 as fa4
     from attnbias import plan_cache
 
@@ -883,11 +885,11 @@ def test_one_plan_cache_entry_serves_both_capture_states(
     for first_captured in (False, True):
         plan_cache.clear()
         outs = {}
-        for capturing in (first_captured, not first_captured, first_captured):
+        for index, capturing in enumerate((first_captured, not first_captured, first_captured)):
             fake_capture(monkeypatch, capturing)
             with torch.no_grad():
                 outs[capturing] = attnbias.sdpa(**call)
-            assert len(plan_cache._ENTRIES) == 1
+            assert len(plan_cache._ENTRIES) == (0 if first_captured and index == 0 else 1)
         assert (outs[True] == 7.0).all()
         expected = attention(call["query"], call["key"], call["value"], WINDOW_40, enable_gqa=True)
         low = attention(

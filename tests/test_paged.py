@@ -785,3 +785,21 @@ def test_nothing_made_while_capturing_is_kept(monkeypatch: pytest.MonkeyPatch) -
     attnbias.sdpa(q, q, q, attn_mask=KeyRangeBias(start=torch.tensor([1, 0], dtype=I32)))
     assert len(plan_cache._ENTRIES) == 1
     plan_cache.clear()
+
+
+def test_document_ids_copied_while_capturing_are_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Document ids converted while a CUDA graph is captured are filled only when it replays:
+    such a copy is not kept for other calls; one made outside a capture is."""
+    from attnbias import DocumentBias
+    from attnbias.biases import base, documents
+
+    bias = DocumentBias(torch.tensor([0, 0, 1, 1], dtype=I32))
+    monkeypatch.setattr(documents, "capturing_now", lambda: True)
+    first = bias.ids_on(torch.device("cpu"))[0]
+    assert first is not bias.ids_on(torch.device("cpu"))[0]
+    monkeypatch.setattr(documents, "capturing_now", base.capturing_now)
+    kept = bias.ids_on(torch.device("cpu"))[0]
+    assert kept is bias.ids_on(torch.device("cpu"))[0]
+    assert kept.tolist() == [[0, 0, 1, 1]]

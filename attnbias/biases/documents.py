@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnbias.biases.base import Device, KernelMask, Shape, device_key
+from attnbias.biases.base import Device, KernelMask, Shape, capturing_now, device_key
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -188,7 +188,8 @@ class DocumentBias(KernelMask):
             kept = self._on_device.get((side, key))
             if kept is None or versions is None or kept[0] != versions:
                 kept = (versions, prepare(ids))
-                self._on_device[side, key] = kept
+                if not capturing_now():  # (a copy made while capturing: filled on replay only)
+                    self._on_device[side, key] = kept
             found.append(kept[1])
         return found[0], found[1]
 

@@ -672,6 +672,28 @@ def _updates_by_indices(cache_type: Any) -> bool:
     return "kwargs" not in inspect.signature(cache_type.update).parameters
 
 
+def _update_by_indices(
+    cache: Any, key: Tensor, value: Tensor, layer: int, step: dict[str, Any], window: Any
+) -> tuple[Tensor, Tensor]:
+    """Writes the step's keys into transformers' (before 5.19) paged cache, whose ``update``
+    takes the indices one by one and gives every row's keys gathered ``(S, Hkv, E)``; the
+    keys' lengths come in the step's arguments (per layer type where a dict), set in ``step``
+    under the names :func:`_update` leaves them. The pools: the gathered keys as pages of
+    one token."""
+    key, value = cache.update(
+        key_states=key,
+        value_states=value,
+        layer_idx=layer,
+        read_index=step["read_index"],
+        write_index=step["write_index"],
+    )
+    kind = "sliding_attention" if window else "full_attention"
+    for given, used in (("cu_seq_lens_k", "cu_seq_lens_k"), ("max_seqlen_k", "max_length_k")):
+        found = step[given]
+        step[used] = found[kind] if isinstance(found, dict) else found
+    return key.unsqueeze(1), value.unsqueeze(1)
+
+
 def _update(
     cache: Any, key: Tensor, value: Tensor, layer: int, step: dict[str, Any]
 ) -> tuple[Tensor, Tensor, int, Tensor | None]:
@@ -775,20 +797,7 @@ def paged_attention_forward(
     step = dict(kwargs)  # cache.update sets the layer's cu_seq_lens_k and max_length_k in it
     layer = cast(int, module.layer_idx)  # an attribute nn.Module's types do not know
     if _updates_by_indices(cast(Any, type(cache))):
-        # transformers before 5.19: the indices passed one by one, the keys gathered (S, Hkv,
-        # E), the keys' lengths in the call's arguments (per layer type where a dict)
-        key, value = cache.update(
-            key_states=key,
-            value_states=value,
-            layer_idx=layer,
-            read_index=step["read_index"],
-            write_index=step["write_index"],
-        )
-        kind = "sliding_attention" if sliding_window else "full_attention"
-        for given, used in (("cu_seq_lens_k", "cu_seq_lens_k"), ("max_seqlen_k", "max_length_k")):
-            found = step[given]
-            step[used] = found[kind] if isinstance(found, dict) else found
-        pool_k, pool_v = key.unsqueeze(1), value.unsqueeze(1)  # pages of one token
+        pool_k, pool_v = _update_by_indices(cache, key, value, layer, step, sliding_window)
         page, read_index = 1, None
     else:
         pool_k, pool_v, page, read_index = _update(cache, key, value, layer, step)
