@@ -6,7 +6,7 @@ row."""
 
 from __future__ import annotations
 
-import importlib.util
+import inspect
 from typing import Any
 
 import pytest
@@ -136,10 +136,9 @@ PAGES = {
     "mistral": {1: {6}},
     "gemma2": {1: {None, 6}, 16: {None}},
 }
-# transformers before 5.18 keeps no per-layer allocators: every layer reads gathered keys.
-if importlib.util.find_spec(
-    "transformers.generation.continuous_batching.cache_allocators"
-) is None:  # fmt: skip
+# transformers before 5.19 updates its cache by indices passed one by one and gives the keys
+# gathered: every layer reads gathered keys.
+if "kwargs" not in inspect.signature(PagedAttentionCache.update).parameters:
     PAGES = {kind: {1: set().union(*windows.values())} for kind, windows in PAGES.items()}
 
 
