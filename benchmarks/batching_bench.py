@@ -5,7 +5,7 @@ prompts, tokens per second over two rounds in alternating order, and whether the
 outputs agree (bf16: the two may part ways after a near tie; the count of requests whose
 tokens are equal is printed).
 
-    pip install -e ".[transformers]" && python benchmarks/batching_bench.py
+    pip install -e ".[transformers]" && python benchmarks/batching_bench.py [--graphs off]
 
 ``--requests``, ``--new-tokens``, ``--prompts MIN MAX``: the workload (default 64 requests of
 256 to 4096 prompt tokens, 128 new tokens each).
@@ -25,12 +25,15 @@ import attnbias
 import attnbias.integrations.transformers as attnbias_hf
 
 
-def run(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
-    """Seconds for one ``generate_batch`` of ``prompts`` and its outputs."""
+def run(
+    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, graphs: bool | None
+) -> tuple[float, dict]:
+    """Seconds for one ``generate_batch`` of ``prompts`` and its outputs (``graphs``: CUDA
+    graphs on, off, or ``None`` for transformers' choice)."""
     generation = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
-    batching = ContinuousBatchingConfig(max_blocks_per_request=0)
+    batching = ContinuousBatchingConfig(max_blocks_per_request=0, use_cuda_graph=graphs)
     torch.cuda.synchronize()
     began = time.perf_counter()
     outputs = model.generate_batch(
@@ -45,7 +48,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    parser.add_argument(
+        "--graphs", choices=("auto", "on", "off"), default="auto",
+        help="CUDA graphs for both (auto: transformers' choice, which is on for attnbias, "
+        "whose steps need no mask, and off for SDPA)",
+    )  # fmt: skip
     args = parser.parse_args()
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     attnbias_hf.register()
     torch.manual_seed(0)
     lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
@@ -57,9 +66,9 @@ def main() -> None:
 
     def one(name: str) -> tuple[float, dict]:
         if name == "sdpa":
-            return run(model, prompts, args.new_tokens)
+            return run(model, prompts, args.new_tokens, graphs)
         with attnbias_hf.continuous_batching(model):
-            return run(model, prompts, args.new_tokens)
+            return run(model, prompts, args.new_tokens, graphs)
 
     for name in names:  # warm up: kernels compiled, CUDA graphs captured
         one(name)
@@ -71,16 +80,24 @@ def main() -> None:
             seconds[name].append(took)
     tokens = args.requests * args.new_tokens
     same = sum(outputs["sdpa"][k] == outputs["attnbias"].get(k) for k in outputs["sdpa"])
+
+    def agreed(a: list[int], b: list[int]) -> int:  # tokens before the first difference
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+    before = [agreed(v, outputs["attnbias"].get(k, [])) for k, v in outputs["sdpa"].items()]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, attnbias "
           f"{attnbias.__version__}; {args.requests} requests of {args.prompts[0]}-"
-          f"{args.prompts[1]} prompt tokens, {args.new_tokens} new each")  # fmt: skip
+          f"{args.prompts[1]} prompt tokens, {args.new_tokens} new each; CUDA graphs "
+          f"{args.graphs}")  # fmt: skip
     print("| implementation | s (two rounds) | tokens/s |")
     print("|---|--:|--:|")
     for name in names:
         mean = sum(seconds[name]) / len(seconds[name])
         rounds = " / ".join(f"{s:.2f}" for s in seconds[name])
         print(f"| {name} | {rounds} | {tokens / mean:.0f} |")
-    print(f"requests with equal greedy tokens: {same} of {len(outputs['sdpa'])}")
+    print(f"requests with equal greedy tokens: {same} of {len(outputs['sdpa'])}; tokens before "
+          f"the first difference: median {sorted(before)[len(before) // 2]}, least "
+          f"{min(before)}")  # fmt: skip
 
 
 if __name__ == "__main__":
