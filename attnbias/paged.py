@@ -83,9 +83,9 @@ def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
 
 
 def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> Tensor:
-    """``(4,)`` bool on the device: a page index out of the pool among the pages a row reads,
+    """``(5,)`` bool on the device: a page index out of the pool among the pages a row reads,
     a length beyond the row's pages, more queries than tokens, ragged query offsets that do
-    not end at the query's length."""
+    not end at the query's length, a row with more queries than ``max_seqlen_q``."""
     queries = row_queries(pages, query)
     table, lens = pages.block_table, pages.seq_lens.long()
     capacity = table.shape[1] * page_size
@@ -96,8 +96,11 @@ def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> 
     ragged = torch.zeros((), dtype=torch.bool, device=table.device)
     if cu is not None:
         ragged = cu[-1] != query.shape[2]
+    longer = torch.zeros((), dtype=torch.bool, device=table.device)
+    if pages.max_seqlen_q is not None:
+        longer = (queries > pages.max_seqlen_q).any()
     return torch.stack(
-        (outside, (lens > capacity).any(), (queries.long() > lens).any(), ragged)
+        (outside, (lens > capacity).any(), (queries.long() > lens).any(), ragged, longer)
     )  # fmt: skip
 
 
@@ -106,6 +109,7 @@ _PROBLEMS = (
     "has a seq_lens beyond its block_table row's pages",
     "has more queries than tokens (the queries are the row's last tokens, already written)",
     "has cu_seqlens_q that does not end at the query's length",
+    "has more queries than max_seqlen_q",
 )
 
 
@@ -212,23 +216,32 @@ def _gathered(pool: Tensor, rows: Tensor) -> Tensor:
     return pool.reshape(-1, *pool.shape[2:])[rows].transpose(1, 2)
 
 
+def placed_length(pages: PagedKV, query: Tensor) -> int:
+    """The queries each row runs at on the library's kernels: the query's length, for ragged
+    rows ``max_seqlen_q`` where given (at most the packed total), else the packed total."""
+    total = query.shape[2]
+    if pages.cu_seqlens_q is None or pages.max_seqlen_q is None:
+        return total
+    return max(1, min(total, pages.max_seqlen_q))
+
+
 def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     """The query as ``(B, Hq, L, E)``: itself, or for ragged rows each row's queries at the
-    end of a ``(B, Hq, total, E)`` query (zeros before them), with the index of each packed
-    query there (to read the output back)."""
+    end of a ``(B, Hq, placed_length, E)`` query (zeros before them), with the index of each
+    packed query there (to read the output back)."""
     cu = pages.cu_seqlens_q
     if cu is None:
         return query, None
-    total = query.shape[2]
+    total, length = query.shape[2], placed_length(pages, query)
     batch = pages.batch_size
     flat = torch.arange(total, device=query.device)
     row = torch.searchsorted(cu[1:].long(), flat, right=True).clamp(max=batch - 1)
     count = (cu[1:] - cu[:-1]).long()
-    place = total - count[row] + (flat - cu[:-1].long()[row])
-    place = place.clamp(0, max(total - 1, 0))
-    placed = query.new_zeros(batch, query.shape[1], total, query.shape[3])
+    place = length - count[row] + (flat - cu[:-1].long()[row])
+    place = place.clamp(0, length - 1)  # (a row past the bound is flagged, not read right)
+    placed = query.new_zeros(batch, query.shape[1], length, query.shape[3])
     placed[row, :, place] = query[0].transpose(0, 1)
-    return placed, row * total + place
+    return placed, row * length + place
 
 
 def _checked(
@@ -278,9 +291,9 @@ def _prepare(
     and the table of runs kept for that bias (:func:`_reader`)."""
     batch, max_pages = pages.block_table.shape
     # a window keeps only each row's last tokens: gather those (the queries' span and the
-    # window; ragged rows' queries are at most the packed total)
+    # window; ragged rows' queries are at most their placed length)
     keys = max_pages * page_size
-    kept = reach(rest, query.shape[2])
+    kept = reach(rest, placed_length(pages, query))
     if kept is not None:
         keys = max(1, min(keys, kept))
     bias, (starts, key_offsets, query_offsets), runs = _kept_layout(
@@ -291,7 +304,7 @@ def _prepare(
     torch.clamp(key_offsets, min=0, out=starts)  # read by the key range
     if pages.cu_seqlens_q is not None:  # each row's queries at the end of `total` places
         cu = pages.cu_seqlens_q
-        torch.sub(query.shape[2], cu[1:] - cu[:-1], out=query_offsets)
+        torch.sub(placed_length(pages, query), cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
     layout = Pages(pages.block_table, lens, page_size, num_pages, keys)
     return placed, layout, bias, where, runs
@@ -490,8 +503,9 @@ def fa4_paged(
       not float16 / bfloat16, head dims it does not take, ``Hq != Hkv`` without
       ``enable_gqa``, dropout, a scale that is not a positive number;
     - parts other than ``causal_lower_right()`` and sliding windows;
-    - fewer than :data:`FA4_MIN_QUERIES` queries a row, or packed for ragged rows (decode
-      is faster on the decode kernel);
+    - fewer than :data:`FA4_MIN_QUERIES` queries a row (for ragged rows: ``max_seqlen_q``,
+      or without it the packed total, which the library's kernels run each row at): decode
+      is faster on the decode kernel;
     - a page size equal to its key tile: it then loads whole pages by TMA, slots past a row's
       length included, and a NaN there would reach the output (``P = 0`` times ``NaN``); with
       other page sizes it loads each key row under a predicate on the row's length;
@@ -524,7 +538,7 @@ def fa4_paged(
     if form is None:
         return None
     causal, window = form
-    if query.shape[2] < FA4_MIN_QUERIES:  # a row's queries, or all the packed rows'
+    if placed_length(pages, query) < FA4_MIN_QUERIES:  # a row's, or the packed rows' bound
         return None
     tiles = _fa4_key_tiles(head_dim)
     if tiles is None or page_size in tiles:
@@ -555,8 +569,8 @@ def fa4_paged(
             more: dict[str, Any] = {}
         else:
             q = query[0].transpose(0, 1)  # (total, Hq, E)
-            # an upper bound (no host synchronisation): the packed total
-            more = {"cu_seqlens_q": cu, "max_seqlen_q": query.shape[2]}
+            # an upper bound (no host synchronisation): max_seqlen_q or the packed total
+            more = {"cu_seqlens_q": cu, "max_seqlen_q": placed_length(pages, query)}
         found = function(
             q, key, value, seqused_k=lens, page_table=table, causal=causal,
             window_size=window, softmax_scale=scale, num_splits=1, **more,

@@ -91,16 +91,21 @@ def test_uniform_queries_match_the_oracle(rest: str, length_q: int) -> None:
     run_and_check(query, k, v, pages, RESTS[rest]())
 
 
+@pytest.mark.parametrize("bound", [None, 5, 7])
 @pytest.mark.parametrize("rest", ["none", "causal", "window alibi softcap"])
-def test_ragged_queries_match_the_oracle(rest: str) -> None:
-    """Prefill and decode rows packed in one query (``cu_seqlens_q``), a row with no query."""
+def test_ragged_queries_match_the_oracle(rest: str, bound: int | None) -> None:
+    """Prefill and decode rows packed in one query (``cu_seqlens_q``), a row with no query;
+    with ``max_seqlen_q`` (the longest row's 5, or more) each row runs at that many queries
+    instead of the packed 9."""
     k, v = pools(12, 4, 2, 16, seed=3)
     table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11], [2, 0, 0, 0]])
     counts = [5, 1, 0, 3]
     cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
-    pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu)
+    pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu, max_seqlen_q=bound)
     query = torch.randn(1, 4, sum(counts), 16, device=DEVICE)
     run_and_check(query, k, v, pages, RESTS[rest]())
+    paged = importlib.import_module("attnbias.paged")
+    assert paged.placed_length(pages, query) == (9 if bound is None else bound)
 
 
 def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[str, Any]:
@@ -142,12 +147,15 @@ def test_mod_bias_reads_each_rows_own_positions(name: str, length_q: int) -> Non
     run_and_check(query, k, v, pages, _mod_parts(lens, length_q, table)[name])
 
 
-def test_mod_bias_reads_ragged_rows_queries() -> None:
-    """With ``cu_seqlens_q`` a ModBias's ``q_idx`` is the query's index among its row's."""
+@pytest.mark.parametrize("bound", [None, 4])
+def test_mod_bias_reads_ragged_rows_queries(bound: int | None) -> None:
+    """With ``cu_seqlens_q`` a ModBias's ``q_idx`` is the query's index among its row's (with
+    ``max_seqlen_q`` too, where the rows run at fewer queries)."""
     k, v = pools(12, 4, 2, 16, seed=12)
     cu = torch.tensor([0, 4, 5, 8], dtype=I32, device=DEVICE)
     lens = lens_of([14, 6, 9])
-    pages = PagedKV(table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11]]), lens, cu_seqlens_q=cu)
+    table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11]])
+    pages = PagedKV(table, lens, cu_seqlens_q=cu, max_seqlen_q=bound)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx <= q_idx * 2) | (kv_idx >= 5)
@@ -544,8 +552,8 @@ def test_pending_checks_read_only_those_done(monkeypatch: pytest.MonkeyPatch) ->
         def synchronize(self) -> None:
             self.done = True
 
-    ok = torch.zeros(4, dtype=torch.bool)
-    bad = torch.tensor([False, True, False, False])
+    ok = torch.zeros(5, dtype=torch.bool)
+    bad = torch.tensor([False, True, False, False, False])
     later = (ok.clone(), Event(False), "the third call")
     first, second = (ok, Event(True), "the first call"), (bad, Event(True), "the second call")
     monkeypatch.setattr(paged, "_PENDING", [first, second, later])
@@ -803,3 +811,25 @@ def test_document_ids_copied_while_capturing_are_not_kept(
     kept = bias.ids_on(torch.device("cpu"))[0]
     assert kept is bias.ids_on(torch.device("cpu"))[0]
     assert kept.tolist() == [[0, 0, 1, 1]]
+
+
+def test_max_seqlen_q_is_checked() -> None:
+    """``max_seqlen_q`` goes with ``cu_seqlens_q`` and is a positive int; a row with more
+    queries than it is refused at the call (on the CPU; on a GPU at the next eager call) and
+    by ``validate``, naming the row."""
+    k, v = pools(8, 4, 2, 16, seed=4)
+    table, lens = table_of([[0, 1, 2], [5, 3, 0]]), lens_of([10, 7])
+    cu = torch.tensor([0, 3, 4], dtype=I32, device=DEVICE)
+    with pytest.raises(ValueError, match="pass it with cu_seqlens_q"):
+        PagedKV(table, lens, max_seqlen_q=2)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="positive int"):
+            PagedKV(table, lens, cu, max_seqlen_q=bad)  # type: ignore[arg-type]
+    pages = PagedKV(table, lens, cu, max_seqlen_q=2)
+    assert "at most 2 a row" in repr(pages)
+    query = torch.randn(1, 2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="row 0 has 3 queries but max_seqlen_q=2"):
+        pages.validate(k, v, query)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="more queries than max_seqlen_q"):
+            _call(pages + causal_lower_right(), query, k, v)

@@ -330,6 +330,10 @@ def test_step_tables_are_written_whole_at_each_refill() -> None:
     assert (found.table[rows:] == 0).all()
     assert found.cu_q.tolist() == [0, 2, 3, 4]
     assert found.lens.tolist() == [5, 4, 1]
+    assert found.paged.max_seqlen_q is None  # no bound given
+    hf._step_bias(cu_q, cu_k, 5, 4, None, None, keys=9, max_q=2)
+    bounded = [rows for rows in hf._STEP_ROWS.values() if rows is not found]
+    assert [rows.paged.max_seqlen_q for rows in bounded] == [2]
     hf._STEP_ROWS.clear()
 
 

@@ -42,7 +42,10 @@ class PagedKV(AttnBias):
     holds each row's last ``L`` tokens; with ``cu_seqlens_q`` (int32 ``(B + 1,)``, from 0,
     non-decreasing) the query is ``(1, Hq, total, E)`` and row ``b``'s queries are
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, its last that many tokens (prefill and decode rows
-    packed together, as continuous batching does).
+    packed together, as continuous batching does). ``max_seqlen_q`` (a host int, with
+    ``cu_seqlens_q``) bounds any row's queries: the library's kernels then run each row at that
+    many queries rather than at the packed total (a decode step of ``B`` rows of one token
+    costs ``B`` times less); a row with more is refused like other bad tables.
 
     The other parts of a sum align per row: ``causal_lower_right()`` ends each row's queries at
     the row's last key, :class:`SlidingWindowBias` and :class:`AlibiBias` measure distances
@@ -77,6 +80,7 @@ class PagedKV(AttnBias):
     block_table: Tensor = field(repr=False)
     seq_lens: Tensor = field(repr=False)
     cu_seqlens_q: Tensor | None = field(default=None, repr=False)
+    max_seqlen_q: int | None = None
     # what a call works out once per layout and sum (attnbias.paged)
     _kept: Bounded[Any, Any] = field(
         default_factory=lambda: Bounded(8), init=False, repr=False
@@ -108,6 +112,18 @@ class PagedKV(AttnBias):
                 raise ValueError(
                     f"PagedKV cu_seqlens_q is on {cu.device} but block_table on "
                     f"{table.device}; put both on the device of the page pools"
+                )
+        bound = self.max_seqlen_q
+        if bound is not None:
+            if cu is None:
+                raise ValueError(
+                    "PagedKV max_seqlen_q bounds the queries of ragged rows: pass it with "
+                    "cu_seqlens_q (uniform rows have the query's length)"
+                )
+            if type(bound) is not int or bound < 1:
+                raise ValueError(
+                    f"PagedKV max_seqlen_q must be a positive int (the most queries any row "
+                    f"has), got {bound!r}"
                 )
         if not torch.compiler.is_compiling() and not (
             table.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -166,6 +182,12 @@ class PagedKV(AttnBias):
                     f"PagedKV row {row} has {int(queries[row])} queries but seq_lens={length}: "
                     f"the queries are the row's last tokens, already written to its pages"
                 )
+            bound = self.max_seqlen_q
+            if queries is not None and bound is not None and int(queries[row]) > bound:
+                raise ValueError(
+                    f"PagedKV row {row} has {int(queries[row])} queries but max_seqlen_q="
+                    f"{bound}; pass a bound that covers every row"
+                )
 
     # -- the bias protocol: a PagedKV runs only through attnbias.sdpa's paged route ----------
 
@@ -209,6 +231,8 @@ class PagedKV(AttnBias):
 
     def describe(self) -> str:
         ragged = "" if self.cu_seqlens_q is None else ", ragged queries"
+        if self.max_seqlen_q is not None:
+            ragged += f" (at most {self.max_seqlen_q} a row)"
         return (
             f"PagedKV(B={self.block_table.shape[0]}, max_pages={self.block_table.shape[1]}{ragged})"
         )

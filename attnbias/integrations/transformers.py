@@ -559,7 +559,8 @@ class _StepRows:
     captured: bool = False
 
 
-# (thread, device, stream, rows, width, page, queries, window) -> the rows of that shape; a few
+# (thread, device, stream, rows, width, page, queries, window, max_seqlen_q) -> the rows of
+# that shape; a few
 # shapes live at once (steps bucket their widths to powers of two). Tables are written in place
 # in stream order: a batching loop on another thread or stream (double-buffered steps) gets
 # tables of its own, and each kind of layer (a window or none) too, so that alternating layers
@@ -579,10 +580,13 @@ def _step_bias(
     keys: int = 0,
     read_index: Tensor | None = None,
     page: int = 1,
+    max_q: int | None = None,
 ) -> AttnBias:
     """``PagedKV + causal_lower_right()`` (+ the layer's window and soft-cap) for a step whose
     ``queries`` packed query tokens are split into rows by ``cu_q`` and their keys by ``cu_k``
-    (int32 ``(B + 1,)``, on the device), the longest row ``max_k`` keys. The pages: the step's
+    (int32 ``(B + 1,)``, on the device), the longest row ``max_k`` keys and, where given,
+    ``max_q`` queries (the rows then run at that many queries each, not at ``queries``; a
+    padded step, whose padding row may hold more, runs without it). The pages: the step's
     ``keys`` gathered keys, each a page of one token (``read_index`` ``None``); or the cache's
     own pages of ``page`` tokens, where ``read_index`` (the keys' rows in the cache, per row
     in order, a row starting on a page) says which."""
@@ -590,8 +594,11 @@ def _step_bias(
     # a power of two above both (the padding row may hold every query)
     width = 1 << (-(-max(max_k, queries, 1) // page)).bit_length()
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
-    key = (threading.get_ident(), cu_q.device, stream, rows, width, page, queries, window)
     capture = capturing(cu_q)
+    bound = None
+    if max_q is not None and not capture and 0 < max_q < queries:
+        bound = min(queries, 1 << (max_q - 1).bit_length())  # a power of two: fewer shapes
+    key = (threading.get_ident(), cu_q.device, stream, rows, width, page, queries, window, bound)
     found = _STEP_ROWS.get(key)
     if found is None:
         table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
@@ -599,7 +606,7 @@ def _step_bias(
         cu = torch.zeros((rows + 2,), dtype=torch.int32, device=cu_q.device)
         cu[-1] = queries
         # made on zeros (valid), filled below
-        found = _StepRows(table, lens, cu, PagedKV(table, lens, cu_seqlens_q=cu))
+        found = _StepRows(table, lens, cu, PagedKV(table, lens, cu, max_seqlen_q=bound))
         if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:  # the oldest that no graph holds go
             for old in [k for k, rows_of in _STEP_ROWS.items() if not rows_of.captured]:
                 del _STEP_ROWS[old]
@@ -663,6 +670,12 @@ def _cache_pages(cache: Any, layer_idx: int) -> Any:
     ):
         return None
     return allocator
+
+
+def _host_int(value: Any) -> int | None:
+    """``value`` where it is a Python int (transformers' bound on a step's queries per row),
+    else ``None``."""
+    return value if type(value) is int else None
 
 
 @functools.cache
@@ -811,6 +824,7 @@ def paged_attention_forward(
         keys=pool_k.shape[0] if read_index is None else 0,
         read_index=read_index,
         page=page,
+        max_q=_host_int(step.get("max_length_q", step.get("max_seqlen_q"))),
     )
     # While transformers captures a step in a CUDA graph, the pages are gathered: generation
     # with the kernels reading them in place was measured wrong under transformers 5.17's
