@@ -465,6 +465,21 @@ def test_gpu_paged_calls_match_the_oracle(rest: str, length_q: int) -> None:
     run_and_check(query, pool_k, pool_v, pages, RESTS[rest](), dtype=torch.bfloat16)
 
 
+def _captured(step: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``step`` warmed up twice on a side stream, then captured in a CUDA graph: the graph
+    and the output tensor its replays write."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_gpu_a_captured_paged_step_replays_with_new_tables() -> None:
     """A decode step captured in a CUDA graph reads the tables at each replay: a new length
@@ -480,15 +495,7 @@ def test_gpu_a_captured_paged_step_replays_with_new_tables() -> None:
         with torch.no_grad():
             return attnbias.sdpa(query, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     for _ in range(3):
         lens += 7
         table[0, 3] = 20 + int(lens[0]) % 5  # a page swapped in
@@ -725,15 +732,7 @@ def test_gpu_flashattention4_paged_follows_the_backends_pinned_and_the_lengths()
         with torch.no_grad():
             return attnbias.sdpa(prefill, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _captured(step)
     for _ in range(2):
         lens += 33
         graph.replay()
