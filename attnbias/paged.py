@@ -502,7 +502,8 @@ def fa4_paged(
     - FlashAttention 4 not installed, not a CUDA device of capability 9 (the one checked),
       not float16 / bfloat16, head dims it does not take, ``Hq != Hkv`` without
       ``enable_gqa``, dropout, a scale that is not a positive number;
-    - parts other than ``causal_lower_right()`` and sliding windows;
+    - parts other than ``causal_lower_right()`` and sliding windows, or no causal part (the
+      forms checked against the oracle on a GPU are causal, with or without a window);
     - fewer than :data:`FA4_MIN_QUERIES` queries a row (for ragged rows: ``max_seqlen_q``,
       or without it the packed total, which the library's kernels run each row at): decode
       is faster on the decode kernel;
@@ -535,7 +536,7 @@ def fa4_paged(
     if heads_q != heads_kv and not (enable_gqa and heads_q % heads_kv == 0):
         return None
     form = _fa4_form(rest)
-    if form is None:
+    if form is None or not form[0]:  # (the forms checked on a GPU: causal, with a window)
         return None
     causal, window = form
     if placed_length(pages, query) < FA4_MIN_QUERIES:  # a row's, or the packed rows' bound
