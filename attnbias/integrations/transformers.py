@@ -567,6 +567,9 @@ class _StepRows:
 # do not write them back and forth.
 _STEP_ROWS: dict[tuple[Any, ...], _StepRows] = {}
 _STEP_ROWS_KEPT = 32
+# Whether steps transformers captures in CUDA graphs gather the pages (see
+# paged_attention_forward); a switch for the test that reads them in place instead.
+_GATHER_WHEN_CAPTURED = True
 
 
 def _step_bias(
@@ -829,7 +832,8 @@ def paged_attention_forward(
     # While transformers captures a step in a CUDA graph, the pages are gathered: generation
     # with the kernels reading them in place was measured wrong under transformers 5.17's
     # graphs (gathered, it matched the model), cause not yet found
-    region = gathered_pages() if capturing(query) else contextlib.nullcontext()
+    gather = _GATHER_WHEN_CAPTURED and capturing(query)
+    region = gathered_pages() if gather else contextlib.nullcontext()
     with region:
         output = sdpa(
             query,
