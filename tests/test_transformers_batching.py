@@ -175,7 +175,7 @@ def test_generate_batch_matches_the_model(kind: str, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_generate_batch_on_a_gpu(kind: str, graphs: bool) -> None:
     """On a GPU (float32, TF32 off), eagerly and with the steps captured in CUDA graphs and
     replayed (padded steps, tables written inside the graphs): greedy tokens equal to each
