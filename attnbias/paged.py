@@ -554,14 +554,9 @@ def fa4_paged(
         query.shape[1:], query.dtype, query.device, key.shape[1:], cu is None, causal, window,
         scale,
     )  # fmt: skip
-    if torch.cuda.is_current_stream_capturing():
-        if options not in _FA4_SEEN:
-            return None
-    else:
-        with _FA4_SEEN_LOCK:
-            if len(_FA4_SEEN) >= _FA4_SEEN_KEPT:  # (ragged totals vary from step to step)
-                _FA4_SEEN.clear()
-            _FA4_SEEN.add(options)
+    captured = torch.cuda.is_current_stream_capturing()
+    if captured and options not in _FA4_SEEN:
+        return None
     function = fa4._flash_attn_varlen_func()
 
     def run() -> Tensor:
@@ -577,6 +572,11 @@ def fa4_paged(
             window_size=window, softmax_scale=scale, num_splits=1, **more,
         )  # fmt: skip
         out = found[0] if isinstance(found, tuple) else found
+        if not captured:  # compiled now (explain() decides without running: not seen)
+            with _FA4_SEEN_LOCK:
+                if len(_FA4_SEEN) >= _FA4_SEEN_KEPT:  # (ragged totals vary from step to step)
+                    _FA4_SEEN.clear()
+                _FA4_SEEN.add(options)
         if cu is None:
             return out.transpose(1, 2)
         return out.transpose(0, 1).unsqueeze(0)
