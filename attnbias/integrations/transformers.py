@@ -560,11 +560,10 @@ class _StepRows:
 
 
 # (thread, device, stream, rows, width, page, queries, window, max_seqlen_q) -> the rows of
-# that shape; a few
-# shapes live at once (steps bucket their widths to powers of two). Tables are written in place
-# in stream order: a batching loop on another thread or stream (double-buffered steps) gets
-# tables of its own, and each kind of layer (a window or none) too, so that alternating layers
-# do not write them back and forth.
+# that shape; a few shapes live at once (steps bucket their widths to powers of two). Tables
+# are written in place in stream order: a batching loop on another thread or stream
+# (double-buffered steps) gets tables of its own, and each kind of layer (a window or none)
+# too, so that alternating layers do not write them back and forth.
 _STEP_ROWS: dict[tuple[Any, ...], _StepRows] = {}
 _STEP_ROWS_KEPT = 32
 # Whether steps transformers captures in CUDA graphs gather the pages (see
@@ -607,8 +606,7 @@ def _step_bias(
         table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
         lens = torch.zeros((rows + 1,), dtype=torch.int32, device=cu_q.device)
         cu = torch.zeros((rows + 2,), dtype=torch.int32, device=cu_q.device)
-        cu[-1] = queries
-        # made on zeros (valid), filled below
+        # made on zeros (valid tables for PagedKV's checks), filled whole below
         found = _StepRows(table, lens, cu, PagedKV(table, lens, cu, max_seqlen_q=bound))
         if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:  # the oldest that no graph holds go
             for old in [k for k, rows_of in _STEP_ROWS.items() if not rows_of.captured]:
