@@ -16,13 +16,15 @@ every layer and every step. A call is identified here by everything the decision
   differently);
 - the :func:`~attnbias.use_backends` policy in force.
 
-Where the planner routes a call differently while it is captured in a CUDA graph
-(:func:`attnbias.planner.captured_fa4_first`), its entry holds both routes and takes the one
-for the capture state of each call: a call warmed up eagerly and then captured reuses its
-entry (validating it again during the capture could need a host synchronisation, which a
-capture does not allow). A call first planned while captured is not kept: what its lowering
-made then (a key range's default ends, copies of small tensors) is filled by the captured work,
-which runs only when that graph is replayed.
+A call warmed up eagerly and then captured in a CUDA graph reuses its entry's decision
+(validating it again during the capture could need a host synchronisation, which a capture does
+not allow), on the route the planner takes while captured
+(:func:`attnbias.planner.captured_fa4_first`), with its bias lowered again inside the capture:
+the graph reads no device tensor the eager call made, which may lie in memory other graphs
+write at their replays (a serving loop that warms each step up inside the memory pool its
+graphs share). A call first planned while captured is not kept: what its lowering made then
+(a key range's default ends, copies of small tensors) is filled by the captured work, which
+runs only when that graph is replayed.
 
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
@@ -38,6 +40,7 @@ that bypass the version counter (``.data``, a NumPy view) are not seen by such c
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -45,10 +48,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Prepared
+from attnbias.backends.base import Backend, Prepared
 from attnbias.biases import AttnBias
 from attnbias.planner import Plan, capture_alternative
-from attnbias.spec import capturing
+from attnbias.spec import Form, Spec, capturable, capturing, lower
 from attnbias.terms import Terms
 
 __all__ = ["CachedPlan", "call_key", "clear", "lookup", "store"]
@@ -142,21 +145,18 @@ def store(key: Hashable, chosen: Plan) -> CachedPlan | None:
     spec, backend = chosen.spec, chosen.backend
     if 0 in spec.query.shape or 0 in spec.key.shape or 0 in spec.value.shape:
         return None
-    alternative = capture_alternative(spec)
-    other = None if alternative is None else alternative.backend
-    if other is None or other is backend:
-        run = backend.prepare(spec)
-    elif spec.capturing:
-        run = _by_capture(uncaptured=other.prepare(spec), captured=backend.prepare(spec))
-    else:
-        run = _by_capture(uncaptured=backend.prepare(spec), captured=other.prepare(spec))
-    if spec.terms.refresh:
-        run = _refreshed(run, spec.terms.refresh)
-    entry = CachedPlan(spec.bias, spec.terms, run)
     if spec.capturing:
         # not kept: tensors made while capturing (the terms' copies and defaults) are filled
         # by the captured work, which runs only when this graph is replayed
-        return entry
+        return CachedPlan(spec.bias, spec.terms, _with_refresh(backend.prepare(spec), spec.terms))
+    alternative = capture_alternative(spec)
+    captured = backend if alternative is None else alternative.backend
+    run = _with_refresh(backend.prepare(spec), spec.terms)
+    if captured is not backend:
+        captured.prepare(spec)  # (what preparing compiles, compiled before any capture)
+    if capturable(spec.query):
+        run = _by_capture(uncaptured=run, captured=_lowered_again(spec, captured))
+    entry = CachedPlan(spec.bias, spec.terms, run)
     with _LOCK:
         _ENTRIES[key] = entry
         while len(_ENTRIES) > MAX_ENTRIES:
@@ -164,9 +164,12 @@ def store(key: Hashable, chosen: Plan) -> CachedPlan | None:
     return entry
 
 
-def _refreshed(run: Prepared, refresh: tuple[Callable[[], object], ...]) -> Prepared:
+def _with_refresh(run: Prepared, terms: Terms) -> Prepared:
     """``run`` after the work :attr:`Terms.refresh` asks of each call (on the device; a CUDA
     graph that captures the call captures it too)."""
+    if not terms.refresh:
+        return run
+    refresh = terms.refresh
 
     def refreshed(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         for work in refresh:
@@ -174,6 +177,29 @@ def _refreshed(run: Prepared, refresh: tuple[Callable[[], object], ...]) -> Prep
         return run(query, key, value)
 
     return refreshed
+
+
+def _lowered_again(spec: Spec, backend: Backend) -> Prepared:
+    """The run of an entry planned eagerly for its calls captured in a CUDA graph: the bias
+    lowered again inside the capture and ``backend`` prepared for those terms, so that the
+    graph reads no device tensor the eager lowering made (a key range's default ends, copied
+    slopes or ids). Those may lie in memory that other graphs write at their replays: a
+    serving loop that runs each step's eager warm-up inside the memory pool its graphs share
+    (transformers' continuous batching) allocates them where an earlier graph's temporaries
+    live. The decision and the validation are the entry's; only the lowering is redone."""
+
+    def run(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        terms = spec.terms
+        if spec.form in (Form.BIAS, Form.MATERIALIZE):
+            terms = lower(
+                spec.bias, query.shape[-2], key.shape[-2], query.device, batch=query.shape[0]
+            )
+        fresh = dataclasses.replace(
+            spec, query=query, key=key, value=value, terms=terms, capturing=True
+        )
+        return _with_refresh(backend.prepare(fresh), terms)(query, key, value)
+
+    return run
 
 
 def _by_capture(*, uncaptured: Prepared, captured: Prepared) -> Prepared:

@@ -155,7 +155,7 @@ class FiniteInputs:
         bad_key_value = ~(finite[1].all(-1) & finite[2].all(-1))
         if heads_kv not in (0, heads_q):
             bad_key_value = bad_key_value.repeat_interleave(heads_q // heads_kv, dim=1)
-        zero = [torch.zeros((), dtype=t.dtype) for t in (query, key, value)]
+        zero = [torch.zeros((), dtype=t.dtype, device=t.device) for t in (query, key, value)]
         return cls(
             query=torch.where(finite[0], query, zero[0]),
             key=torch.where(finite[1], key, zero[1]),

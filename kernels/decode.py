@@ -61,6 +61,7 @@ from .forward import check_identity, identity_of, stand_in
 from .launch import PreparedLaunch, empty_contiguous, launches_traceable
 from .limits import MAX_DECODE_QUERIES, interpreting
 from .masks import launch_mask
+from .pools import outside_pools
 from .program import MaskProgram
 from .record import MaskRecord, Pages, page_tensors
 
@@ -372,14 +373,19 @@ def split_scratch(device: torch.device, tiles: int, part_size: int) -> tuple[Ten
     if found is None or found[0].numel() < tiles or found[1].numel() < part_size:
         # grown to powers of two; a buffer given up here is reused by the allocator only
         # after the launches already queued on this stream
+        # (made where no CUDA graph writes: the counters must read zero at each launch)
         if found is None or found[0].numel() < tiles:
             size = triton.next_power_of_2(tiles)
-            kept_counters = torch.zeros(size, dtype=torch.int32, device=device)
+            kept_counters = outside_pools(
+                lambda: torch.zeros(size, dtype=torch.int32, device=device)
+            )
         else:
             kept_counters = found[0]
         if found is None or found[1].numel() < part_size:
             size = triton.next_power_of_2(part_size)
-            kept_parts = torch.empty(size, dtype=torch.float32, device=device)
+            kept_parts = outside_pools(
+                lambda: torch.empty(size, dtype=torch.float32, device=device)
+            )
         else:
             kept_parts = found[1]
         found = _SCRATCH[key] = (kept_counters, kept_parts)

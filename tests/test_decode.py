@@ -808,7 +808,8 @@ def fake_capture(monkeypatch: pytest.MonkeyPatch, capturing: bool) -> None:
 
     for module in (spec_module, plan_cache):
         monkeypatch.setattr(module, "capturing", lambda tensor: capturing)
-    monkeypatch.setattr(planner, "capturable", lambda tensor: True)
+    for module in (planner, plan_cache):
+        monkeypatch.setattr(module, "capturable", lambda tensor: True)
     monkeypatch.setattr(fa4, "_on_cuda", lambda device: True)
     monkeypatch.setattr(fa4, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(fa4, "_installed", lambda: True)

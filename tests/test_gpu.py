@@ -25,7 +25,9 @@ from attnbias.backends.fa4 import _installed as fa4_installed
 from attnbias.biases import parts_of
 from attnbias.testing.oracle import (
     assert_call_close,
+    assert_close_to_oracle,
     assert_shard_pair_close,
+    attention,
     flash_rounding,
     run_with_grads,
     whole_call,
@@ -467,3 +469,49 @@ def test_fa4_mod_biases(name: str, head_dim: int) -> None:
         assert text.startswith("fa4:"), text
     with use_backends("fa4"):
         check(bias, torch.bfloat16, 2, 8, heads_kv, 1024, 1024, head_dim, routes=("fa4",))
+
+
+@pytest.mark.parametrize("routed", ["kept outside", "control: made in place"])
+def test_kept_tensors_lie_outside_a_memory_pool_the_call_is_routed_to(
+    routed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call made while the thread's allocations are routed to a memory pool (as
+    transformers' continuous batching warms up each step it captures, in the pool its CUDA
+    graphs share) keeps what it keeps (ALiBi's slopes, a key range's default ends, the decode
+    kernel's split counters) outside that pool, where no graph's replay writes; the control,
+    with kept tensors made in place, shows that the check finds them in the pool. Outputs
+    match the oracle either way."""
+    import attnbias.biases.base as base
+    from attnbias.kernels import decode as decode_kernels
+
+    if routed.startswith("control"):
+        for module in (base, decode_kernels):
+            monkeypatch.setattr(module, "outside_pools", lambda make: make())
+    decode_kernels._SCRATCH.clear()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    heads = 8
+    pool = torch.cuda.MemPool()
+    kept: list[torch.Tensor] = []
+    for length_q, length_kv in ((64, 320), (1, 8192)):  # a prefill call, a split decode call
+        q = torch.randn(2, heads, length_q, 64, device="cuda", generator=generator)
+        k, v = (torch.randn(2, heads, length_kv, 64, device="cuda", generator=generator)
+                for _ in range(2))  # fmt: skip
+        q, k, v = (t.half() for t in (q, k, v))
+        alibi = AlibiBias(num_heads=heads)
+        starts = torch.tensor([5, 40], dtype=torch.int32, device="cuda")
+        key_range = KeyRangeBias(start=starts, end=None)
+        bias = causal_lower_right() + alibi + key_range
+        with torch.no_grad(), torch.cuda.use_mem_pool(pool):
+            out = sdpa(q, k, v, attn_mask=bias)
+        expected = attention(q, k, v, bias)
+        low = attention(q, k, v, bias, dtype=torch.float16)
+        assert_close_to_oracle([out], [expected], [low], torch.float16)
+        kept += [*alibi._on_device.values(), *key_range._on_device.values()]
+    kept += [t for pair in decode_kernels._SCRATCH.values() for t in pair]
+    assert len(kept) >= 4, "no kept tensors to check"
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+    inside = [t for t in kept if any(lo <= t.data_ptr() < hi for lo, hi in segments)]
+    if routed.startswith("control"):
+        assert inside, "the check finds nothing in the pool: it could not fail"
+    else:
+        assert not inside

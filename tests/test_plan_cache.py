@@ -251,3 +251,39 @@ def test_a_tensor_bias_that_requires_grad_makes_a_training_call() -> None:
     with torch.no_grad():
         spec = make_spec(q, k, v, TensorBias(table) + SoftcapBias(3.0), False, None, 0.0, False)
     assert not spec.needs_grad
+
+
+@pytest.mark.parametrize("route", ["sdpa+mask", "reference"])
+def test_a_captured_call_lowers_its_bias_again(monkeypatch: pytest.MonkeyPatch, route: str) -> None:
+    """A call warmed up eagerly keeps its lowered terms in its entry, tensors its lowering
+    made included (two document layouts merged into one); a serving loop that warms up inside
+    the memory pool its CUDA graphs share has them where other graphs write. The same call
+    captured afterwards (faked here) reuses the entry's decision but lowers the bias again:
+    with the entry's merged ids overwritten, it still matches the oracle."""
+    import attnbias.biases.base as base
+    import attnbias.planner as planner
+    import attnbias.spec as spec_module
+
+    query, key, value = inputs(8, 8)
+    bias = (
+        DocumentBias.from_seqlens([3, 5], [3, 5])
+        + DocumentBias.from_seqlens([6, 2], [6, 2])
+        + causal_lower_right()
+    )
+    expected = attention(query, key, value, bias)
+    with use_backends(route):
+        plan_cache.clear()
+        attnbias.sdpa(query, key, value, attn_mask=bias)
+        (entry,) = plan_cache._ENTRIES.values()
+        made = [t for t in (entry.terms.q_doc, entry.terms.kv_doc) if t is not None]
+        assert made, "the lowering made no tensor: nothing to check"
+        for tensor in made:
+            tensor.fill_(-7)  # what another graph's replay could leave there
+        for module in (spec_module, plan_cache):
+            monkeypatch.setattr(module, "capturing", lambda tensor: True)
+        for module in (planner, plan_cache):
+            monkeypatch.setattr(module, "capturable", lambda tensor: True)
+        monkeypatch.setattr(base, "capturing_now", lambda: True)
+        captured = attnbias.sdpa(query, key, value, attn_mask=bias)
+    assert list(plan_cache._ENTRIES.values()) == [entry]  # the eager call's entry, reused
+    assert_close_to_oracle([captured], [expected], [expected], torch.float32)

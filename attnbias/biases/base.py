@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from attnbias.kernels.pools import outside_pools
 from attnbias.materialize import MaskedBias, check_materialized, compute_dtype
 from attnbias.terms import Block, Call, Terms
 
@@ -103,16 +104,19 @@ def cached_on(cache: dict[Any, Tensor], key: Any, make: Callable[[], Tensor]) ->
     Built-in biases copy their small tensors (slopes, document ids) to the inputs' device once:
     a copy from host memory on every call would synchronise the device with the host each time.
 
-    Not kept while a CUDA graph is being captured either: a tensor made then is filled by the
+    Kept tensors are made outside any memory pool this thread's allocations are routed to
+    (:func:`attnbias.kernels.pools.outside_pools`): one made inside a pool that CUDA graphs
+    share could lie where an earlier graph writes at its replays. While a CUDA graph is being
+    captured, a kept tensor is read but none is kept: a tensor made then is filled by the
     captured work, which runs only when that graph is replayed, so no other call may read it.
     """
     if torch.compiler.is_compiling():
         return make()
     found = cache.get(key)
     if found is None:
-        found = make()
-        if not capturing_now():
-            cache[key] = found
+        if capturing_now():
+            return make()
+        found = cache[key] = outside_pools(make)
     return found
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from attnbias.biases.base import Device, KernelMask, Shape, capturing_now, device_key
+from attnbias.kernels.pools import outside_pools
 from attnbias.terms import Block, Call, Terms
 
 if TYPE_CHECKING:
@@ -187,8 +188,10 @@ class DocumentBias(KernelMask):
         for side, ids in (("q", self.q_doc_ids), ("kv", self.kv_ids)):
             kept = self._on_device.get((side, key))
             if kept is None or versions is None or kept[0] != versions:
-                kept = (versions, prepare(ids))
-                if not capturing_now():  # (a copy made while capturing: filled on replay only)
+                if capturing_now():  # (a copy made while capturing: filled on replay only)
+                    kept = (versions, prepare(ids))
+                else:  # kept: made where no CUDA graph writes (see base.cached_on)
+                    kept = (versions, outside_pools(lambda ids=ids: prepare(ids)))
                     self._on_device[side, key] = kept
             found.append(kept[1])
         return found[0], found[1]
