@@ -335,24 +335,3 @@ def test_step_tables_are_written_whole_at_each_refill() -> None:
     bounded = [rows for rows in hf._STEP_ROWS.values() if rows is not found]
     assert [rows.paged.max_seqlen_q for rows in bounded] == [2]
     hf._STEP_ROWS.clear()
-
-
-def test_a_captured_step_reads_the_gathered_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While a step is captured in a CUDA graph, its call gathers the pages (no kernel over
-    them): the route measured right under transformers' graphs."""
-    import attnbias.paged as paged
-
-    seen: list[bool] = []
-    reader = paged._reader
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(True)
-        return reader(*args, **kwargs)
-
-    monkeypatch.setattr(paged, "_reader", spy)
-    _step([2, 1], [3, 0], (0, 0), None, None, None)
-    assert seen  # eager: the kernels may read the pages
-    seen.clear()
-    monkeypatch.setattr(hf, "capturing", lambda tensor: True)
-    _step([2, 1], [3, 0], (0, 0), None, None, None)
-    assert not seen

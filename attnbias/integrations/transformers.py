@@ -76,7 +76,6 @@ from attnbias.biases import (
     causal_upper_left,
 )
 from attnbias.functional import explain, sdpa
-from attnbias.paged import gathered_pages
 from attnbias.spec import capturing
 
 __all__ = [
@@ -566,9 +565,6 @@ class _StepRows:
 # too, so that alternating layers do not write them back and forth.
 _STEP_ROWS: dict[tuple[Any, ...], _StepRows] = {}
 _STEP_ROWS_KEPT = 32
-# Whether steps transformers captures in CUDA graphs gather the pages (see
-# paged_attention_forward); a switch for the test that reads them in place instead.
-_GATHER_WHEN_CAPTURED = True
 
 
 def _step_bias(
@@ -827,21 +823,15 @@ def paged_attention_forward(
         page=page,
         max_q=_host_int(step.get("max_length_q", step.get("max_seqlen_q"))),
     )
-    # While transformers captures a step in a CUDA graph, the pages are gathered: generation
-    # with the kernels reading them in place was measured wrong under transformers 5.17's
-    # graphs (gathered, it matched the model), cause not yet found
-    gather = _GATHER_WHEN_CAPTURED and capturing(query)
-    region = gathered_pages() if gather else contextlib.nullcontext()
-    with region:
-        output = sdpa(
-            query,
-            pool_k,
-            pool_v,
-            attn_mask=bias,
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=query.shape[1] != pool_k.shape[2],
-        )
+    output = sdpa(
+        query,
+        pool_k,
+        pool_v,
+        attn_mask=bias,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != pool_k.shape[2],
+    )
     return output.transpose(1, 2).contiguous(), None
 
 
