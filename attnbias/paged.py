@@ -306,7 +306,9 @@ def _prepare(
         cu = pages.cu_seqlens_q
         torch.sub(placed_length(pages, query), cu[1:] - cu[:-1], out=query_offsets)
     placed, where = _placed(pages, query)
-    layout = Pages(pages.block_table, lens, page_size, num_pages, keys)
+    # ragged rows: where each row's queries begin, so that the kernels skip the tiles before
+    starts_q = query_offsets if pages.cu_seqlens_q is not None else None
+    layout = Pages(pages.block_table, lens, page_size, num_pages, keys, starts_q)
     return placed, layout, bias, where, runs
 
 
@@ -389,7 +391,7 @@ def _reader(
     identity = (
         placed.shape, placed.stride(), placed.dtype, placed.device, key.shape, key.stride(),
         value.shape, value.stride(), key.dtype, layout.table.shape, layout.table.stride(),
-        layout.seq_lens.stride(),
+        layout.seq_lens.stride(), layout.query_starts is None,
         *((type(f), f) for f in flags), current_policy(), capturing,
     )  # fmt: skip
     if plain and identity in runs:

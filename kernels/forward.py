@@ -48,10 +48,12 @@ from .record import (
     has_softcap,
     mask_kv_lists,
     mask_qk_scale,
+    mask_query_starts,
     mask_row_stride,
     page_size,
     page_tensors,
     positive_scale,
+    ragged_queries,
     sparse_m,
     sparse_n,
 )
@@ -306,6 +308,13 @@ def _attn_fwd(
         block_first, full_first, full_end, block_end = _key_block_range(
             start_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_M, BLOCK_N
         )
+        if ragged_queries(F):
+            # a ragged row's queries end its placed positions: a tile before its first one is
+            # padding (its output is not read), and visits no key
+            idle = start_m + BLOCK_M <= tl.load(mask_query_starts(M) + off_b)
+            full_first = tl.where(idle, block_first, full_first)
+            full_end = tl.where(idle, block_first, full_end)
+            block_end = tl.where(idle, block_first, block_end)
     row_lo, row_hi = _row_bounds(offs_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi)
     alibi_coef = _alibi_coef(M, F, off_b, off_h)
     shift = seq_k - seq_q

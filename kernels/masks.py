@@ -291,6 +291,7 @@ def launch_mask(
         tanh_mode=tanh_mode(q),
         positive_scale=qk_scale >= FP32_TINY,
         page=0 if pages is None else pages.page_size,
+        ragged_queries=pages is not None and pages.query_starts is not None,
     )
     blocks = program.blocks
     mods = program.mods

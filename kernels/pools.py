@@ -12,6 +12,7 @@ on a worker thread of its own, which no pool routes, on the caller's CUDA stream
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -23,7 +24,10 @@ __all__ = ["outside_pools"]
 
 T = TypeVar("T")
 
-_WORK: queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue[object]]] | None = None
+# a job: what to make, and where to put what it made (or the exception it raised)
+_Job = tuple[Callable[[], object], "queue.SimpleQueue[object]"]
+_WORK: queue.SimpleQueue[_Job] | None = None
+_PID = 0  # the process that started the worker (a forked child starts its own)
 _START = threading.Lock()
 
 
@@ -32,7 +36,7 @@ class _Failed:
         self.error = error
 
 
-def _serve(work: queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue[object]]]) -> None:
+def _serve(work: queue.SimpleQueue[_Job]) -> None:
     while True:
         make, answer = work.get()
         try:
@@ -41,14 +45,13 @@ def _serve(work: queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue
             answer.put(_Failed(error))
 
 
-def _worker() -> queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue[object]]]:
-    global _WORK
+def _worker() -> queue.SimpleQueue[_Job]:
+    global _WORK, _PID
     with _START:
-        if _WORK is None:
-            work: queue.SimpleQueue[tuple[Callable[[], object], queue.SimpleQueue[object]]]
-            work = queue.SimpleQueue()
+        if _WORK is None or os.getpid() != _PID:
+            work: queue.SimpleQueue[_Job] = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(work,), name="attnbias-kept", daemon=True).start()
-            _WORK = work
+            _WORK, _PID = work, os.getpid()
     return _WORK
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "mask_page_table",
     "mask_q_lists",
     "mask_qk_scale",
+    "mask_query_starts",
     "mask_row_hi",
     "mask_row_lo",
     "mask_row_stride",
@@ -75,6 +76,7 @@ __all__ = [
     "mask_table_stride",
     "page_size",
     "positive_scale",
+    "ragged_queries",
     "sparse_m",
     "sparse_n",
     "tanh_mode_of",
@@ -112,12 +114,22 @@ class MaskRecord:
     kv_pool: int = 0  # the pages in its pool
     page_table: Tensor | None = None  # (B, pages) int32, given per call (:meth:`values`)
     seq_lens: Tensor | None = None  # (B,) int32, given per call
+    # (B,) int32, given per call: ragged rows placed at the end of the call's L query
+    # positions, each row's first placed query (the positions before it are padding)
+    query_starts: Tensor | None = None
 
-    def values(self, page_table: Tensor | None = None, seq_lens: Tensor | None = None) -> tuple:
-        """The record as the kernels' flat arguments, with a call's page table and lengths
-        in place of the record's own where given."""
+    def values(
+        self,
+        page_table: Tensor | None = None,
+        seq_lens: Tensor | None = None,
+        query_starts: Tensor | None = None,
+    ) -> tuple:
+        """The record as the kernels' flat arguments, with a call's page table, lengths and
+        ragged rows' first queries in place of the record's own where given."""
         values = self._values
-        return values if page_table is None else (*values[:-2], page_table, seq_lens)
+        if page_table is None:
+            return values
+        return (*values[:-3], page_table, seq_lens, 0 if query_starts is None else query_starts)
 
     @functools.cached_property
     def _values(self) -> tuple:
@@ -151,6 +163,9 @@ class MaskFeatures:
     sparse_m: int = 128  # the lists' blocks (fixed without lists: one compiled kernel)
     sparse_n: int = 128
     page: int = 0  # a paged cache's page size (0: contiguous keys)
+    # ragged rows of a paged call, each placed at the end of the L query positions: the query
+    # tiles before a row's first query (``query_starts``) visit no key
+    ragged_queries: bool = False
 
     def options(self) -> dict[str, Any]:
         """The features as the flat wrappers' keyword arguments."""
@@ -174,12 +189,19 @@ class Pages:
     page_size: int
     num_pages: int
     keys: int
+    # ragged rows, each placed at the end of the call's L query positions: int32 (B,), each
+    # row's first placed query (None: every position is a query)
+    query_starts: Tensor | None = None
 
 
-def page_tensors(pages: Pages | None) -> tuple[Tensor, Tensor] | tuple[()]:
-    """A launch's page table and lengths for :meth:`~.record.MaskRecord.values` (none
-    without pages)."""
-    return () if pages is None else (pages.table, pages.seq_lens)
+def page_tensors(pages: Pages | None) -> tuple[Tensor, ...]:
+    """A launch's page table, lengths and ragged rows' first queries for
+    :meth:`~.record.MaskRecord.values` (none without pages)."""
+    if pages is None:
+        return ()
+    if pages.query_starts is None:
+        return (pages.table, pages.seq_lens)
+    return (pages.table, pages.seq_lens, pages.query_starts)
 
 
 # Accessors of the record. Positions follow MaskRecord's fields (a test checks each one).
@@ -299,6 +321,11 @@ def mask_seq_lens(M):
     return M[22]
 
 
+@triton.jit
+def mask_query_starts(M):
+    return M[23]
+
+
 # Accessors of the features: evaluated while compiling (their results are constexprs).
 @triton.constexpr_function
 def has_lo(F):
@@ -373,6 +400,11 @@ def sparse_n(F):
 @triton.constexpr_function
 def page_size(F):
     return F[14]
+
+
+@triton.constexpr_function
+def ragged_queries(F):
+    return F[15]
 
 
 # The flat forms made so far, by kernel, functions' argument count and bound functions.

@@ -381,6 +381,42 @@ def test_the_kernels_read_ragged_rows_pages_in_place(
         run_and_check(query, k, v, pages, RESTS["window alibi softcap"]())
 
 
+def test_ragged_rows_skip_the_query_tiles_before_their_queries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ragged rows run at the placed length, each row's queries at its end: the training
+    kernel reading the pages visits no key for a tile of positions before a row's first
+    query (its log-sum-exp there is -inf: without the skip those padding positions attend
+    the row's earlier keys), and the outputs still match the oracle."""
+    from attnbias.kernels import forward
+
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    seen: list[torch.Tensor] = []
+    launch = forward.ForwardPlan.launch
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = launch(self, *args, **kwargs)
+        seen.append(found[1])
+        return found
+
+    monkeypatch.setattr(forward.ForwardPlan, "launch", spy)
+    k, v = pools(24, 16, 2, 16, seed=41)
+    table = table_of([list(range(12)), list(range(12, 24))])
+    cu = torch.tensor([0, 128, 129], dtype=I32, device=DEVICE)  # a chunk and a decode row
+    # the decode row holds more tokens than the placed length: its padding positions would
+    # see keys (causal, lower right) if their tiles ran
+    pages = PagedKV(table, lens_of([180, 170]), cu_seqlens_q=cu, max_seqlen_q=128)
+    query = torch.randn(1, 4, 129, 16, device=DEVICE)
+    with attnbias.use_backends("triton"):
+        run_and_check(query, k, v, pages, RESTS["causal"]())
+    (lse,) = seen
+    assert lse.shape == (2, 4, 128)
+    assert torch.isfinite(lse[0]).all()  # the chunk fills its placed positions
+    assert torch.isinf(lse[1, :, 0]).all() and (lse[1, :, 0] < 0).all()
+    assert torch.isfinite(lse[1, :, -1]).all()  # the decode row's one query
+
+
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return attnbias.sdpa(query, k, v, attn_mask=pages)

@@ -65,7 +65,8 @@ def test_accessors_are_exported_and_nothing_else_is_left_over() -> None:
 
 def test_values_put_zero_for_absent_tensors_and_take_the_calls_pages() -> None:
     """Triton refuses a tuple holding ``None``: absent fields travel as 0; a launch's page
-    table and lengths replace the record's own (the last two fields)."""
+    table, lengths and ragged rows' first queries replace the record's own (the last three
+    fields; the first queries as 0 where the launch has none)."""
     lo = torch.zeros(1, 4, dtype=torch.int32)
     made = MaskRecord(band_lo=-3, row_lo=lo, qk_scale=0.5, kv_pool=7)
     values = made.values()
@@ -77,7 +78,12 @@ def test_values_put_zero_for_absent_tensors_and_take_the_calls_pages() -> None:
     table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     paged = dict(zip(FIELDS, made.values(table, lens), strict=True))
     assert paged["page_table"] is table and paged["seq_lens"] is lens
-    assert paged["row_lo"] is lo and FIELDS[-2:] == ("page_table", "seq_lens")
+    assert paged["query_starts"] == 0
+    assert paged["row_lo"] is lo
+    assert FIELDS[-3:] == ("page_table", "seq_lens", "query_starts")
+    starts = torch.zeros(2, dtype=torch.int32)
+    ragged = dict(zip(FIELDS, made.values(table, lens, starts), strict=True))
+    assert ragged["query_starts"] is starts and ragged["seq_lens"] is lens
 
 
 def test_features_options_name_every_feature_in_upper_case() -> None:

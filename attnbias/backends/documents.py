@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from attnbias.kernels.pools import outside_pools
 from attnbias.spec import Spec
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ def _bounds(lengths: list[int], device: torch.device) -> Tensor:
     """``[0, l0, l0 + l1, ...]`` as int32 on ``device``."""
     bounds = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     bounds[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return bounds.to(device)
+    # kept with the layout: made where no CUDA graph writes (attnbias.biases.base.cached_on)
+    return outside_pools(lambda: bounds.to(device))
 
 
 def document_part(spec: Spec) -> Any:
