@@ -435,9 +435,9 @@ def _reader(
 # FlashAttention 4's paged forward takes calls of at least this many queries per row, or in
 # all for ragged rows: chunked prefill, where it is faster than the library's kernel reading
 # the pages (1.2-1.6x from 64 queries a row on an H200, slower at 32 and below), and packed
-# ragged rows, which the library's kernel runs each at the full packed length (6-13x slower
-# than FlashAttention 4 for one prefill chunk among decode rows); decode stays on the decode
-# kernel (benchmarks/PAGED_RESULTS.md).
+# ragged rows, which the library's kernel runs each at the placed length (2.9x slower than
+# FlashAttention 4 for one prefill chunk among decode rows: each decode row's tile runs its
+# keys in one program); decode stays on the decode kernel (benchmarks/PAGED_RESULTS.md).
 FA4_MIN_QUERIES = 64
 # The compute capabilities whose FlashAttention 4 paged forward is checked against the oracle
 # with garbage (NaN) past each row's length.
