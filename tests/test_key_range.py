@@ -335,3 +335,37 @@ def test_positions_the_bias_copies_are_copied_again_after_a_write(backend: str) 
             assert_close_to_oracle([out], [expected], [low], q.dtype)
             start += 3
             end -= 2
+
+
+def test_a_range_reused_over_a_growing_cache_keeps_a_bounded_number_of_copies() -> None:
+    """A range whose ends default to S, called once per key count as a decode loop grows its
+    cache, keeps at most ``KEPT_PER_CACHE`` default-end tensors (not one per step), and each
+    call still matches the oracle."""
+    from attnbias.biases.base import KEPT_PER_CACHE
+
+    generator = torch.Generator().manual_seed(8)
+    bias = KeyRangeBias(start=torch.tensor([1, 3], dtype=torch.int32, device=DEVICE), end=None)
+    steps = KEPT_PER_CACHE + 5
+    with torch.no_grad(), attnbias.use_backends("triton"):
+        for length_kv in range(8, 8 + steps):
+            q, k, v = (
+                torch.randn(2, 2, length, 16, generator=generator).to(DEVICE)
+                for length in (1, length_kv, length_kv)
+            )
+            out = attnbias.sdpa(q, k, v, attn_mask=bias)
+            expected = attention(q, k, v, bias)
+            low = attention(q, k, v, bias, dtype=q.dtype)
+            assert_close_to_oracle([out], [expected], [low], q.dtype)
+            assert len(bias._on_device) <= KEPT_PER_CACHE
+    assert len(bias._on_device) == KEPT_PER_CACHE
+
+
+def test_ranges_from_padding_masks_are_int32_on_the_masks_device() -> None:
+    """``from_padding_mask`` gives int32 positions on the mask's device, which the kernels
+    read where they are (no copy kept per call)."""
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]], device=DEVICE)
+    bias = KeyRangeBias.from_padding_mask(mask)
+    assert bias.start is not None and bias.end is not None
+    for bound in (bias.start, bias.end):
+        assert bound.dtype == torch.int32 and bound.device == mask.device
+    assert bias.start.tolist() == [1, 0] and bias.end.tolist() == [4, 2]

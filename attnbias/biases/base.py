@@ -116,8 +116,16 @@ def cached_on(cache: dict[Any, Tensor], key: Any, make: Callable[[], Tensor]) ->
     if found is None:
         if capturing_now():
             return make()
+        if len(cache) >= KEPT_PER_CACHE:  # the oldest goes (a plan holding it keeps it alive)
+            del cache[next(iter(cache))]
         found = cache[key] = outside_pools(make)
     return found
+
+
+# Tensors a bias keeps per device and call shape (a key range's default ends per key count,
+# copies per version of its positions): a bias reused over a growing cache would keep one per
+# step without a bound.
+KEPT_PER_CACHE = 16
 
 
 def capturing_now() -> bool:

@@ -150,7 +150,8 @@ class KeyRangeBias(KernelMask):
                 f"KeyRangeBias.from_padding_mask: row {row} of the mask has padding between "
                 f"real tokens, so its keys are no single range; pass the mask as a TensorBias"
             )
-        return cls(start, end)
+        # int32 on the mask's device: read there by the kernels at each call, no copy
+        return cls(start.to(torch.int32), end.to(torch.int32))
 
     def bounds_on(self, device: Device, batch: int, length_kv: int) -> tuple[Tensor, Tensor]:
         """``(start, end)`` as int32 ``(B,)`` tensors on ``device``, ``None`` filled in with 0
