@@ -28,6 +28,7 @@ T = TypeVar("T")
 _Job = tuple[Callable[[], object], "queue.SimpleQueue[object]"]
 _WORK: queue.SimpleQueue[_Job] | None = None
 _PID = 0  # the process that started the worker (a forked child starts its own)
+_THREAD: threading.Thread | None = None
 _START = threading.Lock()
 
 
@@ -46,12 +47,15 @@ def _serve(work: queue.SimpleQueue[_Job]) -> None:
 
 
 def _worker() -> queue.SimpleQueue[_Job]:
-    global _WORK, _PID
+    global _WORK, _PID, _THREAD
     with _START:
         if _WORK is None or os.getpid() != _PID:
             work: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(work,), name="attnbias-kept", daemon=True).start()
-            _WORK, _PID = work, os.getpid()
+            thread = threading.Thread(
+                target=_serve, args=(work,), name="attnbias-kept", daemon=True
+            )
+            thread.start()
+            _WORK, _PID, _THREAD = work, os.getpid(), thread
     return _WORK
 
 
@@ -66,6 +70,8 @@ def outside_pools(make: Callable[[], T]) -> T:
     CUDA graph: what a capture makes belongs to its graph.
     """
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return make()
+    if threading.current_thread() is _THREAD:  # made within a make: here already
         return make()
     device = torch.cuda.current_device()
     stream = torch.cuda.current_stream(device)
