@@ -20,11 +20,11 @@ A call warmed up eagerly and then captured in a CUDA graph reuses its entry's de
 (validating it again during the capture could need a host synchronisation, which a capture does
 not allow), on the route the planner takes while captured
 (:func:`attnbias.planner.captured_fa4_first`), with its bias lowered again inside the capture:
-the graph reads no device tensor the eager call made, which may lie in memory other graphs
-write at their replays (a serving loop that warms each step up inside the memory pool its
-graphs share). A call first planned while captured is not kept: what its lowering made then
-(a key range's default ends, copies of small tensors) is filled by the captured work, which
-runs only when that graph is replayed.
+the graph reads no device tensor the eager lowering made (merged document ids, contiguous
+copies), which may lie in memory other graphs write at their replays (a serving loop that
+warms each step up inside the memory pool its graphs share). A call first planned while
+captured is not kept: what its lowering made then (a key range's default ends, copies of small
+tensors) is filled by the captured work, which runs only when that graph is replayed.
 
 Not cached: calls traced by ``torch.compile`` (tracing cost is paid once anyway), calls with
 an empty dimension, flags that are not plain Python numbers or bools, tensor subclasses, user
@@ -182,11 +182,13 @@ def _with_refresh(run: Prepared, terms: Terms) -> Prepared:
 def _lowered_again(spec: Spec, backend: Backend) -> Prepared:
     """The run of an entry planned eagerly for its calls captured in a CUDA graph: the bias
     lowered again inside the capture and ``backend`` prepared for those terms, so that the
-    graph reads no device tensor the eager lowering made (a key range's default ends, copied
-    slopes or ids). Those may lie in memory that other graphs write at their replays: a
-    serving loop that runs each step's eager warm-up inside the memory pool its graphs share
-    (transformers' continuous batching) allocates them where an earlier graph's temporaries
-    live. The decision and the validation are the entry's; only the lowering is redone."""
+    graph reads no device tensor the eager lowering made and the entry holds (merged document
+    ids, contiguous copies; what the biases keep from call to call is made outside memory
+    pools, ``biases.base.cached_on``, and read as it is). Those may lie in memory that other
+    graphs write at their replays: a serving loop that runs each step's eager warm-up inside
+    the memory pool its graphs share (transformers' continuous batching) allocates them where
+    an earlier graph's temporaries live. The decision and the validation are the entry's;
+    only the lowering is redone."""
 
     def run(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         terms = spec.terms
