@@ -188,10 +188,14 @@ class DocumentBias(KernelMask):
         for side, ids in (("q", self.q_doc_ids), ("kv", self.kv_ids)):
             kept = self._on_device.get((side, key))
             if kept is None or versions is None or kept[0] != versions:
+                copied = not (ids.dtype == torch.long and ids.device == key)
                 if capturing_now():  # (a copy made while capturing: filled on replay only)
                     kept = (versions, prepare(ids))
-                else:  # kept: made where no CUDA graph writes (see base.cached_on)
+                elif copied:  # kept: made where no CUDA graph writes (see base.cached_on)
                     kept = (versions, outside_pools(lambda ids=ids: prepare(ids)))
+                    self._on_device[side, key] = kept
+                else:  # the ids themselves (a view)
+                    kept = (versions, prepare(ids))
                     self._on_device[side, key] = kept
             found.append(kept[1])
         return found[0], found[1]
