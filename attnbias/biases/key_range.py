@@ -112,7 +112,8 @@ class KeyRangeBias(KernelMask):
         """The key ranges of a ``(B, S)`` padding mask (``True`` or ``1`` = a real token).
 
         Each row's real tokens must form one contiguous run (left or right padding); a mask
-        with holes is no key range: pass it as a :class:`TensorBias` instead.
+        with holes is no key range: pass it as a :class:`TensorBias` instead. The positions are
+        int32 ``(B,)`` on the mask's device, which the kernels read where they are.
 
         >>> KeyRangeBias.from_padding_mask(torch.tensor([[0, 1, 1], [1, 1, 0]]))
         KeyRangeBias(start=[1, 0], end=[3, 2])
