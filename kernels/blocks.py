@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import _key_range, _mod_context, _mod_keep, _row_bounds
+from .pools import outside_pools
 from .program import BlockLists
 from .record import has_docs, has_hi, has_kv_range, has_lo, mask_row_stride
 
@@ -181,20 +182,27 @@ def _write_lists(
         tl.store(out + slot * (columns + 1) + 1 + position, cols, mask=chosen)
 
 
-def block_lists_on_device(states: Tensor, block_m: int, block_n: int) -> BlockLists:
+def block_lists_on_device(
+    states: Tensor, block_m: int, block_n: int, *, kept: bool = False
+) -> BlockLists:
     """:func:`block_lists` of ``(Bl, Hl, Mb, Nb)`` int8 states, written by one program per
     list row (two launches instead of some thirty small tensor operations; entries past a
-    count are 0)."""
+    count are 0). ``kept``: lists kept from call to call, allocated outside memory pools
+    (:func:`.pools.outside_pools`)."""
     from .launch import launcher
 
     rows, heads, blocks_m, blocks_n = states.shape
     states = states.contiguous()
-    kv_lists = torch.zeros(
-        (rows, heads, blocks_m, 2, blocks_n + 1), dtype=torch.int32, device=states.device
-    )
-    q_lists = torch.zeros(
-        (rows, heads, blocks_n, 2, blocks_m + 1), dtype=torch.int32, device=states.device
-    )
+    device = states.device
+
+    def zeros(shape: tuple[int, ...]) -> Tensor:
+        def make() -> Tensor:
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+
+        return outside_pools(make) if kept else make()
+
+    kv_lists = zeros((rows, heads, blocks_m, 2, blocks_n + 1))
+    q_lists = zeros((rows, heads, blocks_n, 2, blocks_m + 1))
     per_bh = blocks_m * blocks_n
     launcher(_write_lists)[(blocks_m, rows * heads)](
         states, kv_lists, per_bh, blocks_n, 1, blocks_m, blocks_n,

@@ -417,7 +417,8 @@ def _mod_block_lists(
         states, *record.values(), list_heads, seq_q, seq_k, *args,
         **features.options(), BLOCK_M=block_m, BLOCK_N=block_n, ROWS=min(block_m, 32),
     )  # fmt: skip
-    lists = block_lists_on_device(states, block_m, block_n)
+    # kept lists: allocated where no CUDA graph writes (pools.outside_pools)
+    lists = block_lists_on_device(states, block_m, block_n, kept=cacheable)
     if cacheable:
         _MOD_LISTS.setdefault(program, {})[block_m, block_n] = (key, lists)
     return lists

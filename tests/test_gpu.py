@@ -14,6 +14,7 @@ from attnbias import (
     AlibiBias,
     DocumentBias,
     KeyRangeBias,
+    ModBias,
     SlidingWindowBias,
     SoftcapBias,
     causal_lower_right,
@@ -418,8 +419,6 @@ def _fa4_mod_biases() -> dict[str, attnbias.AttnBias]:
     from neighbourhood_2d import Neighbourhood2D
     from t5_bias import T5Bias
 
-    from attnbias import ModBias
-
     generator = torch.Generator(device="cuda").manual_seed(0)
     table = 2 * torch.randn(8, 32, device="cuda", generator=generator)  # no grad: FA4 gives none
     cuts = torch.tensor([300, 700], device="cuda")
@@ -478,16 +477,19 @@ def test_kept_tensors_lie_outside_a_memory_pool_the_call_is_routed_to(
     """A call made while the thread's allocations are routed to a memory pool (as
     transformers' continuous batching warms up each step it captures, in the pool its CUDA
     graphs share) keeps what it keeps (ALiBi's slopes, a key range's default ends, the decode
-    kernel's split counters) outside that pool, where no graph's replay writes; the control,
+    kernel's split counters, a mask function's block lists) outside that pool, where no
+    graph's replay writes; the control,
     with kept tensors made in place, shows that the check finds them in the pool. Outputs
     match the oracle either way."""
     import attnbias.biases.base as base
+    from attnbias.kernels import blocks, masks
     from attnbias.kernels import decode as decode_kernels
 
     if routed.startswith("control"):
-        for module in (base, decode_kernels):
+        for module in (base, decode_kernels, blocks):
             monkeypatch.setattr(module, "outside_pools", lambda make: make())
     decode_kernels._SCRATCH.clear()
+    masks._MOD_LISTS.clear()
     generator = torch.Generator(device="cuda").manual_seed(0)
     heads = 8
     pool = torch.cuda.MemPool()
@@ -508,7 +510,19 @@ def test_kept_tensors_lie_outside_a_memory_pool_the_call_is_routed_to(
         assert_close_to_oracle([out], [expected], [low], torch.float16)
         kept += [*alibi._on_device.values(), *key_range._on_device.values()]
     kept += [t for pair in decode_kernels._SCRATCH.values() for t in pair]
-    assert len(kept) >= 4, "no kept tensors to check"
+    # a mask function's block lists, kept per program
+    q, k, v = (torch.randn(2, heads, 256, 64, device="cuda", generator=generator).half()
+               for _ in range(3))  # fmt: skip
+    prefix_lm = ModBias(mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 40))
+    with torch.no_grad(), torch.cuda.use_mem_pool(pool), use_backends("triton"):
+        out = sdpa(q, k, v, attn_mask=prefix_lm)
+    expected = attention(q, k, v, prefix_lm)
+    low = attention(q, k, v, prefix_lm, dtype=torch.float16)
+    assert_close_to_oracle([out], [expected], [low], torch.float16)
+    for per_size in list(masks._MOD_LISTS.values()):
+        for _, lists in per_size.values():
+            kept += [t for t in (lists.kv_lists, lists.q_lists) if t is not None]
+    assert len(kept) >= 6, "no kept tensors to check"
     segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
     inside = [t for t in kept if any(lo <= t.data_ptr() < hi for lo, hi in segments)]
     if routed.startswith("control"):
