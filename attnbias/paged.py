@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -35,7 +36,9 @@ from attnbias.biases import (
 )
 from attnbias.biases.mod import reindexed
 from attnbias.biases.paged import PagedKV, check_layout, row_queries
+from attnbias.kernels.decode import MIN_ROWS
 from attnbias.kernels.forward import reads_pages, stand_in
+from attnbias.kernels.limits import MAX_DECODE_QUERIES
 from attnbias.kernels.record import Pages
 
 __all__ = ["check_pending", "gathered_pages", "paged_explain", "paged_sdpa"]
@@ -369,15 +372,23 @@ def _in_place(
 Reader = Callable[[Tensor, Tensor, Tensor, Pages], Tensor]
 
 
+class _Run(NamedTuple):
+    """A kernel's run over the pages: ``read(placed query, key pool, value pool, pages) ->
+    out``, and whether that kernel is the decode kernel."""
+
+    read: Reader
+    decode: bool
+
+
 _RUNS_KEPT = 16
 
 
 def _reader(
     placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
     dropout_p: Any, scale: Any, enable_gqa: Any, runs: dict[Any, Any],
-) -> Reader | None:  # fmt: skip
-    """The kernel's run over the pages, ``(placed query, key pool, value pool, pages) ->
-    out``, or ``None`` where the call reads the gathered cache (:func:`_in_place`). Kept in ``runs``
+) -> _Run | None:  # fmt: skip
+    """The kernel's run over the pages (:class:`_Run`), or ``None`` where the call reads the
+    gathered cache (:func:`_in_place`). Kept in ``runs``
     for the identical calls after it (the plan cache's role for other calls), except where
     the bias has mask or score functions, whose compiled form may change between calls, and
     for flags that are not plain numbers (a tensor scale may change in place)."""
@@ -395,10 +406,10 @@ def _reader(
         *((type(f), f) for f in flags), current_policy(), capturing,
     )  # fmt: skip
     if plain and identity in runs:
-        found: Reader | None = runs[identity]
+        found: _Run | None = runs[identity]
         return found
     chosen = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
-    reader: Reader | None = None
+    run: _Run | None = None
     if chosen is not None:
         plan, key_rows, value_rows = chosen
         spec, scale_ = plan.spec, plan.spec.resolved_scale
@@ -413,6 +424,7 @@ def _reader(
                 batch = q.shape[0]
                 return decode.run(q, _batch_rows(k, batch), _batch_rows(v, batch), pages)
 
+            run = _Run(reader, True)
         else:
             forward = plan_forward(spec.query, key_rows, value_rows, spec.program,
                                    scale=scale_, pages=layout)  # fmt: skip
@@ -422,22 +434,104 @@ def _reader(
                 return forward.launch(q, _batch_rows(k, batch), _batch_rows(v, batch),
                                       checked=False, pages=pages)[0]  # fmt: skip
 
+            run = _Run(reader, False)
         if spec.program.mods is not None or spec.terms.refresh:
-            return reader
+            return run
     if not plain or capturing:  # (what a capture planned may hold what only it fills)
-        return reader
+        return run
     if len(runs) >= _RUNS_KEPT:
         runs.clear()
-    runs[identity] = reader
-    return reader
+    runs[identity] = run
+    return run
+
+
+# Ragged rows placed longer than the decode kernel takes (a prefill chunk among decode rows)
+# run on the training kernel at the placed length, where a row of a few queries has one tile,
+# whose program reads all the row's keys alone. With this set, the rows of at most
+# short_queries() queries run on the decode kernel instead (the last placed positions of
+# every row; each row's keys split across programs) and the training kernel skips all their
+# tiles; each row's output is taken from the kernel that ran it.
+SPLIT_SHORT_ROWS = True
+
+
+def short_queries(placed: Tensor, key: Tensor, rest: tuple[AttnBias, ...]) -> int:
+    """The queries a ragged row holds at most to run on the decode kernel beside longer rows
+    on the training kernel (:data:`SPLIT_SHORT_ROWS`): as many as fill the decode kernel's
+    smallest tile of packed rows with a group's query heads. 0 where the call is not split:
+    :data:`SPLIT_SHORT_ROWS` unset, a placed length the decode kernel takes whole, or a
+    ``ModBias`` (it reads a query's index among its row's, which the last positions alone
+    would shift). ``placed``: ``(B, Hq, L, E)``; ``key``: a ``(num_pages, page_size, Hkv, E)``
+    pool."""
+    if not SPLIT_SHORT_ROWS or placed.shape[2] <= MAX_DECODE_QUERIES:
+        return 0
+    if any(isinstance(part, ModBias) for part in rest):
+        return 0
+    group = max(1, placed.shape[1] // key.shape[2])
+    return max(1, MIN_ROWS // group)
+
+
+def _short_rows_run(
+    placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
+    rest: tuple[AttnBias, ...], dropout_p: Any, scale: Any, enable_gqa: Any,
+    runs: dict[Any, Any],
+) -> tuple[int, _Run] | None:  # fmt: skip
+    """For ragged rows on the training kernel, ``(short, run)``: the decode kernel's run over
+    every row's last ``short`` placed positions (:func:`short_queries`), or ``None`` where the
+    call is not split (the planner gives those positions another kernel)."""
+    if layout.query_starts is None:
+        return None
+    short = short_queries(placed, key, rest)
+    if not short:
+        return None
+    tail = placed[:, :, -short:]
+    run = _reader(
+        tail, key, value, dataclasses.replace(layout, query_starts=None), bias,
+        dropout_p, scale, enable_gqa, runs,
+    )  # fmt: skip
+    if run is None or not run.decode:
+        return None
+    return short, run
+
+
+def _read_in_place(
+    run: _Run, placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
+    rest: tuple[AttnBias, ...], dropout_p: Any, scale: Any, enable_gqa: Any,
+    runs: dict[Any, Any],
+) -> Tensor:  # fmt: skip
+    """The placed call's output ``(B, Hq, L, Ev)`` from the kernels reading the pages: ``run``
+    alone, or for ragged rows on the training kernel its longer rows there and the short ones
+    on the decode kernel (:data:`SPLIT_SHORT_ROWS`). No host synchronisation: which rows are
+    short is decided on the device."""
+    split = None
+    if not run.decode:
+        split = _short_rows_run(
+            placed, key, value, layout, bias, rest, dropout_p, scale, enable_gqa, runs
+        )
+    if split is None:
+        return run.read(placed, key, value, layout)
+    short, tail_run = split
+    starts, length = layout.query_starts, placed.shape[2]
+    assert starts is not None  # (a split's rows are ragged)
+    # a short row's queries lie in the last `short` positions: the training kernel skips all
+    # its tiles (its output there is replaced below)
+    is_short = starts >= length - short
+    long_rows = dataclasses.replace(layout, query_starts=torch.where(is_short, length, starts))
+    out = run.read(placed, key, value, long_rows)
+    tail = tail_run.read(
+        placed[:, :, -short:], key, value, dataclasses.replace(layout, query_starts=None)
+    )
+    ends = out[:, :, -short:]
+    torch.where(is_short[:, None, None, None], tail, ends, out=ends)
+    return out
 
 
 # FlashAttention 4's paged forward takes calls of at least this many queries per row, or in
 # all for ragged rows: chunked prefill, where it is faster than the library's kernel reading
 # the pages (1.2-1.6x from 64 queries a row on an H200, slower at 32 and below), and packed
-# ragged rows, which the library's kernel runs each at the placed length (2.9x slower than
-# FlashAttention 4 for one prefill chunk among decode rows: each decode row's tile runs its
-# keys in one program); decode stays on the decode kernel (benchmarks/PAGED_RESULTS.md).
+# ragged rows (2.9x faster than the library's kernels for one prefill chunk among decode
+# rows, measured before SPLIT_SHORT_ROWS, when each decode row's tile ran its keys in one
+# program; with it, not yet measured); decode stays on the decode kernel
+# (benchmarks/PAGED_RESULTS.md).
 FA4_MIN_QUERIES = 64
 # The compute capabilities whose FlashAttention 4 paged forward is checked against the oracle
 # with garbage (NaN) past each row's length.
@@ -634,11 +728,13 @@ def paged_sdpa(
     if fa4 is not None:
         return fa4()
     placed, layout, bias, where, runs = _prepare(query, pages, rest, num_pages, page_size)
-    reader = None
+    run = None
     if not gather:
-        reader = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
-    if reader is not None:  # a kernel reads the pages where they are
-        out = reader(placed, key, value, layout)
+        run = _reader(placed, key, value, layout, bias, dropout_p, scale, enable_gqa, runs)
+    if run is not None:  # a kernel reads the pages where they are
+        out = _read_in_place(
+            run, placed, key, value, layout, bias, rest, dropout_p, scale, enable_gqa, runs
+        )
     else:
         rows = _rows(layout)  # once for both
         out = sdpa(
@@ -681,10 +777,26 @@ def paged_explain(
     if not gather:
         found = _in_place(placed, key, value, layout, bias, dropout_p, scale, enable_gqa)
     if found is not None:
-        return (
+        text = (
             f"{pages!r}: the kernel reads each row's last {count} tokens in place, through "
             f"their rows in the pools (no copy), kept by a key range\n{found[0].explain()}"
         )
+        short = 0
+        if found[0].backend.name == "triton" and layout.query_starts is not None:
+            short = short_queries(placed, key, rest)
+        tail = None
+        if short:
+            tail = _in_place(
+                placed[:, :, -short:], key, value, dataclasses.replace(layout, query_starts=None),
+                bias, dropout_p, scale, enable_gqa,
+            )  # fmt: skip
+        if tail is not None and tail[0].backend.name == "triton-decode":
+            text += (
+                f"\nragged rows of at most {short} queries run on the decode kernel instead "
+                f"(every row's last {short} placed positions; the training kernel skips all "
+                f"their tiles):\n{tail[0].explain()}"
+            )
+        return text
     head = (
         f"{pages!r}: each row's pages gathered on the device into a contiguous cache of "
         f"{count} keys, its tokens at the end, kept by a key range"

@@ -417,6 +417,59 @@ def test_ragged_rows_skip_the_query_tiles_before_their_queries(
     assert torch.isfinite(lse[1, :, -1]).all()  # the decode row's one query
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
+def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
+    rest: str, split: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk among rows of a few queries, placed longer than the decode kernel
+    takes: with ``SPLIT_SHORT_ROWS``, the rows of at most ``short_queries()`` queries (here
+    8: two query heads a key/value head) run on the decode kernel over every row's last 8
+    placed positions, and the training kernel skips all their tiles (its ``query_starts``
+    is the placed length for them); a row of 9 queries stays on the training kernel. Split
+    or not, every row's output matches the oracle (a short row read from the training
+    kernel's skipped tiles would be 0)."""
+    from attnbias.kernels import decode, forward
+
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "SPLIT_SHORT_ROWS", split)
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    starts: list[torch.Tensor | None] = []
+    tails: list[tuple[int, ...]] = []
+    launch, run = forward.ForwardPlan.launch, decode.DecodePlan.run
+
+    def spy_forward(self: Any, *args: Any, pages: Any = None, **kwargs: Any) -> Any:
+        starts.append(None if pages.query_starts is None else pages.query_starts.clone())
+        return launch(self, *args, pages=pages, **kwargs)
+
+    def spy_decode(self: Any, q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tails.append(tuple(q.shape))
+        return run(self, q, *args, **kwargs)
+
+    monkeypatch.setattr(forward.ForwardPlan, "launch", spy_forward)
+    monkeypatch.setattr(decode.DecodePlan, "run", spy_decode)
+    k, v = pools(40, 16, 2, 16, seed=43)
+    table = table_of([list(range(i * 8, i * 8 + 8)) for i in range(5)])
+    counts = [70, 1, 8, 9, 0]  # a chunk, a decode row, a short row at the bound, a longer one
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=I32, device=DEVICE)
+    pages = PagedKV(table, lens_of([77, 50, 33, 40, 12]), cu_seqlens_q=cu, max_seqlen_q=70)
+    query = torch.randn(1, 4, sum(counts), 16, device=DEVICE)
+    with attnbias.use_backends("triton-decode", "triton"):
+        run_and_check(query, k, v, pages, RESTS[rest]())
+        text = attnbias.explain(query, k, v, attn_mask=pages + RESTS[rest](), enable_gqa=True)
+    assert route.short_queries(torch.empty(5, 4, 70, 16), k, ()) == (8 if split else 0)
+    (found,) = starts
+    assert found is not None
+    if split:
+        assert tails == [(5, 4, 8, 16)]
+        assert found.tolist() == [0, 70, 70, 61, 70]
+        assert "rows of at most 8 queries run on the decode kernel" in text, text
+    else:
+        assert tails == []
+        assert found.tolist() == [0, 69, 62, 61, 70]
+        assert "run on the decode kernel instead" not in text, text
+
+
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return attnbias.sdpa(query, k, v, attn_mask=pages)
