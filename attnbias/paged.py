@@ -57,6 +57,9 @@ _GATHER_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 # (host flags, the copy's event, the call in words), read once the copy is done
 _PENDING: list[tuple[Tensor, Any, str]] = []
 _PENDING_LOCK = threading.Lock()
+# Moved each time a problem is raised: the tables a bias last checked are then checked again at
+# its next call (a call that goes on with tables found bad raises again).
+_RAISED = [0]
 
 
 def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
@@ -119,6 +122,7 @@ _PROBLEMS = (
 def _raise_problems(flags: Tensor, said: str, when: str) -> None:
     found = flags.tolist()
     if any(found):
+        _RAISED[0] += 1
         named = "; ".join(text for text, bad in zip(_PROBLEMS, found, strict=True) if bad)
         raise ValueError(
             f"{said}{when}: a row {named}. Call PagedKV.validate(key, value, query) to find the "
@@ -247,12 +251,28 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     return placed, row * length + place
 
 
+def _tables_state(
+    pages: PagedKV, num_pages: int, page_size: int, query: Tensor
+) -> tuple[int, ...] | None:
+    """What the check of a call's table values depends on: the pools' ``(num_pages,
+    page_size)``, the query's length, and the tables as they are now (their version
+    counters, which every in-place write through PyTorch moves); ``None`` where that cannot be
+    told (inference tensors count no versions)."""
+    tables: tuple[Tensor, ...] = (pages.block_table, pages.seq_lens)
+    if pages.cu_seqlens_q is not None:
+        tables += (pages.cu_seqlens_q,)
+    if any(t.is_inference() for t in tables):
+        return None
+    return (_RAISED[0], num_pages, page_size, query.shape[2], *(t._version for t in tables))
+
+
 def _checked(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: AttnBias, is_causal: bool
 ) -> tuple[PagedKV, tuple[AttnBias, ...], int, int]:
     """The call's :class:`PagedKV`, its other parts and the pools' ``(num_pages,
     page_size)``, after the checks every paged call makes (the tables' values: on the CPU at
-    once, on a GPU flagged on the device and read at a later eager call)."""
+    once, on a GPU flagged on the device and read at a later eager call; once per state of
+    the tables (:func:`_tables_state`): the layers of a model's step share them)."""
     pages, rest = _split(attn_mask)
     if is_causal:
         raise ValueError(
@@ -270,11 +290,17 @@ def _checked(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and "
             f"{value.dtype}"
         )
+    compiling = torch.compiler.is_compiling()
+    if query.device.type != "cpu" and (compiling or torch.cuda.is_current_stream_capturing()):
+        # (not while captured: a graph's replays could not report what they find)
+        return pages, rest, num_pages, page_size
+    state = None if compiling else _tables_state(pages, num_pages, page_size, query)
+    if state is not None and pages._checked[0] == state:  # checked as they are
+        return pages, rest, num_pages, page_size
     said = f"attention over {pages!r} with pools {tuple(key.shape)}"
     if query.device.type == "cpu":
         _raise_problems(_problems(pages, num_pages, page_size, query), said, "")
-    elif not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
-        # (not while captured: a graph's replays could not report what they find)
+    else:
         flags = _problems(pages, num_pages, page_size, query)
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
@@ -282,6 +308,7 @@ def _checked(
         event.record()
         with _PENDING_LOCK:
             _PENDING.append((host, event, said))
+    pages._checked[0] = state
     return pages, rest, num_pages, page_size
 
 

@@ -182,6 +182,44 @@ def test_tables_written_in_place_are_read_at_each_call() -> None:
     assert (out.double() - expected).abs().max().item() < 1e-5
 
 
+def test_tables_are_checked_once_for_each_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers of a step share one check of the tables' values: calls with the tables as
+    they were check nothing more; another query length, or a table or length written in
+    place, is checked again; tables found bad raise at every call that reads them (on a GPU
+    at the next eager call, here through ``check_errors``), not only at the first."""
+    from attnbias import paged
+
+    checks: list[int] = []
+    problems = paged._problems
+
+    def counted(*args: Any) -> torch.Tensor:
+        checks.append(1)
+        return problems(*args)
+
+    monkeypatch.setattr(paged, "_problems", counted)
+    k, v = pools(8, 4, 2, 16, seed=17)
+    table = table_of([[0, 1, 2], [5, 3, 0]])
+    lens = lens_of([10, 7])
+    bias = PagedKV(table, lens) + causal_lower_right()
+    query = torch.randn(2, 2, 1, 16, device=DEVICE)
+    for _ in range(3):
+        _call(bias, query, k, v)
+    assert len(checks) == 1
+    _call(bias, torch.randn(2, 2, 2, 16, device=DEVICE), k, v)  # two queries a row
+    assert len(checks) == 2
+    lens += 1
+    _call(bias, query, k, v)
+    table[1, 2] = 4
+    _call(bias, query, k, v)
+    assert len(checks) == 4
+    lens[0] = 13  # beyond the row's three pages of four tokens
+    for _ in range(2):
+        with pytest.raises(ValueError, match="seq_lens beyond"):
+            _call(bias, query, k, v)
+            attnbias.check_errors()
+    assert len(checks) == 6
+
+
 def test_a_paged_call_explains_its_route() -> None:
     """explain names the gather and the route; with a window only each row's last tokens
     that the window can keep are gathered (the queries' span and its left side)."""

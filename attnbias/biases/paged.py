@@ -59,10 +59,14 @@ class PagedKV(AttnBias):
     Forward only: inputs that require grad are refused.
 
     Their values are checked when the bias is made (outside a CUDA-graph capture), by
-    :meth:`validate`, and at each eager call: on the CPU before anything runs, on a GPU on the
+    :meth:`validate`, and at each eager call whose tables changed since this bias's last check
+    (the layers of a step share one check): on the CPU before anything runs, on a GPU on the
     device, read at the next eager call (no synchronisation per step), which raises naming the
-    problem; that call's output is not to be trusted. The replays of a captured CUDA graph are
-    not checked.
+    problem; that call's output is not to be trusted. A change is seen through the tensors'
+    version counters, which every in-place write through PyTorch moves; tables written by
+    other means (a custom kernel writing through a pointer, the replay of a CUDA graph) are
+    not checked again: call :meth:`validate` after such writes. The replays of a captured
+    CUDA graph are not checked.
 
     Example::
 
@@ -85,6 +89,8 @@ class PagedKV(AttnBias):
     _kept: Bounded[Any, Any] = field(
         default_factory=lambda: Bounded(8), init=False, repr=False
     )  # a few sums and layouts
+    # the state of the tables whose values a call last checked (attnbias.paged._tables_state)
+    _checked: list[Any] = field(default_factory=lambda: [None], init=False, repr=False)
     holds_pages: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
