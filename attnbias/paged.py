@@ -38,7 +38,8 @@ from attnbias.biases.mod import reindexed
 from attnbias.biases.paged import PagedKV, check_layout, row_queries
 from attnbias.kernels.decode import MIN_ROWS
 from attnbias.kernels.forward import reads_pages, stand_in
-from attnbias.kernels.limits import MAX_DECODE_QUERIES
+from attnbias.kernels.limits import MAX_DECODE_QUERIES, interpreting
+from attnbias.kernels.ragged import place_ragged
 from attnbias.kernels.record import Pages
 
 __all__ = ["check_pending", "gathered_pages", "paged_explain", "paged_sdpa"]
@@ -234,21 +235,31 @@ def placed_length(pages: PagedKV, query: Tensor) -> int:
 
 def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     """The query as ``(B, Hq, L, E)``: itself, or for ragged rows each row's queries at the
-    end of a ``(B, Hq, placed_length, E)`` query (zeros before them), with the index of each
-    packed query there (to read the output back)."""
+    end of a ``(B, Hq, placed_length, E)`` query (zeros before them), with the flat
+    ``(B * Hq * L)`` position of each packed query and head there, int64 ``(total, Hq)`` (to
+    read the output back). On a GPU (and under Triton's interpreter) one launch places them
+    (:func:`attnbias.kernels.ragged.place_ragged`); elsewhere, and while ``torch.compile``
+    traces, tensor operations."""
     cu = pages.cu_seqlens_q
     if cu is None:
         return query, None
     total, length = query.shape[2], placed_length(pages, query)
-    batch = pages.batch_size
+    batch, heads = pages.batch_size, query.shape[1]
+    if (
+        (query.is_cuda or interpreting())
+        and query.stride(3) == 1
+        and not torch.compiler.is_compiling()
+    ):
+        return place_ragged(query, cu, batch, length)
     flat = torch.arange(total, device=query.device)
     row = torch.searchsorted(cu[1:].long(), flat, right=True).clamp(max=batch - 1)
     count = (cu[1:] - cu[:-1]).long()
     place = length - count[row] + (flat - cu[:-1].long()[row])
     place = place.clamp(0, length - 1)  # (a row past the bound is flagged, not read right)
-    placed = query.new_zeros(batch, query.shape[1], length, query.shape[3])
+    placed = query.new_zeros(batch, heads, length, query.shape[3])
     placed[row, :, place] = query[0].transpose(0, 1)
-    return placed, row * length + place
+    head = torch.arange(heads, device=query.device)
+    return placed, ((row * heads)[:, None] + head) * length + place[:, None]
 
 
 def _tables_state(
@@ -770,9 +781,8 @@ def paged_sdpa(
         )  # fmt: skip
     if where is None:
         return out
-    # each packed query's row of the output: (B * total, Hq, Ev) rows read at ``where``
-    rows = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
-    return rows[where].transpose(0, 1).unsqueeze(0)
+    # each packed query's and head's row of the (B * Hq * L, Ev) output
+    return out.reshape(-1, out.shape[3])[where].transpose(0, 1).unsqueeze(0)
 
 
 def paged_explain(

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnbias
 from attnbias import (
@@ -506,6 +508,52 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
         assert tails == []
         assert found.tolist() == [0, 69, 62, 61, 70]
         assert "run on the decode kernel instead" not in text, text
+
+
+@given(
+    counts=st.lists(st.integers(0, 7), min_size=1, max_size=9),
+    bound=st.integers(1, 8),
+    head_dim=st.sampled_from([8, 24]),
+    packed=st.booleans(),
+)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_ragged_rows_are_placed_at_the_end_of_their_positions(
+    kernel: bool, counts: list[int], bound: int, head_dim: int, packed: bool
+) -> None:
+    """Each row's packed queries land at the last of its ``L`` placed positions (zeros
+    before them), and ``where`` names each packed query's and head's flat position there,
+    by the one-launch placement (``kernel``) and by tensor operations alike, for any row
+    count (the placement's search over ``cu_seqlens_q``), empty rows, a head dim that is not
+    a power of two, a query viewed from ``(1, total, Hq, E)`` (``packed``), and rows past
+    the bound (their first queries clamped to the first position: such tables are flagged
+    by the call's checks)."""
+    from attnbias import paged
+
+    total, heads = sum(counts), 3
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=I32, device=DEVICE)
+    if packed:
+        query = torch.randn(1, total, heads, head_dim, device=DEVICE).transpose(1, 2)
+    else:
+        query = torch.randn(1, heads, total, head_dim, device=DEVICE)
+    pages = PagedKV(table_of([[0]] * len(counts)), lens_of([8] * len(counts)), cu_seqlens_q=cu,
+                    max_seqlen_q=bound)  # fmt: skip
+    length = min(bound, total) if total else 1
+    with pytest.MonkeyPatch.context() as patch:
+        if not kernel:
+            patch.setattr(paged, "interpreting", lambda: False)
+        placed, where = paged._placed(pages, query)
+    assert where is not None
+    expected = torch.zeros(len(counts), heads, length, head_dim, device=DEVICE)
+    rows = torch.zeros(total, heads, dtype=torch.int64)
+    for b, count in enumerate(counts):
+        for i in range(count):
+            place = max(length - count + i, 0)
+            if count <= length:  # (a clamped row's first position holds one of its queries)
+                expected[b, :, place] = query[0, :, int(cu[b]) + i]
+            rows[int(cu[b]) + i] = (b * heads + torch.arange(heads)) * length + place
+    assert where.tolist() == rows.tolist()
+    fits = torch.tensor([count <= length for count in counts], device=DEVICE)
+    torch.testing.assert_close(placed[fits], expected[fits], rtol=0, atol=0)
 
 
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
