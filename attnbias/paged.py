@@ -233,6 +233,17 @@ def placed_length(pages: PagedKV, query: Tensor) -> int:
     return max(1, min(total, pages.max_seqlen_q))
 
 
+def _places_by_kernel(query: Tensor) -> bool:
+    """Whether ragged rows are placed by :func:`~attnbias.kernels.ragged.place_ragged`: on a
+    GPU and under Triton's interpreter, for a query whose last dim is contiguous, outside
+    ``torch.compile`` tracing."""
+    return (
+        (query.is_cuda or interpreting())
+        and query.stride(3) == 1
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     """The query as ``(B, Hq, L, E)``: itself, or for ragged rows each row's queries at the
     end of a ``(B, Hq, placed_length, E)`` query (zeros before them), with the flat
@@ -245,11 +256,7 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
         return query, None
     total, length = query.shape[2], placed_length(pages, query)
     batch, heads = pages.batch_size, query.shape[1]
-    if (
-        (query.is_cuda or interpreting())
-        and query.stride(3) == 1
-        and not torch.compiler.is_compiling()
-    ):
+    if _places_by_kernel(query):
         return place_ragged(query, cu, batch, length)
     flat = torch.arange(total, device=query.device)
     row = torch.searchsorted(cu[1:].long(), flat, right=True).clamp(max=batch - 1)

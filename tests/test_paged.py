@@ -24,6 +24,7 @@ from attnbias import (
     causal_upper_left,
 )
 from attnbias.biases import BandBias
+from attnbias.kernels.limits import interpreting
 from attnbias.testing.oracle import assert_close_to_oracle, paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -538,9 +539,9 @@ def test_ragged_rows_are_placed_at_the_end_of_their_positions(
     pages = PagedKV(table_of([[0]] * len(counts)), lens_of([8] * len(counts)), cu_seqlens_q=cu,
                     max_seqlen_q=bound)  # fmt: skip
     length = min(bound, total) if total else 1
+    assert paged._places_by_kernel(query) == (DEVICE == "cuda" or interpreting())
     with pytest.MonkeyPatch.context() as patch:
-        if not kernel:
-            patch.setattr(paged, "interpreting", lambda: False)
+        patch.setattr(paged, "_places_by_kernel", lambda _: kernel)
         placed, where = paged._placed(pages, query)
     assert where is not None
     expected = torch.zeros(len(counts), heads, length, head_dim, device=DEVICE)
