@@ -515,27 +515,19 @@ def short_queries(placed: Tensor, key: Tensor, rest: tuple[AttnBias, ...]) -> in
     return max(1, MIN_ROWS // group)
 
 
-def _short_rows_run(
-    placed: Tensor, key: Tensor, value: Tensor, layout: Pages, bias: AttnBias,
-    rest: tuple[AttnBias, ...], dropout_p: Any, scale: Any, enable_gqa: Any,
-    runs: dict[Any, Any],
-) -> tuple[int, _Run] | None:  # fmt: skip
-    """For ragged rows on the training kernel, ``(short, run)``: the decode kernel's run over
-    every row's last ``short`` placed positions (:func:`short_queries`), or ``None`` where the
-    call is not split (the planner gives those positions another kernel)."""
+def _tail(
+    placed: Tensor, key: Tensor, layout: Pages, rest: tuple[AttnBias, ...]
+) -> tuple[int, Tensor, Pages] | None:
+    """For ragged rows placed longer than the decode kernel takes, ``(short, tail, pages)``:
+    the queries a short row holds at most (:func:`short_queries`), every row's last ``short``
+    placed positions and their pages (no ragged starts: a short row's queries fill them);
+    ``None`` where the call is not split."""
     if layout.query_starts is None:
         return None
     short = short_queries(placed, key, rest)
     if not short:
         return None
-    tail = placed[:, :, -short:]
-    run = _reader(
-        tail, key, value, dataclasses.replace(layout, query_starts=None), bias,
-        dropout_p, scale, enable_gqa, runs,
-    )  # fmt: skip
-    if run is None or not run.decode:
-        return None
-    return short, run
+    return short, placed[:, :, -short:], dataclasses.replace(layout, query_starts=None)
 
 
 def _read_in_place(
@@ -547,14 +539,14 @@ def _read_in_place(
     alone, or for ragged rows on the training kernel its longer rows there and the short ones
     on the decode kernel (:data:`SPLIT_SHORT_ROWS`). No host synchronisation: which rows are
     short is decided on the device."""
-    split = None
-    if not run.decode:
-        split = _short_rows_run(
-            placed, key, value, layout, bias, rest, dropout_p, scale, enable_gqa, runs
-        )
-    if split is None:
+    split = None if run.decode else _tail(placed, key, layout, rest)
+    tail_run = None
+    if split is not None:
+        tail_run = _reader(split[1], key, value, split[2], bias, dropout_p, scale, enable_gqa, runs)
+    if split is None or tail_run is None or not tail_run.decode:
+        # (not split, or the planner gives the last positions another kernel)
         return run.read(placed, key, value, layout)
-    short, tail_run = split
+    short, tail_query, tail_pages = split
     starts, length = layout.query_starts, placed.shape[2]
     assert starts is not None  # (a split's rows are ragged)
     # a short row's queries lie in the last `short` positions: the training kernel skips all
@@ -562,9 +554,7 @@ def _read_in_place(
     is_short = starts >= length - short
     long_rows = dataclasses.replace(layout, query_starts=torch.where(is_short, length, starts))
     out = run.read(placed, key, value, long_rows)
-    tail = tail_run.read(
-        placed[:, :, -short:], key, value, dataclasses.replace(layout, query_starts=None)
-    )
+    tail = tail_run.read(tail_query, key, value, tail_pages)
     ends = out[:, :, -short:]
     torch.where(is_short[:, None, None, None], tail, ends, out=ends)
     return out
@@ -825,15 +815,11 @@ def paged_explain(
             f"{pages!r}: the kernel reads each row's last {count} tokens in place, through "
             f"their rows in the pools (no copy), kept by a key range\n{found[0].explain()}"
         )
-        short = 0
-        if found[0].backend.name == "triton" and layout.query_starts is not None:
-            short = short_queries(placed, key, rest)
+        split = _tail(placed, key, layout, rest) if found[0].backend.name == "triton" else None
         tail = None
-        if short:
-            tail = _in_place(
-                placed[:, :, -short:], key, value, dataclasses.replace(layout, query_starts=None),
-                bias, dropout_p, scale, enable_gqa,
-            )  # fmt: skip
+        if split is not None:
+            short, tail_query, tail_pages = split
+            tail = _in_place(tail_query, key, value, tail_pages, bias, dropout_p, scale, enable_gqa)
         if tail is not None and tail[0].backend.name == "triton-decode":
             text += (
                 f"\nragged rows of at most {short} queries run on the decode kernel instead "
