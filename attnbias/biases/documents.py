@@ -189,7 +189,9 @@ class DocumentBias(KernelMask):
             kept = self._on_device.get((side, key))
             if kept is None or versions is None or kept[0] != versions:
                 copied = not (ids.dtype == torch.long and ids.device == key)
-                if capturing_now():  # (a copy made while capturing: filled on replay only)
+                # Nothing kept while capturing (a copy made then is filled on replay only) or
+                # while torch.compile traces (the traced graph makes its own, as cached_on).
+                if torch.compiler.is_compiling() or capturing_now():
                     kept = (versions, prepare(ids))
                 elif copied:  # kept: made where no CUDA graph writes (see base.cached_on)
                     kept = (versions, outside_pools(lambda ids=ids: prepare(ids)))
