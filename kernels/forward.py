@@ -309,9 +309,10 @@ def _attn_fwd(
             start_m, seq_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_M, BLOCK_N
         )
         if ragged_queries(F):
-            # a ragged row's queries end its placed positions: a tile before its first one is
+            # a ragged row's queries end its placed positions: a tile holding none of them
+            # (before its first one, or every tile where the start is the placed length) is
             # padding (its output is not read), and visits no key
-            idle = start_m + BLOCK_M <= tl.load(mask_query_starts(M) + off_b)
+            idle = tl.minimum(start_m + BLOCK_M, seq_q) <= tl.load(mask_query_starts(M) + off_b)
             full_first = tl.where(idle, block_first, full_first)
             full_end = tl.where(idle, block_first, full_end)
             block_end = tl.where(idle, block_first, block_end)

@@ -469,7 +469,8 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
     placed positions, and the training kernel skips all their tiles (its ``query_starts``
     is the placed length for them); a row of 9 queries stays on the training kernel. Split
     or not, every row's output matches the oracle (a short row read from the training
-    kernel's skipped tiles would be 0)."""
+    kernel's skipped tiles would be 0), and the training kernel visits no key for the short
+    rows (their log-sum-exp there is -inf)."""
     from attnbias.kernels import decode, forward
 
     route = importlib.import_module("attnbias.paged")
@@ -479,9 +480,13 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
     tails: list[tuple[int, ...]] = []
     launch, run = forward.ForwardPlan.launch, decode.DecodePlan.run
 
+    lses: list[torch.Tensor] = []
+
     def spy_forward(self: Any, *args: Any, pages: Any = None, **kwargs: Any) -> Any:
         starts.append(None if pages.query_starts is None else pages.query_starts.clone())
-        return launch(self, *args, pages=pages, **kwargs)
+        found = launch(self, *args, pages=pages, **kwargs)
+        lses.append(found[1].clone())
+        return found
 
     def spy_decode(self: Any, q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         tails.append(tuple(q.shape))
@@ -504,6 +509,12 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
     if split:
         assert tails == [(5, 4, 8, 16)]
         assert found.tolist() == [0, 70, 70, 61, 70]
+        # the training kernel visits no key for a short row, in any tile (the last one, past
+        # the placed length 70 at every tile size, included): its log-sum-exp stays -inf
+        (lse,) = lses
+        idle = lse[[1, 2, 4]]
+        assert torch.isinf(idle).all() and (idle < 0).all()
+        assert torch.isfinite(lse[0]).all() and torch.isfinite(lse[3, :, -9:]).all()
         assert "rows of at most 8 queries run on the decode kernel" in text, text
     else:
         assert tails == []
