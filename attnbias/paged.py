@@ -560,14 +560,18 @@ def _read_in_place(
     return out
 
 
-# FlashAttention 4's paged forward takes calls of at least this many queries per row, or in
-# all for ragged rows: chunked prefill, where it is faster than the library's kernel reading
-# the pages (1.2-1.6x from 64 queries a row on an H200, slower at 32 and below), and packed
-# ragged rows (2.9x faster than the library's kernels for one prefill chunk among decode
-# rows, measured before SPLIT_SHORT_ROWS, when each decode row's tile ran its keys in one
-# program; with it, not yet measured); decode stays on the decode kernel
-# (benchmarks/PAGED_RESULTS.md).
+# FlashAttention 4's paged forward takes calls of at least this many queries per row (for
+# ragged rows: their placed length): chunked prefill, where it is faster than the library's
+# kernel reading the pages (1.2-1.7x from 64 queries a row on an H200, slower at 32 and
+# below); decode stays on the decode kernel (benchmarks/PAGED_RESULTS.md).
 FA4_MIN_QUERIES = 64
+# Ragged rows that the library's kernels split (SPLIT_SHORT_ROWS: rows placed longer than the
+# decode kernel takes) go to FlashAttention 4's paged forward only from this many queries a
+# row on average (the packed total over the rows, both known without reading the device):
+# one prefill chunk among seven decode rows of 8k-32k tokens runs at 0.72x its time on the
+# library's kernels with a chunk of 256 (33 queries a row) and at parity with 1024 (129 a
+# row), on an H200; uniform rows of 128 or more are 1.4-1.7x faster on FlashAttention 4.
+FA4_MIN_RAGGED_MEAN_QUERIES = 128
 # The compute capabilities whose FlashAttention 4 paged forward is checked against the oracle
 # with garbage (NaN) past each row's length.
 FA4_PAGED_CAPABILITIES = (9,)
@@ -638,6 +642,9 @@ def fa4_paged(
     - fewer than :data:`FA4_MIN_QUERIES` queries a row (for ragged rows: ``max_seqlen_q``,
       or without it the packed total, which the library's kernels run each row at): decode
       is faster on the decode kernel;
+    - ragged rows that the library's kernels split (:data:`SPLIT_SHORT_ROWS`) with fewer
+      than :data:`FA4_MIN_RAGGED_MEAN_QUERIES` queries a row on average: a few prefill
+      chunks among decode rows run faster with the decode rows on the decode kernel;
     - a page size equal to its key tile: it then loads whole pages by TMA, slots past a row's
       length included, and a NaN there would reach the output (``P = 0`` times ``NaN``); with
       other page sizes it loads each key row under a predicate on the row's length;
@@ -670,7 +677,12 @@ def fa4_paged(
     if form is None or not form[0]:  # (the forms checked on a GPU: causal, with a window)
         return None
     causal, window = form
-    if placed_length(pages, query) < FA4_MIN_QUERIES:  # a row's, or the packed rows' bound
+    placed = placed_length(pages, query)
+    if placed < FA4_MIN_QUERIES:  # a row's, or the packed rows' bound
+        return None
+    split = SPLIT_SHORT_ROWS and placed > MAX_DECODE_QUERIES  # (no ModBias: form checked)
+    mean_below = query.shape[2] < FA4_MIN_RAGGED_MEAN_QUERIES * pages.block_table.shape[0]
+    if pages.cu_seqlens_q is not None and split and mean_below:
         return None
     tiles = _fa4_key_tiles(head_dim)
     if tiles is None or page_size in tiles:

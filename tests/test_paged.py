@@ -893,6 +893,37 @@ def test_gpu_chunked_prefill_on_flashattention4_keeps_garbage_out(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [100, 1000])
+def test_gpu_a_prefill_chunk_among_decode_rows_leaves_flashattention4_below_the_mean(
+    chunk: int,
+) -> None:
+    """Ragged rows that the library's kernels split go to FlashAttention 4's paged forward
+    only from ``FA4_MIN_RAGGED_MEAN_QUERIES`` queries a row on average: one chunk of 100
+    among seven decode rows (13.4 a row) stays on the library's kernels, split, one of 1000
+    (125.9 a row) too, and with the bound lowered below it goes to FlashAttention 4; the
+    output matches the oracle on either route."""
+    if not _fa4_paged_here():
+        pytest.skip("needs FlashAttention 4 on a GPU of capability 9")
+    route = importlib.import_module("attnbias.paged")
+    k, v = pools(8 * 80, 16, 2, 128, seed=chunk)
+    table = table_of([list(range(i * 80, i * 80 + 80)) for i in range(8)])
+    counts = [chunk] + [1] * 7
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=I32, device=DEVICE)
+    pages = PagedKV(table, lens_of([1200, 900, 1279, 64, 700, 1000, 333, 517]), cu_seqlens_q=cu)
+    query = torch.randn(1, 8, sum(counts), 128, device=DEVICE)
+    parts = RESTS["causal"]()
+    for bound in (route.FA4_MIN_RAGGED_MEAN_QUERIES, 100):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(route, "FA4_MIN_RAGGED_MEAN_QUERIES", bound)
+            said = attnbias.explain(query.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                    attn_mask=pages + parts, enable_gqa=True)  # fmt: skip
+            on_fa4 = bound <= sum(counts) / 8
+            assert ("FlashAttention 4's paged forward" in said) == on_fa4, said
+            assert ("run on the decode kernel instead" in said) == (not on_fa4), said
+            run_and_check(query, k, v, pages, parts, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_flashattention4_paged_follows_the_backends_pinned_and_the_lengths() -> None:
     """Decode keeps the decode kernel; a region pinning the Triton kernel or excluding
     FlashAttention 4 keeps chunked prefill off it; a captured prefill step replays with

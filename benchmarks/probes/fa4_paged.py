@@ -1,9 +1,10 @@
 """Where FlashAttention 4's paged forward beats the library's kernel reading the pages: the
 route ``attnbias.sdpa`` takes for a ``PagedKV`` call with FlashAttention 4 allowed from every
-query count (``FA4_MIN_QUERIES = 0``) against it never taken, per queries a row (uniform rows
-and a continuous-batching step of ragged rows: one prefill chunk among decode rows), pages of
-16 and 64, bf16, Hq / Hkv = 32 / 8, E = 128, B = 8 rows of 4096 to 32768 tokens; ms per call
-as CUDA-graph replays, two rounds alternating. The library's kernels run twice: as routed
+query count (``FA4_MIN_QUERIES`` and ``FA4_MIN_RAGGED_MEAN_QUERIES`` 0) against it never
+taken, per queries a row (uniform rows and a continuous-batching step of ragged rows: one
+prefill chunk among decode rows), pages of 16 and 64, bf16, Hq / Hkv = 32 / 8, E = 128,
+B = 8 rows of 4096 to 32768 tokens; ms per call as CUDA-graph replays, two rounds
+alternating. The library's kernels run twice: as routed
 (``own``: ragged rows of a few queries on the decode kernel, ``paged.SPLIT_SHORT_ROWS``) and
 with every ragged row on the training kernel (``unsplit``).
 
@@ -44,15 +45,19 @@ def timed(query: torch.Tensor, pool_k, pool_v, bias) -> dict[str, float]:  # typ
         with torch.no_grad():
             return attnbias.sdpa(query, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
 
-    settings = {"fa4": (0, True), "own": (1 << 30, True), "unsplit": (1 << 30, False)}
-    default = route.FA4_MIN_QUERIES, route.SPLIT_SHORT_ROWS
+    never = 1 << 30
+    settings = {"fa4": (0, 0, True), "own": (never, never, True), "unsplit": (never, never, False)}
+    names = "FA4_MIN_QUERIES", "FA4_MIN_RAGGED_MEAN_QUERIES", "SPLIT_SHORT_ROWS"
+    default = tuple(getattr(route, name) for name in names)
     outs, times = {}, {name: [] for name in settings}
     for round_index in range(2):
         for name in settings if round_index == 0 else list(settings)[::-1]:
-            route.FA4_MIN_QUERIES, route.SPLIT_SHORT_ROWS = settings[name]
+            for setting, value in zip(names, settings[name], strict=True):
+                setattr(route, setting, value)
             outs[name] = run().float()
             times[name].append(graph_ms(run))
-    route.FA4_MIN_QUERIES, route.SPLIT_SHORT_ROWS = default
+    for setting, value in zip(names, default, strict=True):
+        setattr(route, setting, value)
     diff = max(float((outs["fa4"] - outs[name]).abs().max()) for name in ("own", "unsplit"))
     return {**{n: sum(t) / 2 for n, t in times.items()}, "diff": diff}
 
