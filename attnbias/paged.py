@@ -499,6 +499,13 @@ def _reader(
 SPLIT_SHORT_ROWS = True
 
 
+def _splits(length: int) -> bool:
+    """Whether ragged rows placed at ``length`` queries are split between the decode and the
+    training kernel (:data:`SPLIT_SHORT_ROWS`, a length the decode kernel does not take
+    whole), a ``ModBias`` aside."""
+    return SPLIT_SHORT_ROWS and length > MAX_DECODE_QUERIES
+
+
 def short_queries(placed: Tensor, key: Tensor, rest: tuple[AttnBias, ...]) -> int:
     """The queries a ragged row holds at most to run on the decode kernel beside longer rows
     on the training kernel (:data:`SPLIT_SHORT_ROWS`): as many as fill the decode kernel's
@@ -507,7 +514,7 @@ def short_queries(placed: Tensor, key: Tensor, rest: tuple[AttnBias, ...]) -> in
     ``ModBias`` (it reads a query's index among its row's, which the last positions alone
     would shift). ``placed``: ``(B, Hq, L, E)``; ``key``: a ``(num_pages, page_size, Hkv, E)``
     pool."""
-    if not SPLIT_SHORT_ROWS or placed.shape[2] <= MAX_DECODE_QUERIES:
+    if not _splits(placed.shape[2]):
         return 0
     if any(isinstance(part, ModBias) for part in rest):
         return 0
@@ -680,9 +687,8 @@ def fa4_paged(
     placed = placed_length(pages, query)
     if placed < FA4_MIN_QUERIES:  # a row's, or the packed rows' bound
         return None
-    split = SPLIT_SHORT_ROWS and placed > MAX_DECODE_QUERIES  # (no ModBias: form checked)
     mean_below = query.shape[2] < FA4_MIN_RAGGED_MEAN_QUERIES * pages.block_table.shape[0]
-    if pages.cu_seqlens_q is not None and split and mean_below:
+    if pages.cu_seqlens_q is not None and _splits(placed) and mean_below:  # (form: no ModBias)
         return None
     tiles = _fa4_key_tiles(head_dim)
     if tiles is None or page_size in tiles:

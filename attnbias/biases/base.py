@@ -129,10 +129,9 @@ KEPT_PER_CACHE = 16
 
 
 def capturing_now() -> bool:
-    """Whether the current CUDA stream is capturing a graph (``False`` without CUDA, and while
-    ``torch.compile`` traces: the traced call keeps its copies as an eager one does)."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether the current CUDA stream is capturing a graph (``False`` without CUDA). Not to
+    be asked while ``torch.compile`` traces (it cannot trace the query): callers check
+    ``torch.compiler.is_compiling()`` first."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
