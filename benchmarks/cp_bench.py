@@ -155,8 +155,9 @@ def run_rank(rank: int, world: int, port: int, args: Any) -> None:
     rows: list[dict[str, Any]] = []
     try:
         for length in args.lengths:
-            for name, bias in biases(length, device).items():
-                if args.cases and not any(c in name for c in args.cases):
+            cases = biases(length, device)
+            for name, bias in cases.items():
+                if args.cases and not selected(name, args.cases, cases):
                     continue
                 rows += bench_case(rank, world, length, name, bias, args)
                 if rank == 0:
@@ -165,6 +166,13 @@ def run_rank(rank: int, world: int, port: int, args: Any) -> None:
                         json.dump(rows, f)
     finally:
         dist.destroy_process_group()
+
+
+def selected(name: str, cases: list[str], names: Any) -> bool:
+    """Whether ``--cases`` selects the case ``name`` of the cases ``names``: a whole name
+    selects only its case ("causal" is not "window 4096 + causal"); a part of a name selects
+    every case it is part of."""
+    return any(c == name or (c not in names and c in name) for c in cases)
 
 
 def bench_case(

@@ -26,18 +26,19 @@ class Rates:
     with NVLink (bf16, B=1, H=16, E=128, S = 32k and 128k; benchmarks/NOTES.md, "Context
     parallelism"), checked on two and four at 32k-512k: attention's work at FlashAttention
     4's pace, and how much slower shard pairs with mask functions or documents run (on the
-    Triton kernel), a pair's fixed cost, the sequence mode's fixed cost per call (about 2 ms
-    a forward + backward step beyond its pairs, refitted after partial results stopped being
-    summed where one reaches), the log-sum-exp merge per output element of the rows several
-    pairs reach, the all-to-all's fixed cost (per direction) and rate, and the point-to-point
-    rate."""
+    Triton kernel), a pair's fixed cost and the sequence mode's fixed cost per call (refitted
+    to the steps with the merge in one kernel and each attention launched before its
+    transfers: window, documents and causal at 32k-512k on two H200s and four H100s, within
+    -4% to +17% of the measured step, the short calls over), the log-sum-exp merge per output
+    element of the rows several pairs reach, the all-to-all's fixed cost (per direction) and
+    rate, and the point-to-point rate."""
 
     flops: float = 6.5e14
     backward_factor: float = 3.5
     functions_slowdown: float = 1.9
     documents_slowdown: float = 1.6
-    pair_s: float = 0.35e-3
-    sequence_call_s: float = 0.55e-3
+    pair_s: float = 0.25e-3
+    sequence_call_s: float = 0.2e-3
     merge_element_s: float = 2.6e-11
     all_to_all_s: float = 1.0e-3
     all_to_all_bytes: float = 1.4e11
