@@ -1,0 +1,113 @@
+"""Why continuous batching's captured steps run slower than its eager ones: ``generate_batch``
+of ``batching_bench.py``'s model (random weights, bf16) on attnbias with CUDA graphs, tokens
+per second under each setting of the paged route that a captured step depends on:
+
+* ``as routed``: the library's settings;
+* ``no split``: ``paged.SPLIT_SHORT_ROWS`` off (every ragged row on the training kernel);
+* ``FA4 from 64``: ``paged.FA4_MIN_RAGGED_MEAN_QUERIES`` 0 (split steps go to FlashAttention 4
+  from 64 queries in all, the rule before the mean bound);
+* ``eager``: the same settings as ``as routed``, CUDA graphs off.
+
+Then the GPU's kernels of one captured ``generate_batch`` as routed, summed by name (the ten
+largest), and the captured steps' shapes the route saw (packed queries, rows, the route
+taken), so that a slow kernel or a route that differs from the eager steps' shows.
+
+    python benchmarks/probes/batching_graphs.py [--requests 24] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from batching_bench import run
+from transformers import AutoModelForCausalLM
+from transformers_bench import config
+
+import attnbias.integrations.transformers as attnbias_hf
+import attnbias.paged as route
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    args = parser.parse_args()
+    attnbias_hf.register()
+    torch.manual_seed(0)
+    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
+    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
+    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16).cuda().eval()
+    model.set_attn_implementation("sdpa")
+    defaults = (route.SPLIT_SHORT_ROWS, route.FA4_MIN_RAGGED_MEAN_QUERIES)
+    settings = {
+        "as routed": (defaults, True),
+        "no split": ((False, defaults[1]), True),
+        "FA4 from 64": ((defaults[0], 0), True),
+        "eager": (defaults, False),
+    }
+
+    def one(name: str) -> float:
+        (split, mean), graphs = settings[name]
+        route.SPLIT_SHORT_ROWS, route.FA4_MIN_RAGGED_MEAN_QUERIES = split, mean
+        try:
+            with attnbias_hf.continuous_batching(model):
+                return run(model, prompts, args.new_tokens, graphs)[0]
+        finally:
+            route.SPLIT_SHORT_ROWS, route.FA4_MIN_RAGGED_MEAN_QUERIES = defaults
+
+    for name in settings:  # warm up: compiled, captured
+        one(name)
+    seconds: dict[str, list[float]] = collections.defaultdict(list)
+    for order in (list(settings), list(settings)[::-1]):
+        for name in order:
+            seconds[name].append(one(name))
+            print(f"  {name}: {seconds[name][-1]:.2f} s", flush=True)
+
+    # the kernels of one captured generate_batch as routed, and the steps the route saw
+    seen: collections.Counter[tuple[int, int, str]] = collections.Counter()
+    fa4_route = route.fa4_paged
+
+    def counting(query, key, value, pages, *rest, **kwargs):  # type: ignore[no-untyped-def]
+        found = fa4_route(query, key, value, pages, *rest, **kwargs)
+        rows = pages.block_table.shape[0]
+        capture = torch.cuda.is_current_stream_capturing()
+        taken = ("fa4" if found is not None else "own") + (" captured" if capture else "")
+        seen[(query.shape[2], rows, taken)] += 1
+        return found
+
+    route.fa4_paged = counting
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            one("as routed")
+    finally:
+        route.fa4_paged = fa4_route
+    totals: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:80]] += event.device_time_total
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.requests} "
+          f"requests of {args.prompts[0]}-{args.prompts[1]} prompt tokens, {args.new_tokens} "
+          "new each")  # fmt: skip
+    print("| setting | s (two rounds) | tokens/s |")
+    print("|---|--:|--:|")
+    tokens = args.requests * args.new_tokens
+    for name, took in seconds.items():
+        mean = sum(took) / len(took)
+        print(f"| {name} | {' / '.join(f'{t:.2f}' for t in took)} | {tokens / mean:.0f} |")
+    print("\nGPU ms by kernel (one captured generate_batch, as routed):")
+    for name, micros in totals.most_common(10):
+        print(f"  {micros / 1e3:9.1f}  {name}")
+    print("\nPaged calls (packed queries, rows, route) -> count, the 15 most frequent:")
+    for (queries, rows, taken), count in seen.most_common(15):
+        print(f"  {queries:6d} {rows:4d} {taken:14s} {count}")
+
+
+if __name__ == "__main__":
+    main()
