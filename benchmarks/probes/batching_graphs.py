@@ -8,9 +8,11 @@ per second under each setting of the paged route that a captured step depends on
   from 64 queries in all, the rule before the mean bound);
 * ``eager``: the same settings as ``as routed``, CUDA graphs off.
 
-Then the GPU's kernels of one captured ``generate_batch`` as routed, summed by name (the ten
-largest), and the captured steps' shapes the route saw (packed queries, rows, the route
-taken), so that a slow kernel or a route that differs from the eager steps' shows.
+Then, of one captured ``generate_batch`` as routed: the GPU's kernels summed by name (the ten
+largest), the paged calls the route saw (packed queries, rows, the route taken), and the host
+time of the attention function in calls made while a graph was captured against the others
+(warm-ups, eager steps), so that a slow kernel, a route that differs from the eager steps' or
+a capture cost shows.
 
     python benchmarks/probes/batching_graphs.py [--requests 24] [--new-tokens 64]
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +42,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
     args = parser.parse_args()
+    calls: collections.Counter[str] = collections.Counter()
+    host: collections.Counter[str] = collections.Counter()
+    forward = attnbias_hf.paged_attention_forward
+
+    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        kind = "captured" if torch.cuda.is_current_stream_capturing() else "not captured"
+        began = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            calls[kind] += 1
+            host[kind] += time.perf_counter() - began
+
+    attnbias_hf.paged_attention_forward = timed_forward  # read by register()
     attnbias_hf.register()
     torch.manual_seed(0)
     lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
@@ -83,6 +100,8 @@ def main() -> None:
         return found
 
     route.fa4_paged = counting
+    calls.clear()
+    host.clear()
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             one("as routed")
@@ -104,6 +123,9 @@ def main() -> None:
     print("\nGPU ms by kernel (one captured generate_batch, as routed):")
     for name, micros in totals.most_common(10):
         print(f"  {micros / 1e3:9.1f}  {name}")
+    print("\nAttention function's host time (one captured generate_batch, as routed):")
+    for kind in ("captured", "not captured"):
+        print(f"  {kind}: {calls[kind]} calls, {host[kind]:.2f} s")
     print("\nPaged calls (packed queries, rows, route) -> count, the 15 most frequent:")
     for (queries, rows, taken), count in seen.most_common(15):
         print(f"  {queries:6d} {rows:4d} {taken:14s} {count}")
