@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from in_turn import in_turn
 from torch import Tensor
 
 import attnbias
@@ -120,15 +121,16 @@ def run(q: Tensor, k: Tensor, v: Tensor, program: MaskProgram, grad_out: Tensor)
     return [out.detach(), lse, *grads]
 
 
+FP32_BF16 = ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+
+
 def _builtin_runs() -> list[Any]:
     """Each built-in in float32 and bfloat16 on the GPU; on the CPU (each interpreted case costs
     10-15 s) one dtype per built-in, in turn (each dtype still runs, over half the cases)."""
-    runs = []
-    for index, name in enumerate(builtin_cases()):
-        for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            if DEVICE != "cpu" or index % 2 == (dtype == torch.bfloat16):
-                runs.append(pytest.param(name, dtype, id=f"{name}-{label}"))
-    return runs
+    return [
+        pytest.param(name, dtype, id=f"{name}-{label}")
+        for name, dtype, label in in_turn(builtin_cases(), FP32_BF16, DEVICE == "cpu")
+    ]
 
 
 @pytest.mark.parametrize(("name", "dtype"), _builtin_runs())
@@ -264,12 +266,9 @@ def _list_runs() -> list[Any]:
     """Each kind of lists in float32 and bfloat16 on the GPU; on the CPU one dtype per kind, in
     turn (each interpreted case costs 10-14 s)."""
     kinds = ["per_batch", "per_head", "per_batch_and_head"]
-    dtypes = ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
     return [
         pytest.param(kind, dtype, id=f"{label}-{kind}")
-        for index, kind in enumerate(kinds)
-        for dtype, label in dtypes
-        if DEVICE != "cpu" or index % 2 == (dtype == torch.bfloat16)
+        for kind, dtype, label in in_turn(kinds, FP32_BF16, DEVICE == "cpu")
     ]
 
 

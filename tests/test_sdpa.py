@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from in_turn import in_turn
 
 import attnbias
 from attnbias import (
@@ -101,14 +102,11 @@ def _each_bias_runs() -> list[Any]:
     (~4 s a case): there one dtype per bias, in turn (each dtype still runs, over a third of
     the biases); the GPU runs every pair."""
     dtypes = ((torch.float32, "fp32"), (torch.float16, "fp16"), (torch.bfloat16, "bf16"))
-    runs = []
-    for route in ("default", "fallback"):
-        for index, name in enumerate(BIASES):
-            for turn, (dtype, label) in enumerate(dtypes):
-                if route == "default" and DEVICE == "cpu" and index % 3 != turn:
-                    continue
-                runs.append(pytest.param(route, name, dtype, id=f"{route}-{name}-{label}"))
-    return runs
+    return [
+        pytest.param(route, name, dtype, id=f"{route}-{name}-{label}")
+        for route in ("default", "fallback")
+        for name, dtype, label in in_turn(BIASES, dtypes, route == "default" and DEVICE == "cpu")
+    ]
 
 
 @pytest.mark.parametrize(("route", "name", "dtype"), _each_bias_runs(), indirect=["route"])
