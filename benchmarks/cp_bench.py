@@ -30,7 +30,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +168,7 @@ def run_rank(rank: int, world: int, port: int, args: Any) -> None:
         dist.destroy_process_group()
 
 
-def selected(name: str, cases: list[str], names: Any) -> bool:
+def selected(name: str, cases: list[str], names: Collection[str]) -> bool:
     """Whether ``--cases`` selects the case ``name`` of the cases ``names``: a whole name
     selects only its case ("causal" is not "window 4096 + causal"); a part of a name selects
     every case it is part of."""
