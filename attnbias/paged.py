@@ -6,7 +6,8 @@ other with a :class:`~attnbias.KeyRangeBias` keeping each row's keys: aligned at
 built-ins that measure from the last key (``causal_lower_right()``, windows, ALiBi) read each
 row's own positions, and a ``ModBias`` reads them through per-row offsets. Ragged queries
 (``cu_seqlens_q``) are placed the same way, each row's at the end of a ``(B, Hq, total, E)``
-query. No host synchronisation per call: the tables are read on the device, and their
+query (queries past the last row, a padded step's, are not placed: their outputs are zeros).
+No host synchronisation per call: the tables are read on the device, and their
 problems are flagged there and read at the next eager call (on the CPU, checked before
 anything runs).
 """
@@ -39,7 +40,7 @@ from attnbias.biases.paged import PagedKV, check_layout, row_queries
 from attnbias.kernels.decode import MIN_ROWS
 from attnbias.kernels.forward import reads_pages, stand_in
 from attnbias.kernels.limits import MAX_DECODE_QUERIES, interpreting
-from attnbias.kernels.ragged import place_ragged
+from attnbias.kernels.ragged import place_ragged, take_placed
 from attnbias.kernels.record import Pages
 
 __all__ = ["check_pending", "gathered_pages", "paged_explain", "paged_sdpa"]
@@ -91,8 +92,8 @@ def _split(attn_mask: AttnBias) -> tuple[PagedKV, tuple[AttnBias, ...]]:
 
 def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> Tensor:
     """``(5,)`` bool on the device: a page index out of the pool among the pages a row reads,
-    a length beyond the row's pages, more queries than tokens, ragged query offsets that do
-    not end at the query's length, a row with more queries than ``max_seqlen_q``."""
+    a length beyond the row's pages, more queries than tokens, ragged query offsets that end
+    past the query's length, a row with more queries than ``max_seqlen_q``."""
     queries = row_queries(pages, query)
     table, lens = pages.block_table, pages.seq_lens.long()
     capacity = table.shape[1] * page_size
@@ -102,7 +103,7 @@ def _problems(pages: PagedKV, num_pages: int, page_size: int, query: Tensor) -> 
     cu = pages.cu_seqlens_q
     ragged = torch.zeros((), dtype=torch.bool, device=table.device)
     if cu is not None:
-        ragged = cu[-1] != query.shape[2]
+        ragged = cu[-1] > query.shape[2]
     longer = torch.zeros((), dtype=torch.bool, device=table.device)
     if pages.max_seqlen_q is not None:
         longer = (queries > pages.max_seqlen_q).any()
@@ -115,7 +116,7 @@ _PROBLEMS = (
     "reads a page index outside the pools",
     "has a seq_lens beyond its block_table row's pages",
     "has more queries than tokens (the queries are the row's last tokens, already written)",
-    "has cu_seqlens_q that does not end at the query's length",
+    "has cu_seqlens_q that ends past the query's length",
     "has more queries than max_seqlen_q",
 )
 
@@ -248,9 +249,9 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
     """The query as ``(B, Hq, L, E)``: itself, or for ragged rows each row's queries at the
     end of a ``(B, Hq, placed_length, E)`` query (zeros before them), with the flat
     ``(B * Hq * L)`` position of each packed query and head there, int64 ``(total, Hq)`` (to
-    read the output back). On a GPU (and under Triton's interpreter) one launch places them
-    (:func:`attnbias.kernels.ragged.place_ragged`); elsewhere, and while ``torch.compile``
-    traces, tensor operations."""
+    read the output back; -1 for a query past the last row, not placed). On a GPU (and under
+    Triton's interpreter) one launch places them (:func:`attnbias.kernels.ragged.place_ragged`);
+    elsewhere, and while ``torch.compile`` traces, tensor operations."""
     cu = pages.cu_seqlens_q
     if cu is None:
         return query, None
@@ -260,13 +261,28 @@ def _placed(pages: PagedKV, query: Tensor) -> tuple[Tensor, Tensor | None]:
         return place_ragged(query, cu, batch, length)
     flat = torch.arange(total, device=query.device)
     row = torch.searchsorted(cu[1:].long(), flat, right=True).clamp(max=batch - 1)
+    in_row = flat < cu[-1]  # (a padded step's queries past the last row: not placed)
     count = (cu[1:] - cu[:-1]).long()
     place = length - count[row] + (flat - cu[:-1].long()[row])
     place = place.clamp(0, length - 1)  # (a row past the bound is flagged, not read right)
     placed = query.new_zeros(batch, heads, length, query.shape[3])
-    placed[row, :, place] = query[0].transpose(0, 1)
+    # summed in: a query of no row adds zeros to the last row's last place, read as it is
+    values = torch.where(in_row[:, None, None], query[0].transpose(0, 1), 0)
+    placed.transpose(1, 2).index_put_((row, place), values, accumulate=True)
     head = torch.arange(heads, device=query.device)
-    return placed, ((row * heads)[:, None] + head) * length + place[:, None]
+    where = ((row * heads)[:, None] + head) * length + place[:, None]
+    return placed, torch.where(in_row[:, None], where, -1)
+
+
+def _taken(out: Tensor, where: Tensor) -> Tensor:
+    """The packed ``(1, Hq, total, Ev)`` output of a ragged call from the placed call's ``(B,
+    Hq, L, Ev)`` output and :func:`_placed`'s ``where`` (zeros for the queries of no row)."""
+    if _places_by_kernel(out):
+        taken = take_placed(out, where)
+    else:
+        rows = out.reshape(-1, out.shape[3])[where.clamp(min=0)]
+        taken = torch.where((where >= 0)[..., None], rows, 0)
+    return taken.transpose(0, 1).unsqueeze(0)
 
 
 def _tables_state(
@@ -721,6 +737,9 @@ def fa4_paged(
             window_size=window, softmax_scale=scale, num_splits=1, **more,
         )  # fmt: skip
         out = found[0] if isinstance(found, tuple) else found
+        if cu is not None:  # the queries past the last row (a padded step): zeros
+            past = torch.arange(out.shape[0], device=out.device) >= cu[-1]
+            out = out.masked_fill(past[:, None, None], 0)
         if not captured:  # compiled now (explain() decides without running: not seen)
             with _FA4_SEEN_LOCK:
                 if len(_FA4_SEEN) >= _FA4_SEEN_KEPT:  # (ragged totals vary from step to step)
@@ -796,8 +815,7 @@ def paged_sdpa(
         )  # fmt: skip
     if where is None:
         return out
-    # each packed query's and head's row of the (B * Hq * L, Ev) output
-    return out.reshape(-1, out.shape[3])[where].transpose(0, 1).unsqueeze(0)
+    return _taken(out, where)
 
 
 def paged_explain(

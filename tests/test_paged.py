@@ -112,6 +112,35 @@ def test_ragged_queries_match_the_oracle(rest: str, bound: int | None) -> None:
     assert paged.placed_length(pages, query) == (9 if bound is None else bound)
 
 
+@pytest.mark.parametrize("bound", [None, 5])
+@pytest.mark.parametrize("rest", ["causal", "window alibi softcap"])
+def test_a_padded_step_gives_zeros_past_its_last_row(rest: str, bound: int | None) -> None:
+    """A step padded to a fixed size (as CUDA graphs need): the 4 packed queries past
+    ``cu_seqlens_q[-1]`` belong to no row. They hold NaN, which reaches no row's output, and
+    their outputs are zeros; with ``max_seqlen_q`` (the rows then run at the same length
+    padded or not) the rows' outputs are those of the unpadded step, bit for bit."""
+    k, v = pools(12, 4, 2, 16, seed=4)
+    table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11], [2, 0, 0, 0]])
+    cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
+    pages = PagedKV(table, lens_of([14, 6, 16, 3]), cu_seqlens_q=cu, max_seqlen_q=bound)
+    query = torch.randn(1, 4, 13, 16, device=DEVICE)
+    query[:, :, 9:] = float("nan")
+    run_and_check(query, k, v, pages, RESTS[rest]())
+    with torch.no_grad():
+        out = attnbias.sdpa(query, k, v, attn_mask=pages + RESTS[rest](), enable_gqa=True)
+        alone = attnbias.sdpa(query[:, :, :9], k, v, attn_mask=pages + RESTS[rest](),
+                              enable_gqa=True)  # fmt: skip
+    assert torch.equal(out[:, :, 9:], torch.zeros_like(out[:, :, 9:]))
+    if bound is not None:
+        torch.testing.assert_close(out[:, :, :9], alone, rtol=0, atol=0)
+    pages.validate(k, v, query)
+    with pytest.raises(ValueError, match="ends at 9, past the query's 8 packed tokens"):
+        pages.validate(k, v, query[:, :, :8])
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="cu_seqlens_q that ends past the query's length"):
+            _call(pages, query[:, :, :8], k, v)
+
+
 def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[str, Any]:
     """ModBias parts reading each row's own positions: ``kv_idx`` the key's position in its
     row, ``q_idx`` the query's index among the row's queries (its position in the row is
@@ -528,10 +557,11 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
     bound=st.integers(1, 8),
     head_dim=st.sampled_from([8, 24]),
     packed=st.booleans(),
+    padding=st.sampled_from([0, 0, 5]),
 )
 @pytest.mark.parametrize("kernel", [True, False])
 def test_ragged_rows_are_placed_at_the_end_of_their_positions(
-    kernel: bool, counts: list[int], bound: int, head_dim: int, packed: bool
+    kernel: bool, counts: list[int], bound: int, head_dim: int, packed: bool, padding: int
 ) -> None:
     """Each row's packed queries land at the last of its ``L`` placed positions (zeros
     before them), and ``where`` names each packed query's and head's flat position there,
@@ -539,10 +569,11 @@ def test_ragged_rows_are_placed_at_the_end_of_their_positions(
     count (the placement's search over ``cu_seqlens_q``), empty rows, a head dim that is not
     a power of two, a query viewed from ``(1, total, Hq, E)`` (``packed``), and rows past
     the bound (their first queries clamped to the first position: such tables are flagged
-    by the call's checks)."""
+    by the call's checks), and queries past the last row (``padding``: not placed, ``where``
+    -1; their output read back is zeros)."""
     from attnbias import paged
 
-    total, heads = sum(counts), 3
+    total, heads = sum(counts) + padding, 3
     cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=I32, device=DEVICE)
     if packed:
         query = torch.randn(1, total, heads, head_dim, device=DEVICE).transpose(1, 2)
@@ -551,13 +582,14 @@ def test_ragged_rows_are_placed_at_the_end_of_their_positions(
     pages = PagedKV(table_of([[0]] * len(counts)), lens_of([8] * len(counts)), cu_seqlens_q=cu,
                     max_seqlen_q=bound)  # fmt: skip
     length = min(bound, total) if total else 1
+    query[:, :, total - padding :] = float("nan")  # (no row's: never placed)
     assert paged._places_by_kernel(query) == (DEVICE == "cuda" or interpreting())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged, "_places_by_kernel", lambda _: kernel)
         placed, where = paged._placed(pages, query)
     assert where is not None
     expected = torch.zeros(len(counts), heads, length, head_dim, device=DEVICE)
-    rows = torch.zeros(total, heads, dtype=torch.int64)
+    rows = torch.full((total, heads), -1, dtype=torch.int64)
     for b, count in enumerate(counts):
         for i in range(count):
             place = max(length - count + i, 0)
@@ -567,6 +599,16 @@ def test_ragged_rows_are_placed_at_the_end_of_their_positions(
     assert where.tolist() == rows.tolist()
     fits = torch.tensor([count <= length for count in counts], device=DEVICE)
     torch.testing.assert_close(placed[fits], expected[fits], rtol=0, atol=0)
+    # read back: each packed query's own row of a placed output, zeros for the queries past
+    out = torch.randn(*placed.shape[:3], 5, device=DEVICE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged, "_places_by_kernel", lambda _: kernel)
+        taken = paged._taken(out, where)
+    flat = out.reshape(-1, 5)
+    for t in range(total):
+        for h in range(heads):
+            want = flat[rows[t, h]] if rows[t, h] >= 0 else torch.zeros(5, device=DEVICE)
+            assert torch.equal(taken[0, h, t], want), (t, h)
 
 
 def _call(pages: Any, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -854,8 +896,9 @@ def test_gpu_chunked_prefill_on_flashattention4_keeps_garbage_out(
     forward where its pages are not its key tile (16, 64 at head dim 128), and on the
     library's kernel where they are (128: FlashAttention 4 would load whole pages by TMA,
     slots past a row's length included). Slots past each row's length and the pages no row
-    uses hold NaN, and so does the shared memory before the call: the output matches the
-    oracle, finite, on either route."""
+    uses hold NaN, and so does the shared memory before the call; ragged rows are padded past
+    the last row with queries of NaN: the output matches the oracle (zeros for those), finite,
+    on either route."""
     if not _fa4_paged_here():
         pytest.skip("needs FlashAttention 4 on a GPU of capability 9")
     gen = torch.Generator().manual_seed(page_size + ragged)
@@ -875,10 +918,11 @@ def test_gpu_chunked_prefill_on_flashattention4_keeps_garbage_out(
             pool[page, slot] = torch.randn(length, heads_kv, head_dim, generator=gen)
     pool_k, pool_v = pool_k.cuda(), pool_v.cuda()
     queries = [200, 130, 300, 150]
-    if ragged:
+    if ragged:  # padded past the last row with 37 queries of NaN (zeros out)
         cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=I32).cuda()
         pages = PagedKV(table.cuda(), lens_of(lens).cuda(), cu_seqlens_q=cu)
-        query = torch.randn(1, heads_q, sum(queries), head_dim, generator=gen).cuda()
+        query = torch.randn(1, heads_q, sum(queries) + 37, head_dim, generator=gen).cuda()
+        query[:, :, sum(queries) :] = float("nan")
     else:
         pages = PagedKV(table.cuda(), lens_of(lens).cuda())
         query = torch.randn(len(lens), heads_q, 160, head_dim, generator=gen).cuda()

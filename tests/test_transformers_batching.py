@@ -228,8 +228,8 @@ def _step(
     dtype: torch.dtype = torch.float32,
 ) -> None:
     """One step: row ``b`` has ``query_lens[b]`` new tokens after ``past[b]`` cached ones;
-    ``padding`` query and key tokens past the rows (a padded step). Each row's output
-    against the oracle of that row alone; the padding's outputs finite."""
+    ``padding`` query and key tokens past the rows (a padded step; the padded queries NaN).
+    Each row's output against the oracle of that row alone; the padding's outputs zeros."""
     generator = torch.Generator().manual_seed(len(query_lens) + sum(past))
     hq, hkv, e = 4, 2, 16
     key_lens = [n + p for n, p in zip(query_lens, past, strict=True)]
@@ -238,6 +238,7 @@ def _step(
     total_q, total_k = int(cu_q[-1]) + padding[0], int(cu_k[-1]) + padding[1]
     q = torch.randn(1, hq, total_q, e, generator=generator).to(dtype)
     k, v = (torch.randn(1, hkv, total_k, e, generator=generator).to(dtype) for _ in range(2))
+    q[:, :, int(cu_q[-1]) :] = float("nan")
     out, weights = hf.paged_attention_forward(
         _Layer(),
         q,
@@ -265,7 +266,7 @@ def _step(
         stock = attention(*parts, bias, scale=scale, enable_gqa=True, dtype=dtype)
         got = out[:, rows].transpose(1, 2)
         assert_close_to_oracle([got], [oracle], [stock], dtype)
-    assert torch.isfinite(out[:, int(cu_q[-1]) :]).all()
+    assert (out[:, int(cu_q[-1]) :] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -316,20 +317,20 @@ def test_bad_calls_are_refused() -> None:
 
 def test_step_tables_are_written_whole_at_each_refill() -> None:
     """Tables made while one CUDA graph was captured are filled only when that graph
-    replays, and other graphs read them too: each refill writes every entry (the padding
-    row's table and the query offsets' tail included), not only those a step changes."""
+    replays, and other graphs read them too: each refill writes every entry, not only those
+    a step changes. A padded step (4 queries, the rows' 3) has no row for its padding."""
     hf._STEP_ROWS.clear()
     cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 9], dtype=torch.int32)
     hf._step_bias(cu_q, cu_k, 5, 4, None, None, keys=9)
     (found,) = hf._STEP_ROWS.values()
-    rows = 2
-    found.table[rows:].fill_(-7)  # what a graph that never replayed leaves
-    found.cu_q[rows + 1 :].fill_(-7)
+    for table in (found.table, found.lens, found.cu_q):
+        table.fill_(-7)  # what a graph that never replayed leaves
     hf._step_bias(cu_q.clone(), cu_k.clone(), 5, 4, None, None, keys=9)  # new sources
-    assert (found.table[rows:] == 0).all()
-    assert found.cu_q.tolist() == [0, 2, 3, 4]
-    assert found.lens.tolist() == [5, 4, 1]
+    # each row's keys from its first in the step's order (the gathered keys: pages of one)
+    assert found.table.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 8, 8, 8, 8, 8]]
+    assert found.cu_q.tolist() == [0, 2, 3]
+    assert found.lens.tolist() == [5, 4]
     assert found.paged.max_seqlen_q is None  # no bound given
     hf._step_bias(cu_q, cu_k, 5, 4, None, None, keys=9, max_q=2)
     bounded = [rows for rows in hf._STEP_ROWS.values() if rows is not found]

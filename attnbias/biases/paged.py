@@ -42,10 +42,13 @@ class PagedKV(AttnBias):
     holds each row's last ``L`` tokens; with ``cu_seqlens_q`` (int32 ``(B + 1,)``, from 0,
     non-decreasing) the query is ``(1, Hq, total, E)`` and row ``b``'s queries are
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, its last that many tokens (prefill and decode rows
-    packed together, as continuous batching does). ``max_seqlen_q`` (a host int, with
-    ``cu_seqlens_q``) bounds any row's queries: the library's kernels then run each row at that
-    many queries rather than at the packed total (a decode step of ``B`` rows of one token
-    costs ``B`` times less); a row with more is refused like other bad tables.
+    packed together, as continuous batching does). The rows may end before ``total``: the
+    queries past ``cu_seqlens_q[-1]`` belong to no row (a step padded to a fixed size, as
+    CUDA graphs need) and their outputs are zeros, at no cost in attention.
+    ``max_seqlen_q`` (a host int, with ``cu_seqlens_q``) bounds any row's queries: the
+    library's kernels then run each row at that many queries rather than at the packed total
+    (a decode step of ``B`` rows of one token costs ``B`` times less); a row with more is
+    refused like other bad tables.
 
     The other parts of a sum align per row: ``causal_lower_right()`` ends each row's queries at
     the row's last key, :class:`SlidingWindowBias` and :class:`AlibiBias` measure distances
@@ -170,6 +173,12 @@ class PagedKV(AttnBias):
         queries = None
         if query is not None:
             queries = row_queries(self, query).long().cpu()
+            cu = self.cu_seqlens_q
+            if cu is not None and int(cu[-1]) > query.shape[2]:
+                raise ValueError(
+                    f"PagedKV cu_seqlens_q ends at {int(cu[-1])}, past the query's "
+                    f"{query.shape[2]} packed tokens; the rows' queries must lie in the query"
+                )
         for row in range(table.shape[0]):
             length = int(lens[row])
             if length > capacity:

@@ -539,15 +539,15 @@ def attention_forward(
 @dataclass
 class _StepRows:
     """One kind of layer's rows in a continuous-batching step, as a :class:`PagedKV`: row
-    ``b``'s queries ``cu_seq_lens_q[b]:cu_seq_lens_q[b + 1]``, and one more row for the query
-    padding past ``cu_seq_lens_q[-1]`` (padded steps, for CUDA graphs: its queries read page
-    0; their outputs are not used). The tables are written in place on the device when a
+    ``b``'s queries ``cu_seq_lens_q[b]:cu_seq_lens_q[b + 1]``; the queries past
+    ``cu_seq_lens_q[-1]`` (a step padded for CUDA graphs) belong to no row and cost no
+    attention (their outputs are zeros). The tables are written in place on the device when a
     step's lengths change (no host synchronisation), so one bias serves every step of the
     same shape and its sums keep their plans."""
 
-    table: Tensor  # int32 (B + 1, W)
-    lens: Tensor  # int32 (B + 1,)
-    cu_q: Tensor  # int32 (B + 2,)
+    table: Tensor  # int32 (B, W)
+    lens: Tensor  # int32 (B,)
+    cu_q: Tensor  # int32 (B + 1,)
     paged: PagedKV
     sums: dict[tuple[int | None, float | None], AttnBias] = field(default_factory=dict)
     # the step's tensors the tables were written from, and their versions and key count
@@ -582,14 +582,14 @@ def _step_bias(
 ) -> AttnBias:
     """``PagedKV + causal_lower_right()`` (+ the layer's window and soft-cap) for a step whose
     ``queries`` packed query tokens are split into rows by ``cu_q`` and their keys by ``cu_k``
-    (int32 ``(B + 1,)``, on the device), the longest row ``max_k`` keys and, where given,
-    ``max_q`` queries (the rows then run at that many queries each, not at ``queries``; a
-    padded step, whose padding row may hold more, runs without it). The pages: the step's
-    ``keys`` gathered keys, each a page of one token (``read_index`` ``None``); or the cache's
-    own pages of ``page`` tokens, where ``read_index`` (the keys' rows in the cache, per row
-    in order, a row starting on a page) says which."""
+    (int32 ``(B + 1,)``, on the device; the tokens past ``cu_q[-1]``, a padded step's, in no
+    row), the longest row ``max_k`` keys and, where given, ``max_q`` queries (the rows then
+    run at that many queries each, not at ``queries``; a captured step runs without it).
+    The pages: the step's ``keys`` gathered keys, each a page of one token (``read_index``
+    ``None``); or the cache's own pages of ``page`` tokens, where ``read_index`` (the keys'
+    rows in the cache, per row in order, a row starting on a page) says which."""
     rows = cu_q.shape[0] - 1
-    # a power of two above both (the padding row may hold every query)
+    # a power of two above the longest row's keys and the step's queries
     width = 1 << (-(-max(max_k, queries, 1) // page)).bit_length()
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else 0
     capture = capturing(cu_q)
@@ -599,9 +599,9 @@ def _step_bias(
     key = (threading.get_ident(), cu_q.device, stream, rows, width, page, queries, window, bound)
     found = _STEP_ROWS.get(key)
     if found is None:
-        table = torch.zeros((rows + 1, width), dtype=torch.int32, device=cu_q.device)
-        lens = torch.zeros((rows + 1,), dtype=torch.int32, device=cu_q.device)
-        cu = torch.zeros((rows + 2,), dtype=torch.int32, device=cu_q.device)
+        table = torch.zeros((rows, width), dtype=torch.int32, device=cu_q.device)
+        lens = torch.zeros((rows,), dtype=torch.int32, device=cu_q.device)
+        cu = torch.zeros((rows + 1,), dtype=torch.int32, device=cu_q.device)
         # made on zeros (valid tables for PagedKV's checks), filled whole below
         found = _StepRows(table, lens, cu, PagedKV(table, lens, cu, max_seqlen_q=bound))
         if len(_STEP_ROWS) >= _STEP_ROWS_KEPT:  # the oldest that no graph holds go
@@ -626,14 +626,9 @@ def _step_bias(
             starts = torch.arange(0, width * page, page, dtype=torch.int32, device=cu_q.device)
             at = (first + starts).clamp_(max=read_index.shape[0] - 1)
             table = read_index[at.long()] // page
-        found.table[:rows].copy_(table)
-        found.table[rows:].zero_()  # the padding row's keys: the pools' first rows
-        found.lens[:rows].copy_(cu_k[1:] - cu_k[:-1])
-        found.lens[rows:].copy_(queries - cu_q[-1:])  # the padding row: its queries' count
-        found.cu_q[: rows + 1].copy_(cu_q)
-        # written at every refill, not only when made: tables made while one graph was
-        # captured are filled when that graph is replayed, and other graphs read them too
-        found.cu_q[rows + 1 :].fill_(queries)
+        found.table.copy_(table)
+        torch.sub(cu_k[1:], cu_k[:-1], out=found.lens)
+        found.cu_q.copy_(cu_q)
         # after a capture the tables hold what the last replay wrote: written again next time
         found.sources, found.filled = ((), ()) if capture else (sources, filled)
         found.captured |= capture

@@ -399,7 +399,7 @@ def paged_attention(
     ``t`` at ``block_table[b, t // page_size]``, slot ``t % page_size``), its queries the last
     ones, and :func:`attention` of that row with ``bias`` (the parts besides the ``PagedKV``,
     aligned at the row's last key). ``(B, Hq, L, Ev)``, or ``(1, Hq, total, Ev)`` with
-    ``cu_seqlens_q``."""
+    ``cu_seqlens_q`` (the queries past its last row, a padded step's, give zeros)."""
     page_size = key_pool.shape[1]
     table, lens = block_table.tolist(), seq_lens.tolist()
     rows = []
@@ -416,6 +416,8 @@ def paged_attention(
         rows.append(attention(q, k, v, row_bias, scale=scale, enable_gqa=True, dtype=dtype))
     if cu_seqlens_q is None:
         return torch.cat(rows, dim=0)
+    past = query.shape[2] - int(cu_seqlens_q[-1])
+    rows.append(torch.zeros_like(rows[0][:, :, :1]).expand(-1, -1, past, -1))
     return torch.cat(rows, dim=2)
 
 
