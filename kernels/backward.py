@@ -81,10 +81,12 @@ class BackwardPlan:
             dslopes = None if slopes is None else torch.zeros_like(slopes)
             return dq.zero_(), dk.zero_(), dv.zero_(), dslopes, dmods
         dq_kernel, dkdv_kernel = self.kernels
-        lse = lse.to(torch.float32).contiguous()
+        if lse.dtype is not torch.float32 or not lse.is_contiguous():  # (a forward's: it is)
+            lse = lse.to(torch.float32).contiguous()
         if grad_lse is not None:
             grad_lse = grad_lse.to(torch.float32).contiguous()
-        delta = empty_rows(q)  # (B, Hq, L)
+        # (B, Hq, L) float32: made like the log-sum-exp where it is one (cheaper on the host)
+        delta = empty_contiguous(lse) if lse.shape == q.shape[:-1] else empty_rows(q)
         dslope_parts = None
         if slopes is not None:
             dslope_parts = q.new_empty((*q.shape[:2], self.dq_blocks), dtype=torch.float32)

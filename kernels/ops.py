@@ -264,8 +264,15 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        slopes_grad = bool(ctx.needs_input_grad[3])
-        wanted = ctx.needs_input_grad[8:]
+        needs = ctx.needs_input_grad
+        planned = ctx.backward_plan
+        if planned is not None and len(needs) == 8 and not needs[3] and not torch.is_grad_enabled():
+            # a planned call wanting q, k, v's gradients only (_backward_both's first case)
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv, _, _ = planned.launch(grad_out, q, k, v, out, lse, checked=False)
+            return dq, dk, dv, None, None, None, None, None
+        slopes_grad = bool(needs[3])
+        wanted = needs[8:]
         dq, dk, dv, dslopes, dmods = _backward_both(
             ctx, grad_out, None, slopes_grad, mod_grads=any(wanted)
         )
