@@ -89,7 +89,12 @@ def main() -> None:
                     with torch.no_grad(), attnbias.use_backends(exclude=exclude):
                         return attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=True)
 
-                timings[f"{backend} {name}"] = graph_ms(call)
+                try:
+                    timings[f"{backend} {name}"] = graph_ms(call)
+                except Exception as error:  # (a route that cannot take it: say so, go on)
+                    print(f"    {backend} {name}: {type(error).__name__}: {error}", flush=True)
+                    timings[f"{backend} {name}"] = float("nan")
+                print(f"    {backend} {name}: {timings[f'{backend} {name}']:.3f} ms", flush=True)
         rows.append((said, timings))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per call")
     names = list(rows[0][1]) if rows else []
