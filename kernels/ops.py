@@ -156,16 +156,6 @@ def _backward_both(
     through them raises.
     """
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    planned = getattr(ctx, "backward_plan", None)
-    if (
-        planned is not None
-        and grad_lse is None
-        and not slopes_grad
-        and not mod_grads
-        and not torch.is_grad_enabled()
-    ):
-        # the plan made once for this call identity (no gradient of a gradient wanted)
-        return planned.launch(grad_out, q, k, v, out, lse, checked=False)
     program = _program_of(ctx)
 
     def compute() -> tuple[Any, ...]:
@@ -266,11 +256,12 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         needs = ctx.needs_input_grad
         planned = ctx.backward_plan
-        if planned is not None and len(needs) == 8 and not needs[3] and not torch.is_grad_enabled():
-            # a planned call wanting q, k, v's gradients only (_backward_both's first case)
+        if planned is not None and not any(needs[3:]) and not torch.is_grad_enabled():
+            # the plan made once for this call identity: q, k and v's gradients only (no
+            # slopes' or score functions' tensors', no gradient of a gradient)
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv, _, _ = planned.launch(grad_out, q, k, v, out, lse, checked=False)
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, *(None,) * (len(needs) - 3)
         slopes_grad = bool(needs[3])
         wanted = needs[8:]
         dq, dk, dv, dslopes, dmods = _backward_both(
