@@ -43,11 +43,28 @@ def run(
     return time.perf_counter() - began, {k: v.generated_tokens for k, v in outputs.items()}
 
 
+def add_workload(parser: argparse.ArgumentParser, requests: int, new_tokens: int) -> None:
+    """The workload's options: ``--requests``, ``--new-tokens``, ``--prompts MIN MAX``."""
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], torch.nn.Module]:
+    """The prompts of ``args`` (seeded: the same in every run) and the model (random weights,
+    bf16, on the GPU, on stock SDPA until a batching context sets its own)."""
+    torch.manual_seed(0)
+    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
+    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
+    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    model.set_attn_implementation("sdpa")
+    return prompts, model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    add_workload(parser, requests=64, new_tokens=128)
     parser.add_argument(
         "--graphs", choices=("auto", "on", "off"), default="auto",
         help="CUDA graphs for both (auto: transformers' choice, which is on for attnbias, "
@@ -56,12 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     attnbias_hf.register()
-    torch.manual_seed(0)
-    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
-    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
-    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16)
-    model = model.cuda().eval()
-    model.set_attn_implementation("sdpa")
+    prompts, model = workload(args)
     names = ("sdpa", "attnbias")
 
     def one(name: str) -> tuple[float, dict]:

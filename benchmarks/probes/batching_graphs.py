@@ -31,9 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from batching_bench import run
-from transformers import AutoModelForCausalLM
-from transformers_bench import config
+from batching_bench import add_workload, run, workload
 
 import attnbias.integrations.transformers as attnbias_hf
 import attnbias.paged as route
@@ -41,9 +39,7 @@ import attnbias.paged as route
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    add_workload(parser, requests=24, new_tokens=64)
     parser.add_argument(
         "--settings", default="as routed,no split,FA4 from 64,no FA4,eager",
         help="the settings to time, by name, comma-separated",
@@ -64,11 +60,7 @@ def main() -> None:
 
     attnbias_hf.paged_attention_forward = timed_forward  # read by register()
     attnbias_hf.register()
-    torch.manual_seed(0)
-    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
-    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
-    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16).cuda().eval()
-    model.set_attn_implementation("sdpa")
+    prompts, model = workload(args)
     defaults = (route.SPLIT_SHORT_ROWS, route.FA4_MIN_RAGGED_MEAN_QUERIES)
     settings = {
         "as routed": (defaults, True),

@@ -21,10 +21,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from batching_bench import run
+from batching_bench import add_workload, run, workload
 from decode_bench import graph_ms
-from transformers import AutoModelForCausalLM
-from transformers_bench import config
 
 import attnbias
 import attnbias.integrations.transformers as attnbias_hf
@@ -33,16 +31,10 @@ import attnbias.paged as route
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompts", type=int, nargs=2, default=(256, 4096))
+    add_workload(parser, requests=24, new_tokens=64)
     args = parser.parse_args()
     attnbias_hf.register()
-    torch.manual_seed(0)
-    lengths = torch.randint(args.prompts[0], args.prompts[1] + 1, (args.requests,)).tolist()
-    prompts = [torch.randint(1, 32000, (n,)).tolist() for n in lengths]
-    model = AutoModelForCausalLM.from_config(config(8192), dtype=torch.bfloat16).cuda().eval()
-    model.set_attn_implementation("sdpa")
+    prompts, model = workload(args)
     seen: dict[int, tuple[Any, ...]] = {}  # id of the PagedKV -> the call's shapes
     fa4_route = route.fa4_paged
 
