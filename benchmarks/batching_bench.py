@@ -7,6 +7,12 @@ tokens are equal is printed).
 
     pip install -e ".[transformers]" && python benchmarks/batching_bench.py [--graphs off]
 
+With CUDA graphs, ``generate_batch`` first warms up (transformers' default): it captures its
+largest step, one made-up request of the step's most new tokens reading as many cached keys
+as the cache holds, and runs it, a full attention of that size in every layer, before the
+first real step; ``--warmup off`` leaves that out (each bucket captured when first met), as a
+server that warmed up once would run.
+
 ``--requests``, ``--new-tokens``, ``--prompts MIN MAX``: the workload (default 64 requests of
 256 to 4096 prompt tokens, 128 new tokens each).
 """
@@ -26,10 +32,15 @@ import attnbias.integrations.transformers as attnbias_hf
 
 
 def run(
-    model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, graphs: bool | None
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    graphs: bool | None,
+    warmup: bool = True,
 ) -> tuple[float, dict]:
     """Seconds for one ``generate_batch`` of ``prompts`` and its outputs (``graphs``: CUDA
-    graphs on, off, or ``None`` for transformers' choice)."""
+    graphs on, off, or ``None`` for transformers' choice; ``warmup``: its warm-up step, run
+    where graphs are on)."""
     generation = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
@@ -37,7 +48,10 @@ def run(
     torch.cuda.synchronize()
     began = time.perf_counter()
     outputs = model.generate_batch(
-        inputs=prompts, generation_config=generation, continuous_batching_config=batching
+        inputs=prompts,
+        generation_config=generation,
+        continuous_batching_config=batching,
+        warmup=warmup,
     )
     torch.cuda.synchronize()
     return time.perf_counter() - began, {k: v.generated_tokens for k, v in outputs.items()}
@@ -70,7 +84,12 @@ def main() -> None:
         help="CUDA graphs for both (auto: transformers' choice, which is on for attnbias, "
         "whose steps need no mask, and off for SDPA)",
     )  # fmt: skip
+    parser.add_argument(
+        "--warmup", choices=("on", "off"), default="on",
+        help="generate_batch's warm-up step where CUDA graphs are on (on: transformers' default)",
+    )  # fmt: skip
     args = parser.parse_args()
+    warmup = args.warmup == "on"
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     attnbias_hf.register()
     prompts, model = workload(args)
@@ -78,9 +97,9 @@ def main() -> None:
 
     def one(name: str) -> tuple[float, dict]:
         if name == "sdpa":
-            return run(model, prompts, args.new_tokens, graphs)
+            return run(model, prompts, args.new_tokens, graphs, warmup)
         with attnbias_hf.continuous_batching(model):
-            return run(model, prompts, args.new_tokens, graphs)
+            return run(model, prompts, args.new_tokens, graphs, warmup)
 
     for name in names:  # warm up: kernels compiled, CUDA graphs captured
         one(name)
@@ -100,7 +119,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, attnbias "
           f"{attnbias.__version__}; {args.requests} requests of {args.prompts[0]}-"
           f"{args.prompts[1]} prompt tokens, {args.new_tokens} new each; CUDA graphs "
-          f"{args.graphs}")  # fmt: skip
+          f"{args.graphs}, warm-up {args.warmup}")  # fmt: skip
     print("| implementation | s (two rounds) | tokens/s |")
     print("|---|--:|--:|")
     for name in names:
