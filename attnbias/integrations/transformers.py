@@ -851,6 +851,13 @@ def continuous_batching(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     if needed) and restores the one it had on leaving; a batching manager must not outlive
     the block. Pass ``ContinuousBatchingConfig(max_blocks_per_request=0)`` if you set that
     option (the block-table decode path writes the cache inside the attention call).
+
+    With CUDA graphs (transformers' default here), ``generate_batch`` and a new manager's
+    ``warmup()`` first run the largest step: one made-up request of the most new tokens a
+    step takes reading as many cached keys as the cache holds, a full attention of that size
+    in every layer (seconds for a 1B model with a cache of millions of tokens). Pass
+    ``warmup=False`` to ``generate_batch`` (each step's graph is captured when first met), or
+    warm one persistent manager up once and reuse it.
     """
     register()
     config = getattr(model, "config", None)
