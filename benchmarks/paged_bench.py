@@ -13,7 +13,8 @@ order in the pool; decode (L = 1, 16) and chunked prefill (L = 512, 2048: each r
 tokens). Each case: the largest difference from the contiguous route's output, then ms per
 call (mean of two rounds, the routes alternating) and the bytes floor (the keys and values the
 rows keep, read once at the device's peak memory bandwidth: 3.35 TB/s on an H100 SXM, 4.8 TB/s
-on an H200; other devices use the H100's figure and say so).
+on an H200; other devices use the H100's figure and say so), and the same bytes' measured floor
+(half of a device-to-device copy of them, as ``decode_bench.py`` measures its floor).
 
     python benchmarks/paged_bench.py
 """
@@ -32,7 +33,7 @@ import attnbias
 from attnbias import KeyRangeBias, PagedKV, SlidingWindowBias, causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import graph_ms
+from decode_bench import floor_ms, graph_ms
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
 LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
@@ -198,10 +199,14 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
                 times[name].append(graph_ms(runs[name]))
         how = attnbias.explain(q, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
     kept = sum(LENGTHS) if window is None else sum(min(n, window + length_q) for n in LENGTHS)
+    read = torch.empty(kept, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE)
+    measured = floor_ms(read, read)  # (the copy's speed does not depend on the values)
+    del read
     return {
         "page": page, "L": length_q, "window": window,
         **{name: sum(t) / len(t) for name, t in times.items()},
         "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / peak_bandwidth()[0] * 1e3,
+        "measured floor": measured,
         "diff": max(float((outs[a] - outs["contiguous"]).abs().max()) for a in outs),
         "route": how.splitlines()[0],
     }  # fmt: skip
@@ -214,14 +219,17 @@ def main() -> None:
           f"floor at {rate / 1e12:.2f} TB/s ({source})")  # fmt: skip
     print(rows[0]["route"])
     print("| page | L | window | in place ms | gather ms | contiguous ms | FA4 paged ms | "
-          "Flex paged ms | in place / contiguous | bytes floor ms | max diff |")  # fmt: skip
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "Flex paged ms | in place / contiguous | bytes floor ms | measured floor ms | "
+          "in place / measured floor | max diff |")  # fmt: skip
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         fa4, flex = (f"{r[name]:.3f}" if name in r else "-" for name in ("fa4 paged", "flex paged"))
         print(
             f"| {r['page']} | {r['L']} | {r['window'] or '-'} | {r['in place']:.3f} | "
             f"{r['gather']:.3f} | {r['contiguous']:.3f} | {fa4} | {flex} | "
-            f"{r['in place'] / r['contiguous']:.2f} | {r['floor']:.3f} | {r['diff']:.1e} |"
+            f"{r['in place'] / r['contiguous']:.2f} | {r['floor']:.3f} | "
+            f"{r['measured floor']:.3f} | {r['in place'] / r['measured floor']:.2f} | "
+            f"{r['diff']:.1e} |"
         )
 
 
