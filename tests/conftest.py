@@ -20,6 +20,11 @@ os.environ.setdefault("ATTNBIAS_ROUTING_CACHE", "off")
 import pytest
 from hypothesis import settings
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_calls import skip_repatching
+
+    skip_repatching()
+
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("thorough", max_examples=300, deadline=None)
