@@ -5,11 +5,15 @@ each ``DecodeConfig`` (keys per block, warps, stages) and split count (the rule'
 it) against the measured bytes floor (half a device-to-device copy of the kept keys and
 values). Whether the kernel's parameters, tuned on an H100, leave bandwidth on another GPU.
 
-    python benchmarks/probes/decode_sweep.py
+    python benchmarks/probes/decode_sweep.py [--queries 16]
+
+``--queries``: L, each row's last L tokens (the packed rows per tile, 16 or 64, swept too
+where L > 1).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -30,6 +34,9 @@ CAPACITY = 32768
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--queries", type=int, default=1)
+    queries = parser.parse_args().queries
     torch.manual_seed(0)
     batch = len(LENGTHS)
     lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
@@ -45,15 +52,17 @@ def main() -> None:
         rows = table[b, t // PAGE].long() * PAGE + t % PAGE
         k[b, :, CAPACITY - n :] = pool_k.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
         v[b, :, CAPACITY - n :] = pool_v.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
-    q = torch.randn(batch, HEADS_Q, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, HEADS_Q, queries, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kept = torch.empty(sum(LENGTHS), HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     floor = floor_ms(kept, kept)
     del kept
     print(f"measured floor {floor:.3f} ms", flush=True)
 
     choose, splitting = decode.decode_config, decode.num_splits
+    tiles = (decode.MIN_ROWS,) if queries == 1 else (decode.MIN_ROWS, 64)
     configs = [None] + [
-        decode.DecodeConfig(block_n, decode.MIN_ROWS, warps, stages, full_enough=0.45)
+        decode.DecodeConfig(block_n, tile_rows, warps, stages, full_enough=0.45)
+        for tile_rows in tiles
         for block_n, warps, stages in (
             (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 4, 4),
             (128, 8, 3),
@@ -79,7 +88,8 @@ def main() -> None:
         paged_bias = PagedKV(table, lens) + causal_lower_right()
         range_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + causal_lower_right()
         name = "as tuned" if config is None else (
-            f"n{config.block_n} w{config.num_warps} s{config.num_stages}")  # fmt: skip
+            f"rows {config.max_rows} n{config.block_n} w{config.num_warps} "
+            f"s{config.num_stages}")  # fmt: skip
         name += f" splits x{factor:g}"
         try:
             with torch.no_grad():
@@ -108,8 +118,8 @@ def main() -> None:
         rows.append((name, said, times["contiguous"], times["paged"]))
         print(f"  {name} ({said}): contiguous {times['contiguous']:.3f} ms, paged "
               f"{times['paged']:.3f} ms", flush=True)  # fmt: skip
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; measured floor "
-          f"{floor:.3f} ms")  # fmt: skip
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; L = {queries}; "
+          f"measured floor {floor:.3f} ms")  # fmt: skip
     print("| config | splits | contiguous ms | % floor | paged ms | % floor |")
     print("|---|---|--:|--:|--:|--:|")
     for name, said, contiguous, paged in sorted(rows, key=lambda r: r[3]):
