@@ -856,8 +856,9 @@ def continuous_batching(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     ``warmup()`` first run the largest step: one made-up request of the most new tokens a
     step takes reading as many cached keys as the cache holds, a full attention of that size
     in every layer (seconds for a 1B model with a cache of millions of tokens). Pass
-    ``warmup=False`` to ``generate_batch`` (each step's graph is captured when first met), or
-    warm one persistent manager up once and reuse it.
+    ``warmup=False`` to ``generate_batch`` (each step's graph is captured when first met, the
+    graphs' memory pool growing with the largest step met), or warm one persistent manager up
+    once and reuse it.
     """
     register()
     config = getattr(model, "config", None)
