@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 import attnbias
 from attnbias import KeyRangeBias, PagedKV, SlidingWindowBias, causal_lower_right
@@ -123,9 +124,12 @@ def add_peer(
     runs[name] = run
 
 
-def case(page: int, length_q: int, window: int | None, peers: bool = True) -> dict[str, Any]:
-    """One row of the table (``peers``: FlashAttention 4 and FlexAttention too, where they
-    run)."""
+def cache(
+    page: int, length_q: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The rows of the table's cases (seeded): ``q`` ``(B, Hq, L, E)``, the pools
+    ``(pages, page, Hkv, E)`` (pages in a random order), the table and the lengths, and the
+    same tokens contiguous ``(B, Hkv, CAPACITY, E)``, each row's at the end of its cache."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     need = [-(-n // page) for n in LENGTHS]
@@ -141,11 +145,6 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
     pool_k = torch.randn(pages, page, HEADS_KV, HEAD_DIM, device=device, dtype=DTYPE)
     pool_v = torch.randn_like(pool_k)
     q = torch.randn(BATCH, HEADS_Q, length_q, HEAD_DIM, device=device, dtype=DTYPE)
-    extra = causal_lower_right()
-    if window is not None:
-        extra = extra + SlidingWindowBias(window)
-    bias = PagedKV(table, lens) + extra
-    # the same tokens contiguous, each row's at the end of its cache
     k = torch.zeros(BATCH, HEADS_KV, CAPACITY, HEAD_DIM, device=device, dtype=DTYPE)
     v = torch.zeros_like(k)
     for b, n in enumerate(LENGTHS):
@@ -153,6 +152,17 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
         rows = table[b, t // page].long() * page + t % page
         k[b, :, CAPACITY - n :] = pool_k.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
         v[b, :, CAPACITY - n :] = pool_v.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
+    return q, pool_k, pool_v, table, lens, k, v
+
+
+def case(page: int, length_q: int, window: int | None, peers: bool = True) -> dict[str, Any]:
+    """One row of the table (``peers``: FlashAttention 4 and FlexAttention too, where they
+    run)."""
+    q, pool_k, pool_v, table, lens, k, v = cache(page, length_q)
+    extra = causal_lower_right()
+    if window is not None:
+        extra = extra + SlidingWindowBias(window)
+    bias = PagedKV(table, lens) + extra
     contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
     route = importlib.import_module("attnbias.paged")
     reader = route._reader

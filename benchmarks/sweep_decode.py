@@ -2,23 +2,32 @@
 for a few decode cases (bf16, B=8, Hq=32, Hkv=8, E=128), next to the split count the
 heuristic picks and the bytes floor.
 
-Run on the GPU: ``python benchmarks/sweep_decode.py``; prints one markdown table per case,
-fastest first.
+``--ragged``: instead, ``paged_bench.py``'s rows (4096 to 32768 tokens) with L = 1 and 16,
+through ``attnbias.sdpa`` as it routes them, on the contiguous cache (a key range keeping
+each row's tokens) and on pages of 64: every (block_n, warps, stages, rows per tile where
+L > 1) with the split count the rule picks for rows of unequal lengths and twice it,
+against the measured floor of the bytes the rows keep.
+
+Run on the GPU: ``python benchmarks/sweep_decode.py [--ragged]``; prints one markdown table
+per case, fastest first.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 
 import torch
 
-from attnbias import SlidingWindowBias, causal_lower_right
+import attnbias
+from attnbias import KeyRangeBias, PagedKV, SlidingWindowBias, causal_lower_right, plan_cache
 from attnbias.kernels import decode
 from attnbias.spec import lower
 
 # isort: split
 from decode_bench import WINDOW, draw, floor_ms, graph_ms
+from paged_bench import CAPACITY, HEADS_KV, LENGTHS, cache
 
 CASES = {
     "window L=1 S=32768": (1, 32768, True),
@@ -65,8 +74,81 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
         print(f"| {cells}{label} | {ms:.4f} | {floor / ms:.2f} |")
 
 
+def sweep_ragged(length_q: int, page: int = 64) -> None:
+    """The ``--ragged`` table for L = ``length_q``."""
+    tuned, tuned_small = decode._GPU_CONFIGS[128], decode._GPU_SMALL_TILE_CONFIGS[128]
+    splitting = decode.num_splits
+    q, pool_k, pool_v, table, lens, k, v = cache(page, length_q)
+    kept = torch.empty(sum(LENGTHS), HEADS_KV, k.shape[-1], device=k.device, dtype=k.dtype)
+    floor = floor_ms(kept, kept)
+    del kept
+    print(f"\n## ragged rows, L={length_q}: floor {floor:.4f} ms\n")
+    print("| block_n | warps | stages | rows | splits | contiguous ms | floor / ms | paged ms "
+          "| floor / ms |")  # fmt: skip
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    starts = (CAPACITY - lens).int()
+    tiles = (decode.MIN_ROWS,) if length_q == 1 else (decode.MIN_ROWS, 64)
+    grid = [None, *itertools.product(BLOCK_N, WARPS, STAGES, tiles)]
+    rows = []
+    reference = None
+    for swept, factor in itertools.product(grid, (1, 2)):
+        if swept is None and factor != 1:
+            continue
+        seen: list[int] = []
+
+        def splits(*args, factor=factor, seen=seen, **kwargs):  # type: ignore[no-untyped-def]
+            found = min(decode.MAX_SPLITS, splitting(*args, **kwargs) * factor)
+            seen.append(found)
+            return found
+
+        if swept is not None:
+            block_n, warps, stages, max_rows = swept
+            config = decode.DecodeConfig(block_n, max_rows, warps, stages, full_enough=0.45)
+            decode._GPU_CONFIGS[128] = decode._GPU_SMALL_TILE_CONFIGS[128] = config
+        decode.num_splits = splits
+        plan_cache.clear()  # (and new biases: nothing planned for another setting is reused)
+        biases = {
+            "contiguous": (k, v, KeyRangeBias(start=starts) + causal_lower_right()),
+            "paged": (pool_k, pool_v, PagedKV(table, lens) + causal_lower_right()),
+        }  # fmt: skip
+        times = {}
+        try:
+            with torch.no_grad():
+                for name, (keys, values, bias) in biases.items():
+
+                    def call(keys=keys, values=values, bias=bias):  # type: ignore[no-untyped-def]
+                        return attnbias.sdpa(q, keys, values, attn_mask=bias, enable_gqa=True)
+
+                    out = call().float()
+                    reference = out if reference is None else reference
+                    if (error := (out - reference).abs().max().item()) > 1e-2:
+                        raise AssertionError(f"{name} differs by {error:.1e}")
+                    times[name] = graph_ms(call)
+        except Exception as exc:  # out of shared memory, ...
+            print(f"  {swept}: {type(exc).__name__}: {str(exc)[:100]}")
+            times = {"contiguous": math.inf, "paged": math.inf}
+        finally:
+            decode._GPU_CONFIGS[128], decode._GPU_SMALL_TILE_CONFIGS[128] = tuned, tuned_small
+            decode.num_splits = splitting
+        label = "now" if swept is None else " | ".join(str(c) for c in swept)
+        if swept is None:
+            label += " | | |"
+        rows.append((times["paged"], times["contiguous"], label, sorted(set(seen))))
+    for paged, contiguous, label, used in sorted(rows)[:12] + [r for r in rows if "now" in r[2]]:
+        print(f"| {label} | {used} | {contiguous:.4f} | {floor / contiguous:.2f} | "
+              f"{paged:.4f} | {floor / paged:.2f} |")  # fmt: skip
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ragged", action="store_true")
+    ragged = parser.parse_args().ragged
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if ragged:
+        for length_q in (1, 16):
+            sweep_ragged(length_q)
+            torch.cuda.empty_cache()
+        return
     for name, case in CASES.items():
         sweep(name, *case)
         torch.cuda.empty_cache()
