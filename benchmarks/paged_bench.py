@@ -7,14 +7,17 @@ heuristic) and FlexAttention's paged attention (``torch.nn.attention.experimenta
 table and logical-to-physical block mask over the same pages, converted once to its
 ``(1, Hkv, pages * page, E)`` cache; compiled), as CUDA-graph replays.
 
-B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row), Hq / Hkv = 32 / 8, E = 128, bf16,
-``PagedKV + causal_lower_right()`` with or without a sliding window of 4096, pages in a random
-order in the pool; decode (L = 1, 16) and chunked prefill (L = 512, 2048: each row's last L
-tokens). Each case: the largest difference from the contiguous route's output, then ms per
-call (mean of two rounds, the routes alternating) and the bytes floor (the keys and values the
-rows keep, read once at the device's peak memory bandwidth: 3.35 TB/s on an H100 SXM, 4.8 TB/s
-on an H200; other devices use the H100's figure and say so), and the same bytes' measured floor
-(half of a device-to-device copy of them, as ``decode_bench.py`` measures its floor).
+B = 8 rows of 4096 to 32768 tokens (capacity 32768 a row; B = 32 and 64: those eight lengths
+repeated), Hq / Hkv = 32 / 8, E = 128, bf16, ``PagedKV + causal_lower_right()`` with or without
+a sliding window of 4096, with a soft-cap of 50, or with a draft tree of the L queries as a
+``ModBias`` (each row's last L tokens are the nodes of a binary tree: a node keeps the row's
+earlier tokens, itself and its ancestors), pages in a random order in the pool; decode (L = 1,
+16) and chunked prefill (L = 512, 2048: each row's last L tokens). Each case: the largest
+difference from the contiguous route's output, then ms per call (mean of two rounds, the routes
+alternating) and the bytes floor (the keys and values the rows keep, read once at the device's
+peak memory bandwidth: 3.35 TB/s on an H100 SXM, 4.8 TB/s on an H200; other devices use the
+H100's figure and say so), and the same bytes' measured floor (half of a device-to-device copy
+of them, as ``decode_bench.py`` measures its floor).
 
     python benchmarks/paged_bench.py
 """
@@ -31,10 +34,17 @@ import torch
 from torch import Tensor
 
 import attnbias
-from attnbias import KeyRangeBias, PagedKV, SlidingWindowBias, causal_lower_right
+from attnbias import (
+    KeyRangeBias,
+    ModBias,
+    PagedKV,
+    SlidingWindowBias,
+    SoftcapBias,
+    causal_lower_right,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import floor_ms, graph_ms
+from decode_bench import CAP, floor_ms, graph_ms, tree_mask
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
 LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
@@ -51,8 +61,12 @@ def peak_bandwidth() -> tuple[float, str]:
     return PEAK_BYTES_PER_S["H100"], "H100 data sheet (device not listed)"
 
 
-CASES = [(16, 1, None), (64, 1, None), (256, 1, None), (16, 16, None), (16, 1, 4095),
-         (256, 16, 4095), (64, 512, None), (64, 2048, None)]  # fmt: skip
+# (page, L, window, bias besides the causal alignment, rows)
+CASES = [(16, 1, None, "causal", 8), (64, 1, None, "causal", 8), (256, 1, None, "causal", 8),
+         (16, 16, None, "causal", 8), (16, 1, 4095, "causal", 8), (256, 16, 4095, "causal", 8),
+         (64, 512, None, "causal", 8), (64, 2048, None, "causal", 8),
+         (64, 1, None, "causal", 32), (64, 1, None, "causal", 64), (64, 1, None, "softcap", 8),
+         (64, 16, None, "tree", 8)]  # fmt: skip
 
 
 def fa4_paged() -> Any:
@@ -65,14 +79,42 @@ def fa4_paged() -> Any:
     return flash_attn_varlen_func
 
 
+def tree_ancestors(nodes: int, device: torch.device) -> Tensor:
+    """``(nodes, nodes)`` bool: whether node ``j`` is node ``i`` or one of its ancestors in a
+    binary tree (node ``n``'s parent is ``(n - 1) // 2``)."""
+    found = torch.zeros(nodes, nodes, dtype=torch.bool)
+    for node in range(nodes):
+        at = node
+        while True:
+            found[node, at] = True
+            if at == 0:
+                break
+            at = (at - 1) // 2
+    return found.to(device)
+
+
+def paged_tree(nodes: int, lens: Tensor) -> ModBias:
+    """The draft tree over a paged cache: row ``b``'s last ``nodes`` tokens (of ``lens[b]``)
+    are the tree's nodes, the queries; ``q_idx`` is a query's index among them, ``kv_idx`` a
+    key's position in its row."""
+    table = tree_ancestors(nodes, lens.device)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        cache = lens[b] - nodes
+        return (kv_idx < cache) | table[q_idx, (kv_idx - cache).clamp(0, nodes - 1)]
+
+    return ModBias(mask_mod=mask_mod)
+
+
 def flex_paged(
     q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,
-    lens: torch.Tensor, window: int | None,
+    lens: torch.Tensor, window: int | None, kind: str = "causal",
 ) -> Callable[[], Any]:  # fmt: skip
     """FlexAttention's paged attention over the same pages: its ``PagedAttention`` holding
     this table (each row's pages in order), the pools copied once into its cache layout, a
-    block mask of the rows' logical keys (causal at each row's end, the window) converted to
-    the physical pages; ``torch.compile(flex_attention)``."""
+    block mask of the rows' logical keys (causal at each row's end, the window, the draft
+    tree) converted to the physical pages, the soft-cap as its ``score_mod``;
+    ``torch.compile(flex_attention)``."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -89,11 +131,20 @@ def flex_paged(
         for pool in (pool_k, pool_v)
     )
     lens64 = lens.long()
+    ancestors = tree_ancestors(length_q, q.device)
 
     def keep(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         position = lens64[b] - length_q + q_idx  # the query's position in its row
         kept = kv_idx <= position
+        if kind == "tree":
+            cache = lens64[b] - length_q
+            return (kv_idx < cache) | (
+                kept & ancestors[q_idx, (kv_idx - cache).clamp(0, length_q - 1)]
+            )
         return kept if window is None else kept & (position - kv_idx <= window)
+
+    def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return CAP * torch.tanh(score / CAP)
 
     logical = create_block_mask(
         keep, batch, None, length_q, table.shape[1] * page, device=str(q.device),
@@ -103,7 +154,10 @@ def flex_paged(
     attend = torch.compile(flex_attention)
 
     def run() -> Any:
-        return attend(q, cache_k, cache_v, block_mask=mask, enable_gqa=heads_q != heads_kv)
+        return attend(
+            q, cache_k, cache_v, block_mask=mask, enable_gqa=heads_q != heads_kv,
+            score_mod=softcap if kind == "softcap" else None,
+        )  # fmt: skip
 
     return run
 
@@ -124,30 +178,37 @@ def add_peer(
     runs[name] = run
 
 
+def row_lengths(rows: int = BATCH) -> list[int]:
+    """The token counts of ``rows`` rows: :data:`LENGTHS` repeated."""
+    return [LENGTHS[b % len(LENGTHS)] for b in range(rows)]
+
+
 def cache(
-    page: int, length_q: int
+    page: int, length_q: int, rows: int = BATCH
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The rows of the table's cases (seeded): ``q`` ``(B, Hq, L, E)``, the pools
     ``(pages, page, Hkv, E)`` (pages in a random order), the table and the lengths, and the
-    same tokens contiguous ``(B, Hkv, CAPACITY, E)``, each row's at the end of its cache."""
+    same tokens contiguous ``(B, Hkv, CAPACITY, E)``, each row's at the end of its cache
+    (``B = rows``, of :func:`row_lengths`)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    need = [-(-n // page) for n in LENGTHS]
+    lengths = row_lengths(rows)
+    need = [-(-n // page) for n in lengths]
     pages = sum(need) + 8
     order = torch.randperm(pages)
-    table = torch.zeros(BATCH, CAPACITY // page, dtype=torch.int32)
+    table = torch.zeros(rows, CAPACITY // page, dtype=torch.int32)
     at = 0
     for b, n in enumerate(need):
         table[b, :n] = order[at : at + n].int()
         at += n
     table = table.to(device)
-    lens = torch.tensor(LENGTHS, dtype=torch.int32, device=device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     pool_k = torch.randn(pages, page, HEADS_KV, HEAD_DIM, device=device, dtype=DTYPE)
     pool_v = torch.randn_like(pool_k)
-    q = torch.randn(BATCH, HEADS_Q, length_q, HEAD_DIM, device=device, dtype=DTYPE)
-    k = torch.zeros(BATCH, HEADS_KV, CAPACITY, HEAD_DIM, device=device, dtype=DTYPE)
+    q = torch.randn(rows, HEADS_Q, length_q, HEAD_DIM, device=device, dtype=DTYPE)
+    k = torch.zeros(rows, HEADS_KV, CAPACITY, HEAD_DIM, device=device, dtype=DTYPE)
     v = torch.zeros_like(k)
-    for b, n in enumerate(LENGTHS):
+    for b, n in enumerate(lengths):
         t = torch.arange(n, device=device)
         rows = table[b, t // page].long() * page + t % page
         k[b, :, CAPACITY - n :] = pool_k.reshape(-1, HEADS_KV, HEAD_DIM)[rows].transpose(0, 1)
@@ -155,15 +216,23 @@ def cache(
     return q, pool_k, pool_v, table, lens, k, v
 
 
-def case(page: int, length_q: int, window: int | None, peers: bool = True) -> dict[str, Any]:
-    """One row of the table (``peers``: FlashAttention 4 and FlexAttention too, where they
-    run)."""
-    q, pool_k, pool_v, table, lens, k, v = cache(page, length_q)
+def case(
+    page: int, length_q: int, window: int | None, kind: str = "causal", rows: int = BATCH,
+    peers: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """One row of the table (``kind``: ``"causal"``, ``"softcap"`` or ``"tree"`` besides the
+    causal alignment; ``peers``: FlashAttention 4 and FlexAttention too, where they run)."""
+    q, pool_k, pool_v, table, lens, k, v = cache(page, length_q, rows)
     extra = causal_lower_right()
     if window is not None:
         extra = extra + SlidingWindowBias(window)
+    if kind == "softcap":
+        extra = extra + SoftcapBias(CAP)
     bias = PagedKV(table, lens) + extra
     contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
+    if kind == "tree":  # the contiguous rows end at the capacity: the nodes are its last keys
+        bias = bias + paged_tree(length_q, lens)
+        contiguous_bias = contiguous_bias + ModBias(mask_mod=tree_mask(length_q, CAPACITY))
     route = importlib.import_module("attnbias.paged")
     reader = route._reader
 
@@ -184,23 +253,28 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
     runs: dict[str, Callable[[], Any]] = {
         "in place": paged, "gather": gathered, "contiguous": contiguous,
     }  # fmt: skip
-    where = f"page={page} L={length_q} window={window}"
-    peer = fa4_paged() if peers else None
+    where = f"page={page} L={length_q} window={window} {kind} B={rows}"
+    peer = fa4_paged() if peers and kind != "tree" else None  # (no tree form written for it)
     if peer is not None:
+        options: dict[str, Any] = {}
+        if kind == "softcap":  # its own soft-cap argument
+            options["softcap"] = CAP
 
         def fa4() -> Any:
             out = peer(
                 q.transpose(1, 2), pool_k, pool_v, seqused_k=lens, page_table=table,
                 causal=True, window_size=(window, 0) if window is not None else (None, None),
                 num_splits=1,  # its split-KV forward is refused on Hopper
+                **options,
             )  # fmt: skip
             return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
         add_peer(runs, "fa4 paged", lambda: fa4, where)
     if peers:
         add_peer(
-            runs, "flex paged", lambda: flex_paged(q, pool_k, pool_v, table, lens, window), where
-        )
+            runs, "flex paged",
+            lambda: flex_paged(q, pool_k, pool_v, table, lens, window, kind), where,
+        )  # fmt: skip
     with torch.no_grad():
         outs = {name: run().float() for name, run in runs.items()}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -208,12 +282,13 @@ def case(page: int, length_q: int, window: int | None, peers: bool = True) -> di
             for name in list(runs) if round_index == 0 else list(runs)[::-1]:
                 times[name].append(graph_ms(runs[name]))
         how = attnbias.explain(q, pool_k, pool_v, attn_mask=bias, enable_gqa=True)
-    kept = sum(LENGTHS) if window is None else sum(min(n, window + length_q) for n in LENGTHS)
+    lengths = row_lengths(rows)
+    kept = sum(lengths) if window is None else sum(min(n, window + length_q) for n in lengths)
     read = torch.empty(kept, HEADS_KV, HEAD_DIM, device="cuda", dtype=DTYPE)
     measured = floor_ms(read, read)  # (the copy's speed does not depend on the values)
     del read
     return {
-        "page": page, "L": length_q, "window": window,
+        "page": page, "L": length_q, "window": window, "bias": kind, "B": rows,
         **{name: sum(t) / len(t) for name, t in times.items()},
         "floor": kept * HEADS_KV * HEAD_DIM * 2 * 2 / peak_bandwidth()[0] * 1e3,
         "measured floor": measured,
@@ -228,14 +303,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"floor at {rate / 1e12:.2f} TB/s ({source})")  # fmt: skip
     print(rows[0]["route"])
-    print("| page | L | window | in place ms | gather ms | contiguous ms | FA4 paged ms | "
+    print("| B | page | L | bias | in place ms | gather ms | contiguous ms | FA4 paged ms | "
           "Flex paged ms | in place / contiguous | bytes floor ms | measured floor ms | "
           "in place / measured floor | max diff |")  # fmt: skip
-    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         fa4, flex = (f"{r[name]:.3f}" if name in r else "-" for name in ("fa4 paged", "flex paged"))
+        bias = r["bias"] if r["window"] is None else f"window {r['window']}"
         print(
-            f"| {r['page']} | {r['L']} | {r['window'] or '-'} | {r['in place']:.3f} | "
+            f"| {r['B']} | {r['page']} | {r['L']} | {bias} | {r['in place']:.3f} | "
             f"{r['gather']:.3f} | {r['contiguous']:.3f} | {fa4} | {flex} | "
             f"{r['in place'] / r['contiguous']:.2f} | {r['floor']:.3f} | "
             f"{r['measured floor']:.3f} | {r['in place'] / r['measured floor']:.2f} | "
