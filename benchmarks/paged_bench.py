@@ -151,6 +151,8 @@ def flex_paged(
         BLOCK_SIZE=(128, page),
     )  # fmt: skip
     mask = paged.convert_logical_block_mask(logical, kv_len=lens64)
+    # one compiled kernel per case: past dynamo's recompile limit (8) it would run unfused
+    torch._dynamo.reset()
     attend = torch.compile(flex_attention)
 
     def run() -> Any:

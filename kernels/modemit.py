@@ -52,11 +52,7 @@ class _Emitter:
         self.wide = traced.wide_nodes()
         self.wraps = traced.wrapped_reads()
         # where each parameter's runtime arguments start in the flat argument tuple
-        self.param_slot: list[int] = []
-        slot = len(traced.consts)
-        for param in traced.params:
-            self.param_slot.append(slot)
-            slot += 1 + 2 * param.dim()
+        self.param_slot = traced.param_slots()
 
     def bind_inputs(self, names: dict[str, str]) -> None:
         for name, var in names.items():

@@ -82,6 +82,15 @@ class TracedMods:
             args.extend(int(s) for s in param.stride())
         return args
 
+    def param_slots(self) -> list[int]:
+        """Where each parameter's runtime arguments (tensor, sizes, strides) start in the flat
+        tuple of :meth:`runtime_args`."""
+        slots, slot = [], len(self.consts)
+        for param in self.params:
+            slots.append(slot)
+            slot += 1 + 2 * param.dim()
+        return slots
+
     def additive_score(self) -> bool:
         """Whether the score functions only add something that does not depend on the score
         (``score + g(b, h, q_idx, kv_idx)``, chained), so that they have an additive form:

@@ -33,8 +33,10 @@ _FLOAT_TILE_OPS = frozenset(
 class TileEmitter:
     """Writes ``tile_fn``: interval arithmetic over the masks' graph for one block of pairs
     (scalar bounds of each integer: ``lo``, ``hi``, and ``unknown``; of each bool: whether it
-    may be true, whether it may be false). Floats, table reads and bitwise integer operators
-    are unknown: only their users' verdicts widen, so the answer stays sound."""
+    may be true, whether it may be false). A table read whose every index is one value over
+    the block (``lens[b]``, ``slopes[h]``, ``starts[b, 0]``) is that element, loaded; other
+    reads, floats past the bounded operations and bitwise integer operators are unknown: only
+    their users' verdicts widen, so the answer stays sound."""
 
     def __init__(self, traced: TracedMods, prefix: str = "") -> None:
         self.traced = traced
@@ -42,6 +44,7 @@ class TileEmitter:
         self.done: dict[int, tuple[str, ...]] = {}
         self.input_names = {node: name for name, node in traced.inputs.items()}
         self.prefix = prefix  # of the variables written, beside the caller's
+        self.slots = traced.param_slots()
 
     def bounds(self, node_id: int) -> tuple[str, ...]:
         """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or
@@ -127,13 +130,36 @@ class TileEmitter:
         if op == "const":
             value = f"tl.cast(MOD[{args[0]}], tl.int64)"
             return self._int(i, value, value, "NO")
-        if op == "load" or (op in ("and", "or", "xor") and kind == "int"):
-            if kind == "bool":
-                return self._bool(i, "YES", "YES")
+        if op == "load":
+            return self._load(i, node)
+        if op in ("and", "or", "xor") and kind == "int":
             return self._int(i, "ZERO", "ZERO", "YES")
         if kind == "bool":
             return self._bool_node(i, node)
         return self._int_node(i, node)
+
+    def _load(self, i: int, node: Node) -> tuple[str, ...]:
+        """A read of a parameter: exactly its element where every index is one value over the
+        block, within the tensor (a negative index, which counts from the end, is left
+        unknown); unknown otherwise. The element read is clamped into the tensor, so that a
+        read left unknown loads some element of it and no other memory."""
+        p, slot = self.prefix, self.slots[node.args[0]]
+        dims = len(node.args) - 1
+        exact, offset = "YES", "ZERO"
+        for dim, index in enumerate(node.args[1:]):
+            lo, hi, unknown = self.as_int(index)
+            size, stride = f"MOD[{slot + 1 + dim}]", f"MOD[{slot + 1 + dims + dim}]"
+            exact = f"{exact} & ~({unknown}) & ({lo} == {hi}) & ({lo} >= 0) & ({lo} < {size})"
+            offset = f"{offset} + tl.minimum(tl.maximum({lo}, 0), {size} - 1) * {stride}"
+        self.lines += [f"{p}x{i} = {exact}", f"{p}r{i} = tl.load(MOD[{slot}] + {offset})"]
+        read, loose = f"{p}r{i}", f"~{p}x{i}"
+        if node.kind == "bool":
+            return self._bool(i, f"({read} != 0) | {loose}", f"({read} == 0) | {loose}")
+        if node.kind == "float":
+            value = f"{read}.to(tl.float32)"
+            return self._float(i, value, value, loose, False)
+        value = f"{read}.to(tl.int64)"
+        return self._int(i, value, value, loose)
 
     def _bool_node(self, i: int, node: Node) -> tuple[str, ...]:
         op, args = node.op, node.args
@@ -271,7 +297,9 @@ class TileEmitter:
             return self._float(i, la, ha, ua, False)
         if op == "where":
             return self._float(i, *self._choice(args, self.as_float), False)
-        if op in ("input", "load") or op not in _FLOAT_TILE_OPS:
+        if op == "load":
+            return self._load(i, node)
+        if op == "input" or op not in _FLOAT_TILE_OPS:
             return self._float(i, "FZERO", "FZERO", "YES", False)
         la, ha, ua = self.as_float(args[0])
         if op == "neg":

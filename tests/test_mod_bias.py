@@ -1014,6 +1014,26 @@ def _bands(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return ((q_idx // 16) * 2 - kv_idx // 16 >= 0) & ((q_idx * 3) // 50 <= kv_idx // 10 + 2)
 
 
+ROW_ENDS = torch.tensor([50, 81], device=DEVICE)  # per batch row of two
+TREE_4 = torch.tensor(
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool, device=DEVICE
+)  # node n's ancestors (parent (n - 1) // 2) and itself
+HEAD_REACH = torch.tensor([5, 17, 33, -1], device=DEVICE)  # per head of four
+HEAD_SLOPES = torch.tensor([0.5, 0.25, 0.125, 2.0], device=DEVICE)
+
+
+def _tree_at_row_end(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # a draft tree of four nodes ending at a per-row position, as over a paged cache
+    cache = ROW_ENDS[b] - 4
+    return (kv_idx < cache) | TREE_4[q_idx % 4, (kv_idx - cache).clamp(0, 3)]
+
+
+def _per_head_reach(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    # an integer and a float read per head, and a read of a read
+    slope = HEAD_SLOPES[h] * (q_idx - kv_idx).to(torch.float32)
+    return (kv_idx <= q_idx + HEAD_REACH[h]) & (slope > -4.0) | (kv_idx == ROW_ENDS[b % 2] // 2)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -1024,9 +1044,14 @@ def _bands(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         lambda: ModBias(mask_mod=_every_operator),
         lambda: ModBias(mask_mod=_bands),
         lambda: ModBias(mask_mod=flex_document_pair(documents(2, 96), 2.0)[0]),
+        lambda: ModBias(mask_mod=_tree_at_row_end),
+        lambda: ModBias(mask_mod=_per_head_reach),
     ],
-    ids=["prefix", "chunked", "2d", "head_windows", "every_operator", "bands", "documents"],
-)
+    ids=[
+        "prefix", "chunked", "2d", "head_windows", "every_operator", "bands", "documents",
+        "tree_at_row_end", "per_head_reach",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("lengths", [(96, 96), (40, 90), (90, 37)])
 def test_block_states_from_bounds_match_the_pairs(
     make: Callable[[], ModBias], lengths: tuple[int, int]
@@ -1054,6 +1079,55 @@ def test_block_states_from_bounds_match_the_pairs(
         assert torch.equal(mine[..., 0], exact[..., 0]), name
         listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
         assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
+
+
+def _tile_verdict(
+    bias: ModBias, b: int, h: int, q: tuple[int, int], kv: tuple[int, int]
+) -> tuple[bool, bool]:
+    """``(may_keep, may_drop)`` of the generated tile function of ``bias`` for queries
+    ``[q[0], q[1]]`` and keys ``[kv[0], kv[1]]`` of batch row ``b`` and head ``h``."""
+    from attnbias.biases.mod_state import compiled_mods
+    from attnbias.kernels.modfn import jit_from_source
+
+    made = compiled_mods((bias,))
+    args = made.args()
+    flat = ", ".join(f"MOD{i}" for i in range(len(args)))
+    source = (
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        f"def probe(Out, b, h, q_lo, q_hi, kv_lo, kv_hi, {flat}):\n"
+        f"    keep, drop = tile_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, ({flat},))\n"
+        "    tl.store(Out, keep.to(tl.int32))\n"
+        "    tl.store(Out + 1, drop.to(tl.int32))\n"
+    )
+    probe = jit_from_source(source, "tile_probe", {"tile_fn": made.tile_fn})["probe"]
+    out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    probe[(1,)](out, b, h, *q, *kv, *args)
+    return bool(out[0]), bool(out[1])
+
+
+def test_a_read_of_one_element_per_block_settles_blocks() -> None:
+    """``ROW_ENDS[b]`` and ``HEAD_REACH[h]`` are one element per block: the tile function
+    loads it, so that blocks wholly inside or outside what they keep are settled (no pair
+    evaluated, a full block run unmasked), as for a constant."""
+    tree = ModBias(mask_mod=_tree_at_row_end)
+    # row 1 ends at 81: keys [0, 77) are its earlier tokens, kept by every node
+    assert _tile_verdict(tree, 1, 0, (0, 3), (0, 63)) == (True, False)
+    assert _tile_verdict(tree, 0, 0, (0, 3), (0, 45)) == (True, False)
+    # the tree's own keys: some kept, some dropped
+    assert _tile_verdict(tree, 0, 0, (0, 3), (46, 49)) == (True, True)
+    reach = ModBias(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx > q_idx + HEAD_REACH[h])
+    assert _tile_verdict(reach, 0, 1, (0, 15), (0, 15)) == (False, True)  # all dropped
+    assert _tile_verdict(reach, 0, 3, (10, 15), (20, 40)) == (True, False)  # all kept
+    assert _tile_verdict(reach, 0, 3, (0, 15), (0, 15)) == (True, True)
+
+
+def test_a_read_that_varies_over_a_block_stays_unsettled() -> None:
+    """A read whose index moves over the block (``TREE_4[q_idx % 4, ...]``), or is negative
+    (counting from the end), is left unknown: the block's pairs are evaluated."""
+    tree = ModBias(mask_mod=_tree_at_row_end)
+    assert _tile_verdict(tree, 0, 0, (0, 3), (46, 46)) == (True, True)
+    from_end = ModBias(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= HEAD_REACH[h - 4])
+    assert _tile_verdict(from_end, 0, 1, (0, 3), (0, 3)) == (True, True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,10 +156,27 @@ def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[s
     def first_query_sees_all(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (q_idx == 0) | (kv_idx <= q_idx + lens[b] - length_q)
 
+    # a draft tree of the L queries at each row's end (node n's parent (n - 1) // 2): a node
+    # keeps the row's earlier tokens, itself and its ancestors
+    ancestors = torch.zeros(length_q, length_q, dtype=torch.bool)
+    for node in range(length_q):
+        at = node
+        while True:
+            ancestors[node, at] = True
+            if at == 0:
+                break
+            at = (at - 1) // 2
+    ancestors = ancestors.to(lens.device)
+
+    def draft_tree(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        cache = lens[b] - length_q
+        return (kv_idx < cache) | ancestors[q_idx, (kv_idx - cache).clamp(0, length_q - 1)]
+
     return {
         "mask": ModBias(mask_mod=every_third) + causal_lower_right(),
         "score": causal_lower_right() + ModBias(score_mod=relative),
         "query positions": ModBias(mask_mod=first_query_sees_all),
+        "draft tree": ModBias(mask_mod=draft_tree),
         # a window: only each row's last tokens are gathered, the offsets go negative
         "score in a window": causal_lower_right()
         + SlidingWindowBias(4)
@@ -167,7 +184,9 @@ def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[s
     }
 
 
-@pytest.mark.parametrize("name", ["mask", "score", "query positions", "score in a window"])
+@pytest.mark.parametrize(
+    "name", ["mask", "score", "query positions", "draft tree", "score in a window"]
+)
 @pytest.mark.parametrize("length_q", [1, 3])
 def test_mod_bias_reads_each_rows_own_positions(name: str, length_q: int) -> None:
     """A ModBias over a paged cache keeps FlexAttention's meaning in every row: ``kv_idx`` is
@@ -280,7 +299,7 @@ _IN_PLACE = {
         f"mod {name}": lambda lens, length_q, table, name=name: _mod_parts(lens, length_q, table)[
             name
         ]
-        for name in ("mask", "score in a window")
+        for name in ("mask", "draft tree", "score in a window")
     },
 }
 
@@ -305,12 +324,32 @@ def test_the_kernels_read_the_pages_in_place(
     pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
     table = torch.randn(4, 32, device=DEVICE)
     query = torch.randn(3, 4, length_q, 16, device=DEVICE)
-    if backend == "triton" and rest == "mod mask":
+    if backend == "triton" and rest in ("mod mask", "mod draft tree"):
         # mask functions: the training kernel settles their tiles by block lists over
         # contiguous keys, so that call reads the gathered cache
         monkeypatch.undo()
     with attnbias.use_backends(backend):
         run_and_check(query, k, v, pages, _IN_PLACE[rest](lens, length_q, table))
+
+
+@pytest.mark.parametrize("length_q", [1, 3])
+def test_a_draft_tree_over_long_rows_on_the_decode_kernel(
+    length_q: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ModBias reading each row's length (a draft tree at the row's end) over rows of
+    several key blocks that fill their pages: the decode kernel runs the blocks before the
+    tree without the mask (the tile function reads ``lens[b]``) and the tree's block, the
+    last of the full run, with it; the oracle's result."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    k, v = pools(24, 8, 2, 16, seed=30 + length_q)
+    lens = lens_of([64, 40, 64])
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(length_q)).tolist()
+    pages = PagedKV(table_of([order[0:8], order[8:13] + [0] * 3, order[16:24]]), lens)
+    query = torch.randn(3, 4, length_q, 16, device=DEVICE)
+    rest = _mod_parts(lens, length_q, torch.randn(4, 32, device=DEVICE))["draft tree"]
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, rest)
 
 
 def test_a_repeated_call_plans_once_and_follows_the_backends_pinned(
@@ -739,8 +778,8 @@ def test_gpu_a_captured_paged_step_replays_with_new_tables() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mask", "score", "query positions"])
-@pytest.mark.parametrize("length_q", [1, 64])
+@pytest.mark.parametrize("name", ["mask", "score", "query positions", "draft tree"])
+@pytest.mark.parametrize("length_q", [1, 16, 64])
 def test_gpu_mod_bias_over_pages_matches_the_oracle(name: str, length_q: int) -> None:
     """The generated code of a ModBias over a paged cache (the decode kernel, the Triton
     kernel or FlashAttention 4) in bf16: rows of 300-1000 tokens in pages of 16."""
