@@ -1081,6 +1081,66 @@ def test_block_states_from_bounds_match_the_pairs(
         assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
 
 
+def _assert_lists_match_the_pairs(bias: ModBias, batch: int, heads: int, length_q: int,
+                                  length_kv: int) -> None:  # fmt: skip
+    """The block lists the kernels build for ``bias`` (its tile function, then the pairs of
+    the blocks it leaves unsettled) are the lists of its exact keep-mask."""
+    from attnbias.kernels.blocks import block_lists_of_keep
+    from attnbias.kernels.masks import list_block_sizes, with_mod_lists
+    from attnbias.spec import lower
+
+    q = torch.zeros(batch, heads, length_q, 16, device=DEVICE)
+    k = torch.zeros(batch, heads, length_kv, 16, device=DEVICE)
+    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
+    got = with_mod_lists(q, k, program).blocks
+    assert got is not None
+    keep = grid_mask(bias, batch, heads, length_q, length_kv, device=DEVICE)
+    expected = block_lists_of_keep(keep, *list_block_sizes())
+    rows, list_heads = got.kv_lists.shape[:2]
+    for name in ("kv_lists", "q_lists"):
+        mine = getattr(got, name)
+        exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
+        assert torch.equal(mine[..., 0], exact[..., 0]), name
+        listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
+        assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
+
+
+@settings(max_examples=8)
+@given(
+    form=st.integers(0, 4),
+    rows=st.lists(st.integers(-10, 60), min_size=2, max_size=2),
+    reach=st.lists(st.integers(-5, 40), min_size=4, max_size=4),
+    slopes=st.lists(st.floats(-1.0, 1.0, width=32), min_size=4, max_size=4),
+    shift=st.lists(st.integers(-20, 20), min_size=8, max_size=8),
+    lengths=st.sampled_from([(40, 40), (33, 47)]),
+)
+def test_reads_of_one_element_per_block_keep_the_lists_exact(
+    form: int, rows: list[int], reach: list[int], slopes: list[float], shift: list[int],
+    lengths: tuple[int, int],
+) -> None:  # fmt: skip
+    """Masks reading per-row, per-head and per-(row, head) values (ints and floats, a read
+    indexed by another read), as the tile function now loads them: the lists are exact for
+    any values."""
+    row = torch.tensor(rows, device=DEVICE)
+    head = torch.tensor(reach, device=DEVICE)
+    slope = torch.tensor(slopes, device=DEVICE)
+    both = torch.tensor(shift, device=DEVICE).reshape(2, 4)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if form == 0:
+            return kv_idx < row[b] + q_idx // 2
+        if form == 1:
+            return (kv_idx - row[b]).abs() <= head[h]
+        if form == 2:
+            ahead = slope[h] * (q_idx - kv_idx).to(torch.float32) > -3.0
+            return ahead & (kv_idx <= q_idx + both[b, h])
+        if form == 3:
+            return kv_idx >= head[row[b] % 4]
+        return (kv_idx < row[b]) | (q_idx == kv_idx)
+
+    _assert_lists_match_the_pairs(ModBias(mask_mod=mask_mod), 2, 4, *lengths)
+
+
 def _tile_verdict(
     bias: ModBias, b: int, h: int, q: tuple[int, int], kv: tuple[int, int]
 ) -> tuple[bool, bool]:
