@@ -1014,6 +1014,30 @@ def _bands(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return ((q_idx // 16) * 2 - kv_idx // 16 >= 0) & ((q_idx * 3) // 50 <= kv_idx // 10 + 2)
 
 
+def _assert_lists_match_the_pairs(bias: ModBias, batch: int, heads: int, length_q: int,
+                                  length_kv: int) -> None:  # fmt: skip
+    """The block lists the kernels build for ``bias`` (its tile function, then the pairs of
+    the blocks it leaves unsettled) are the lists of its exact keep-mask."""
+    from attnbias.kernels.blocks import block_lists_of_keep
+    from attnbias.kernels.masks import list_block_sizes, with_mod_lists
+    from attnbias.spec import lower
+
+    q = torch.zeros(batch, heads, length_q, 16, device=DEVICE)
+    k = torch.zeros(batch, heads, length_kv, 16, device=DEVICE)
+    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
+    got = with_mod_lists(q, k, program).blocks
+    assert got is not None
+    keep = grid_mask(bias, batch, heads, length_q, length_kv, device=DEVICE)
+    expected = block_lists_of_keep(keep, *list_block_sizes())
+    rows, list_heads = got.kv_lists.shape[:2]
+    for name in ("kv_lists", "q_lists"):
+        mine = getattr(got, name)
+        exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
+        assert torch.equal(mine[..., 0], exact[..., 0]), name
+        listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
+        assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
+
+
 ROW_ENDS = torch.tensor([50, 81], device=DEVICE)  # per batch row of two
 TREE_4 = torch.tensor(
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool, device=DEVICE
@@ -1056,53 +1080,7 @@ def _per_head_reach(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tens
 def test_block_states_from_bounds_match_the_pairs(
     make: Callable[[], ModBias], lengths: tuple[int, int]
 ) -> None:
-    from attnbias.kernels.blocks import block_lists_of_keep
-    from attnbias.kernels.masks import list_block_sizes, with_mod_lists
-    from attnbias.spec import lower
-
-    bias = make()
-    batch, heads = 2, 4
-    length_q, length_kv = lengths
-    q = torch.zeros(batch, heads, length_q, 16, device=DEVICE)
-    k = torch.zeros(batch, heads, length_kv, 16, device=DEVICE)
-    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
-    got = with_mod_lists(q, k, program).blocks
-    assert got is not None
-    keep = grid_mask(bias, batch, heads, length_q, length_kv, device=DEVICE)
-    block_m, block_n = list_block_sizes()
-    expected = block_lists_of_keep(keep, block_m, block_n)
-    rows, list_heads = got.kv_lists.shape[:2]
-    for name in ("kv_lists", "q_lists"):
-        # [..., slot, 0] counts the blocks, [..., slot, 1:] lists them first (the rest differs)
-        mine = getattr(got, name)
-        exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
-        assert torch.equal(mine[..., 0], exact[..., 0]), name
-        listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
-        assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
-
-
-def _assert_lists_match_the_pairs(bias: ModBias, batch: int, heads: int, length_q: int,
-                                  length_kv: int) -> None:  # fmt: skip
-    """The block lists the kernels build for ``bias`` (its tile function, then the pairs of
-    the blocks it leaves unsettled) are the lists of its exact keep-mask."""
-    from attnbias.kernels.blocks import block_lists_of_keep
-    from attnbias.kernels.masks import list_block_sizes, with_mod_lists
-    from attnbias.spec import lower
-
-    q = torch.zeros(batch, heads, length_q, 16, device=DEVICE)
-    k = torch.zeros(batch, heads, length_kv, 16, device=DEVICE)
-    program = lower(bias, length_q, length_kv, q.device, batch=batch).program
-    got = with_mod_lists(q, k, program).blocks
-    assert got is not None
-    keep = grid_mask(bias, batch, heads, length_q, length_kv, device=DEVICE)
-    expected = block_lists_of_keep(keep, *list_block_sizes())
-    rows, list_heads = got.kv_lists.shape[:2]
-    for name in ("kv_lists", "q_lists"):
-        mine = getattr(got, name)
-        exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
-        assert torch.equal(mine[..., 0], exact[..., 0]), name
-        listed = torch.arange(mine.shape[-1] - 1, device=DEVICE) < mine[..., :1]
-        assert torch.equal(mine[..., 1:][listed], exact[..., 1:][listed]), name
+    _assert_lists_match_the_pairs(make(), 2, 4, *lengths)
 
 
 @settings(max_examples=8)
