@@ -58,19 +58,25 @@ def biases(heads: int, length_q: int, length_kv: int) -> dict[str, Any]:
     }
 
 
-def tree_mask(nodes: int, length_kv: int, device: str = "cuda") -> Callable[..., Tensor]:
-    """The ``mask_mod`` of a binary draft tree of ``nodes`` queries appended to a cache of
-    ``length_kv - nodes`` keys (node ``n``'s parent is ``(n - 1) // 2``): every query keeps the
-    cache, and among the new keys the node itself and its ancestors."""
-    ancestors = torch.zeros(nodes, nodes, dtype=torch.bool)
+def tree_ancestors(nodes: int, device: Any = "cuda") -> Tensor:
+    """``(nodes, nodes)`` bool: whether node ``j`` is node ``i`` or one of its ancestors in a
+    binary tree (node ``n``'s parent is ``(n - 1) // 2``)."""
+    found = torch.zeros(nodes, nodes, dtype=torch.bool)
     for node in range(nodes):
         at = node
         while True:
-            ancestors[node, at] = True
+            found[node, at] = True
             if at == 0:
                 break
             at = (at - 1) // 2
-    table = ancestors.to(device)
+    return found.to(device)
+
+
+def tree_mask(nodes: int, length_kv: int, device: str = "cuda") -> Callable[..., Tensor]:
+    """The ``mask_mod`` of a binary draft tree of ``nodes`` queries appended to a cache of
+    ``length_kv - nodes`` keys (:func:`tree_ancestors`): every query keeps the cache, and
+    among the new keys the node itself and its ancestors."""
+    table = tree_ancestors(nodes, device)
     cache = length_kv - nodes
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

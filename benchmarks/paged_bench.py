@@ -44,7 +44,7 @@ from attnbias import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import CAP, floor_ms, graph_ms, tree_mask
+from decode_bench import CAP, floor_ms, graph_ms, tree_ancestors, tree_mask
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 8, 32, 8, 128, torch.bfloat16
 LENGTHS = [4096, 8192, 12000, 16384, 20000, 24576, 28000, 32768]
@@ -77,20 +77,6 @@ def fa4_paged() -> Any:
     except ImportError:
         return None
     return flash_attn_varlen_func
-
-
-def tree_ancestors(nodes: int, device: torch.device) -> Tensor:
-    """``(nodes, nodes)`` bool: whether node ``j`` is node ``i`` or one of its ancestors in a
-    binary tree (node ``n``'s parent is ``(n - 1) // 2``)."""
-    found = torch.zeros(nodes, nodes, dtype=torch.bool)
-    for node in range(nodes):
-        at = node
-        while True:
-            found[node, at] = True
-            if at == 0:
-                break
-            at = (at - 1) // 2
-    return found.to(device)
 
 
 def paged_tree(nodes: int, lens: Tensor) -> ModBias:

@@ -157,16 +157,11 @@ def _mod_parts(lens: torch.Tensor, length_q: int, table: torch.Tensor) -> dict[s
         return (q_idx == 0) | (kv_idx <= q_idx + lens[b] - length_q)
 
     # a draft tree of the L queries at each row's end (node n's parent (n - 1) // 2): a node
-    # keeps the row's earlier tokens, itself and its ancestors
-    ancestors = torch.zeros(length_q, length_q, dtype=torch.bool)
-    for node in range(length_q):
-        at = node
-        while True:
-            ancestors[node, at] = True
-            if at == 0:
-                break
-            at = (at - 1) // 2
-    ancestors = ancestors.to(lens.device)
+    # keeps the row's earlier tokens, itself and its ancestors; numbered from 1, node i's
+    # ancestors are i >> 1, i >> 2, ...
+    numbers = torch.arange(1, length_q + 1)
+    lineage = numbers[:, None] >> torch.arange(length_q.bit_length())[None, :]
+    ancestors = (lineage[:, :, None] == numbers[None, None, :]).any(1).to(lens.device)
 
     def draft_tree(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         cache = lens[b] - length_q
