@@ -8,8 +8,8 @@ each row's tokens) and on pages of 64: every (block_n, warps, stages, rows per t
 L > 1) with the split count the rule picks for rows of unequal lengths and twice it,
 against the measured floor of the bytes the rows keep.
 
-Run on the GPU: ``python benchmarks/sweep_decode.py [--ragged]``; prints one markdown table
-per case, fastest first.
+Run on the GPU: ``python benchmarks/sweep_decode.py [--ragged [--queries 16]]``; prints one
+markdown table per case, fastest first.
 """
 
 from __future__ import annotations
@@ -142,10 +142,14 @@ def sweep_ragged(length_q: int, page: int = 64) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ragged", action="store_true")
-    ragged = parser.parse_args().ragged
+    parser.add_argument(
+        "--queries", default="1,16", help="with --ragged: the L of the tables (one call of "
+        "each takes minutes: L = 1 alone ~5 on an H200)",
+    )  # fmt: skip
+    args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if ragged:
-        for length_q in (1, 16):
+    if args.ragged:
+        for length_q in (int(n) for n in args.queries.split(",")):
             sweep_ragged(length_q)
             torch.cuda.empty_cache()
         return
