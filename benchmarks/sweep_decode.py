@@ -143,8 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ragged", action="store_true")
     parser.add_argument(
-        "--queries", default="1,16", help="with --ragged: the L of the tables (one call of "
-        "each takes minutes: L = 1 alone ~5 on an H200)",
+        "--queries", default="1,16", help="with --ragged: the L of the tables (each takes "
+        "minutes: L = 1 alone ~5 on an H200)",
     )  # fmt: skip
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
