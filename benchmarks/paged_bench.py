@@ -79,17 +79,18 @@ def fa4_paged() -> Any:
     return flash_attn_varlen_func
 
 
-def paged_tree(nodes: int, lens: Tensor) -> ModBias:
-    """The draft tree over a paged cache: row ``b``'s last ``nodes`` tokens (of ``lens[b]``)
-    are the tree's nodes, the queries; ``q_idx`` is a query's index among them, ``kv_idx`` a
-    key's position in its row."""
+def paged_tree(nodes: int, lens: Tensor) -> Callable[..., Tensor]:
+    """The ``mask_mod`` of the draft tree over a paged cache: row ``b``'s last ``nodes``
+    tokens (of ``lens[b]``) are the tree's nodes, the queries; ``q_idx`` is a query's index
+    among them, ``kv_idx`` a key's position in its row (as ``PagedKV`` and FlexAttention's
+    paged attention give them)."""
     table = tree_ancestors(nodes, lens.device)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         cache = lens[b] - nodes
         return (kv_idx < cache) | table[q_idx, (kv_idx - cache).clamp(0, nodes - 1)]
 
-    return ModBias(mask_mod=mask_mod)
+    return mask_mod
 
 
 def flex_paged(
@@ -117,16 +118,13 @@ def flex_paged(
         for pool in (pool_k, pool_v)
     )
     lens64 = lens.long()
-    ancestors = tree_ancestors(length_q, q.device)
+    tree = paged_tree(length_q, lens64) if kind == "tree" else None
 
     def keep(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         position = lens64[b] - length_q + q_idx  # the query's position in its row
-        kept = kv_idx <= position
-        if kind == "tree":
-            cache = lens64[b] - length_q
-            return (kv_idx < cache) | (
-                kept & ancestors[q_idx, (kv_idx - cache).clamp(0, length_q - 1)]
-            )
+        kept = kv_idx <= position  # (the block mask spans keys past a row's length too)
+        if tree is not None:
+            return kept & tree(b, h, q_idx, kv_idx)
         return kept if window is None else kept & (position - kv_idx <= window)
 
     def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -219,7 +217,7 @@ def case(
     bias = PagedKV(table, lens) + extra
     contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
     if kind == "tree":  # the contiguous rows end at the capacity: the nodes are its last keys
-        bias = bias + paged_tree(length_q, lens)
+        bias = bias + ModBias(mask_mod=paged_tree(length_q, lens))
         contiguous_bias = contiguous_bias + ModBias(mask_mod=tree_mask(length_q, CAPACITY))
     route = importlib.import_module("attnbias.paged")
     reader = route._reader

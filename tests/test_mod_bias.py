@@ -1031,6 +1031,7 @@ def _assert_lists_match_the_pairs(bias: ModBias, batch: int, heads: int, length_
     expected = block_lists_of_keep(keep, *list_block_sizes())
     rows, list_heads = got.kv_lists.shape[:2]
     for name in ("kv_lists", "q_lists"):
+        # [..., slot, 0] counts the blocks, [..., slot, 1:] lists them first (the rest differs)
         mine = getattr(got, name)
         exact = getattr(expected, name)[:rows, :list_heads].expand_as(mine)
         assert torch.equal(mine[..., 0], exact[..., 0]), name
