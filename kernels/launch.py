@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from collections.abc import Hashable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from .limits import interpreting
 
 __all__ = [
     "CachedLaunch",
+    "KeptLaunch",
     "PreparedLaunch",
     "current_device",
     "empty_contiguous",
@@ -63,6 +65,83 @@ def launcher(kernel: Any) -> Any:
     if launcher is None:
         launcher = CACHED_LAUNCHES[kernel] = CachedLaunch(kernel)
     return launcher
+
+
+# A compiled kernel launches through ``compiled[grid](*args)``: a closure that looks up the
+# current stream, builds the launch metadata that Triton's launch hooks read (profilers
+# register them) and calls the kernel's launcher, ``compiled.run(gridX, gridY, gridZ, stream,
+# function, kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, *args)``
+# (Triton 3.6 names the first five and takes the rest, in the same order, as variadic
+# arguments). A kept launch calls that launcher itself while no hook is registered: less host
+# time per launch (``benchmarks/NOTES.md``, "Host time of a short training call"). Launchers
+# of another signature (other Triton versions) go through the closure.
+_LAUNCHER_PARAMETERS = (
+    "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+    "launch_enter_hook", "launch_exit_hook",
+)  # fmt: skip
+
+
+def _direct_launcher(compiled: Any) -> Any:
+    """``compiled``'s own launcher where it takes :data:`_LAUNCHER_PARAMETERS` (all of them
+    named, or the first five) then variadic arguments, and the compiled kernel has the
+    function and metadata it passes; else ``None``."""
+    run = getattr(compiled, "run", None)
+    if run is None or not all(hasattr(compiled, a) for a in ("function", "packed_metadata")):
+        return None
+    try:
+        parameters = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if not parameters or parameters[-1].kind is not inspect.Parameter.VAR_POSITIONAL:
+        return None
+    names = tuple(p.name for p in parameters[:-1])
+    if names not in (_LAUNCHER_PARAMETERS, _LAUNCHER_PARAMETERS[:5]):
+        return None
+    return run
+
+
+def _launch_hooks() -> bool:
+    """Whether Triton has a launch hook registered (a hook chain with calls, or a hook of a
+    version without chains)."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _current_stream(device: int) -> int:
+    """The raw CUDA stream Triton launches on for ``device``."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device)
+
+
+class KeptLaunch:
+    """A compiled kernel and a grid, launched with the arguments only (constexprs last):
+    through the compiled kernel's launcher directly where it can be (see
+    :data:`_LAUNCHER_PARAMETERS`), on the current stream of ``device`` at each call (so a CUDA
+    graph can capture it)."""
+
+    __slots__ = ("device", "function", "grid", "launch", "metadata", "runner")
+
+    def __init__(self, compiled: Any, grid: tuple[int, ...], device: int) -> None:
+        self.runner = compiled[grid]
+        self.launch = _direct_launcher(compiled)
+        self.function = getattr(compiled, "function", None)
+        self.metadata = getattr(compiled, "packed_metadata", None)
+        self.grid = grid
+        self.device = device
+
+    def __call__(self, *args: Any) -> None:
+        if self.launch is None or _launch_hooks():
+            self.runner(*args)
+            return
+        x, y, z = self.grid
+        stream = _current_stream(self.device)
+        self.launch(x, y, z, stream, self.function, self.metadata, None, None, None, *args)
 
 
 def _specialized(arg: Any, width_only: bool) -> object:
@@ -223,4 +302,4 @@ class PreparedLaunch:
             if len(self.runners) >= self.MAX_KEYS:
                 self.runners.clear()
             constexprs = tuple(self.options[name] for name in cached.constexpr_names)
-            self.runners[key] = (compiled[self.grid], constexprs)
+            self.runners[key] = (KeptLaunch(compiled, self.grid, key[0]), constexprs)

@@ -264,6 +264,84 @@ def test_prepared_launch_reuses_a_compiled_kernel_per_call_key(
         assert not prepared.direct()
 
 
+class _Launcher:
+    """A compiled kernel's launcher of the signature Triton's have (or ``signature``'s)."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def __call__(
+        self, gridX: int, gridY: int, gridZ: int, stream: int, function: object,
+        kernel_metadata: object, launch_metadata: object, launch_enter_hook: object,
+        launch_exit_hook: object, *args: Any,
+    ) -> None:  # fmt: skip
+        self.calls.append(
+            (gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+             launch_enter_hook, launch_exit_hook, *args)
+        )  # fmt: skip
+
+
+class _Compiled:
+    def __init__(self, run: Any) -> None:
+        self.run, self.function, self.packed_metadata = run, "fn", "meta"
+        self.through_runner: list[tuple[Any, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return lambda *args: self.through_runner.append((grid, *args))
+
+
+def test_a_kept_launch_calls_the_launcher_itself_unless_a_hook_is_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no launch hook registered, a kept launch calls the compiled kernel's launcher with
+    the grid, the current stream of its device, the kernel's function and metadata, no launch
+    metadata and no hooks, then the arguments; with a hook registered (a profiler's), or a
+    launcher of another signature, it goes through the compiled kernel's own closure."""
+    from triton import knobs
+
+    monkeypatch.setattr(launch, "_current_stream", lambda device: 1000 + device)
+    calls: list[tuple[Any, ...]] = []
+    compiled = _Compiled(_Launcher(calls))
+    kept = launch.KeptLaunch(compiled, (4, 2, 1), device=3)
+    kept("x", 7)
+    assert calls == [(4, 2, 1, 1003, "fn", "meta", None, None, None, "x", 7)]
+    assert compiled.through_runner == []
+
+    hooks = knobs.runtime.launch_enter_hook
+    if hasattr(hooks, "add"):  # a chain of hooks
+        hook = lambda metadata: None
+        hooks.add(hook)
+        try:
+            kept("y", 8)
+        finally:
+            hooks.remove(hook)
+    else:  # a single hook
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        kept("y", 8)
+        monkeypatch.undo()
+        monkeypatch.setattr(launch, "_current_stream", lambda device: 1000 + device)
+    assert compiled.through_runner == [((4, 2, 1), "y", 8)]
+    assert len(calls) == 1
+    kept("z", 9)
+    assert calls[-1][-2:] == ("z", 9)
+
+    def five_named(
+        gridX: int, gridY: int, gridZ: int, stream: int, function: object, *args: Any
+    ) -> None:  # (Triton 3.6's)
+        calls.append((gridX, gridY, gridZ, stream, function, *args))
+
+    launch.KeptLaunch(_Compiled(five_named), (2, 1, 1), device=0)("v", 3)
+    assert calls[-1] == (2, 1, 1, 1000, "fn", "meta", None, None, None, "v", 3)
+
+    def other(grid: Any, stream: int, *args: Any) -> None:
+        calls.append(("other", *args))
+
+    odd = _Compiled(other)
+    launch.KeptLaunch(odd, (1, 1, 1), device=0)("w", 1)
+    assert odd.through_runner == [((1, 1, 1), "w", 1)]
+    assert calls[-1][-2:] == ("v", 3)
+
+
 def test_a_planned_backward_under_create_graph_is_first_order_only() -> None:
     """A repeated training call (its backward planned) differentiated with ``create_graph``:
     the first-order gradients are the oracle's, and a second backward through them raises."""

@@ -677,6 +677,8 @@ def from_torch(value: object) -> AttnBias | None:
     """The attnbias form of PyTorch's own bias objects (``torch.nn.attention.bias``'s
     ``CausalBias``, from its ``causal_upper_left`` / ``causal_lower_right``: the causal bias
     of the same alignment and lengths), or ``None`` for anything else."""
+    if value is None or type(value) is Tensor or isinstance(value, AttnBias):
+        return None  # (the common case, answered without the import below)
     try:
         from torch.nn.attention.bias import CausalBias as TorchCausal
     except ImportError:  # pragma: no cover - PyTorch before 2.2
