@@ -322,3 +322,26 @@ def test_on_the_gpu_the_examples_custom_biases_pass_and_a_wrong_route_fails(
     attnbias.plan_cache.clear()
     with pytest.raises(AssertionError, match=r"route 'triton'"):
         check_bias(window, shapes=shapes, device="cuda")
+
+
+def test_assert_call_close_with_a_flash_kernels_budget() -> None:
+    """``flash=True`` adds a flash kernel's own rounding to the budget: the exact call passes,
+    a call off by 0.1% in float32 (far beyond that rounding) fails, and ``flash`` with an
+    explicit ``rounding`` is refused."""
+    from attnbias.testing.oracle import assert_call_close, attention
+
+    bias = causal_lower_right() + SlidingWindowBias(3)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(4))
+
+    def exact(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attention(q, k, v, bias, dtype=torch.float32)
+
+    def off(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return exact(q, k, v) * 1.001
+
+    assert_call_close(exact, bias, (q, k, v), grad, flash=True)
+    with pytest.raises(AssertionError):
+        assert_call_close(off, bias, (q, k, v), grad, flash=True)
+    with pytest.raises(ValueError, match="not both"):
+        assert_call_close(exact, bias, (q, k, v), grad, flash=True, rounding=[0.0] * 4)

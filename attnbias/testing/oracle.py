@@ -651,14 +651,20 @@ def assert_call_close(
     enable_gqa: bool = False,
     scale: float | None = None,
     rounding: Sequence[float] | None = None,
+    flash: bool = False,
 ) -> list[Tensor]:
     """``call(q, k, v)`` (a call with ``bias``, ``scale`` and ``enable_gqa``) against the
     oracle: its output and the gradients of ``q, k, v`` (with ``grad_out``) within the budget
     of stock PyTorch in the inputs' dtype (:func:`assert_close_to_oracle`, a flash kernel's own
-    ``rounding`` from :func:`flash_rounding` included where given). Returns ``[out, dq, dk,
-    dv]``."""
+    ``rounding`` included where given). ``flash=True``: the call runs a flash-attention kernel
+    (such as ``use_backends("triton")``), whose own rounding (:func:`flash_rounding` of this
+    call) joins the budget. Returns ``[out, dq, dk, dv]``."""
     q, k, v = inputs
     dtype = q.dtype
+    if flash:
+        if rounding is not None:
+            raise ValueError("assert_call_close: give rounding or flash=True, not both")
+        rounding = flash_rounding(q, k, v, bias, grad_out, scale=scale)
     got = run_with_grads(call, inputs, grad_out)
     expected = run_with_grads(
         lambda q, k, v: attention(q, k, v, bias, scale=scale, enable_gqa=enable_gqa),
