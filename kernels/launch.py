@@ -120,27 +120,25 @@ def _current_stream(device: int) -> int:
 
 
 class KeptLaunch:
-    """A compiled kernel and a grid, launched with the arguments only (constexprs last):
-    through the compiled kernel's launcher directly where it can be (see
-    :data:`_LAUNCHER_PARAMETERS`), on the current stream of ``device`` at each call (so a CUDA
-    graph can capture it)."""
+    """A compiled kernel, launched with a grid of three dimensions, the device and the
+    arguments only (constexprs last): through the compiled kernel's launcher directly where it
+    can be (see :data:`_LAUNCHER_PARAMETERS`), on the current stream of the device at each
+    call (so a CUDA graph can capture it), and through its own closure otherwise."""
 
-    __slots__ = ("device", "function", "grid", "launch", "metadata", "runner")
+    __slots__ = ("compiled", "function", "launch", "metadata")
 
-    def __init__(self, compiled: Any, grid: tuple[int, ...], device: int) -> None:
-        self.runner = compiled[grid]
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
         self.launch = _direct_launcher(compiled)
         self.function = getattr(compiled, "function", None)
         self.metadata = getattr(compiled, "packed_metadata", None)
-        self.grid = grid
-        self.device = device
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, grid: tuple[int, ...], device: int, *args: Any) -> None:
         if self.launch is None or _launch_hooks():
-            self.runner(*args)
+            self.compiled[grid](*args)
             return
-        x, y, z = self.grid
-        stream = _current_stream(self.device)
+        x, y, z = grid
+        stream = _current_stream(device)
         self.launch(x, y, z, stream, self.function, self.metadata, None, None, None, *args)
 
 
@@ -188,7 +186,7 @@ class CachedLaunch:
         self.width_only = tuple(
             bool(getattr(param, "do_not_specialize", False)) for param in params[: self.num_args]
         )
-        self.compiled: dict[tuple[object, ...], Any] = {}
+        self.compiled: dict[tuple[object, ...], KeptLaunch] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         # a compiled kernel's own launcher reads three grid dimensions
@@ -206,22 +204,23 @@ class CachedLaunch:
             parts.append(_specialized(arg, width_only))
         return tuple(parts)
 
-    def run(self, grid: tuple[int, ...], *args: Any, **options: Any) -> Any:
-        """Launch; returns the compiled kernel that ran, or ``None`` when the launch handed
-        none back (then nothing is reused)."""
+    def run(self, grid: tuple[int, ...], *args: Any, **options: Any) -> KeptLaunch | None:
+        """Launch on a grid of three dimensions; returns the compiled kernel that ran, kept,
+        or ``None`` when the launch handed none back (then nothing is reused)."""
         if len(args) != self.num_args:
             raise TypeError(f"expected {self.num_args} runtime arguments, got {len(args)}")
         key = self.key(args, options)
-        compiled = self.compiled.get(key)
-        if compiled is None:
+        kept = self.compiled.get(key)
+        if kept is None:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
             launched = self.kernel[grid](*args, **options)
             if hasattr(launched, "__getitem__"):  # a compiled kernel with its own launcher
-                self.compiled[key] = compiled = launched
+                self.compiled[key] = kept = KeptLaunch(launched)
         else:
-            compiled[grid](*args, *[options[name] for name in self.constexpr_names])
-        return compiled
+            constexprs = [options[name] for name in self.constexpr_names]
+            kept(grid, current_device(), *args, *constexprs)
+        return kept
 
 
 CACHED_LAUNCHES: dict[Any, CachedLaunch] = {}
@@ -276,7 +275,7 @@ class PreparedLaunch:
         # a compiled kernel's own launcher takes exactly three grid dimensions
         self.grid = (*grid, *(1,) * (3 - len(grid)))
         self.options = options
-        self.runners: dict[Hashable, tuple[Any, tuple[Any, ...]]] = {}
+        self.runners: dict[Hashable, tuple[KeptLaunch, tuple[Any, ...]]] = {}
         self.interpreted = interpreting()
 
     def direct(self) -> bool:
@@ -293,13 +292,13 @@ class PreparedLaunch:
         key = (current_device(), call_key)
         found = self.runners.get(key)
         if found is not None:
-            runner, constexprs = found
-            runner(*args, *constexprs)
+            kept, constexprs = found
+            kept(self.grid, key[0], *args, *constexprs)
             return
         cached = launcher(self.kernel)
-        compiled = cached.run(self.grid, *args, **self.options)
-        if compiled is not None:
+        kept = cached.run(self.grid, *args, **self.options)
+        if kept is not None:
             if len(self.runners) >= self.MAX_KEYS:
                 self.runners.clear()
             constexprs = tuple(self.options[name] for name in cached.constexpr_names)
-            self.runners[key] = (KeptLaunch(compiled, self.grid, key[0]), constexprs)
+            self.runners[key] = (kept, constexprs)

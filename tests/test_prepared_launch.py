@@ -294,7 +294,7 @@ def test_a_kept_launch_calls_the_launcher_itself_unless_a_hook_is_registered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With no launch hook registered, a kept launch calls the compiled kernel's launcher with
-    the grid, the current stream of its device, the kernel's function and metadata, no launch
+    the grid, the current stream of the given device, the kernel's function and metadata, no launch
     metadata and no hooks, then the arguments; with a hook registered (a profiler's), or a
     launcher of another signature, it goes through the compiled kernel's own closure."""
     from triton import knobs
@@ -302,8 +302,8 @@ def test_a_kept_launch_calls_the_launcher_itself_unless_a_hook_is_registered(
     monkeypatch.setattr(launch, "_current_stream", lambda device: 1000 + device)
     calls: list[tuple[Any, ...]] = []
     compiled = _Compiled(_Launcher(calls))
-    kept = launch.KeptLaunch(compiled, (4, 2, 1), device=3)
-    kept("x", 7)
+    kept = launch.KeptLaunch(compiled)
+    kept((4, 2, 1), 3, "x", 7)
     assert calls == [(4, 2, 1, 1003, "fn", "meta", None, None, None, "x", 7)]
     assert compiled.through_runner == []
 
@@ -312,17 +312,17 @@ def test_a_kept_launch_calls_the_launcher_itself_unless_a_hook_is_registered(
         hook = lambda metadata: None
         hooks.add(hook)
         try:
-            kept("y", 8)
+            kept((4, 2, 1), 3, "y", 8)
         finally:
             hooks.remove(hook)
     else:  # a single hook
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-        kept("y", 8)
+        kept((4, 2, 1), 3, "y", 8)
         monkeypatch.undo()
         monkeypatch.setattr(launch, "_current_stream", lambda device: 1000 + device)
     assert compiled.through_runner == [((4, 2, 1), "y", 8)]
     assert len(calls) == 1
-    kept("z", 9)
+    kept((4, 2, 1), 3, "z", 9)
     assert calls[-1][-2:] == ("z", 9)
 
     def five_named(
@@ -330,14 +330,14 @@ def test_a_kept_launch_calls_the_launcher_itself_unless_a_hook_is_registered(
     ) -> None:  # (Triton 3.6's)
         calls.append((gridX, gridY, gridZ, stream, function, *args))
 
-    launch.KeptLaunch(_Compiled(five_named), (2, 1, 1), device=0)("v", 3)
+    launch.KeptLaunch(_Compiled(five_named))((2, 1, 1), 0, "v", 3)
     assert calls[-1] == (2, 1, 1, 1000, "fn", "meta", None, None, None, "v", 3)
 
     def other(grid: Any, stream: int, *args: Any) -> None:
         calls.append(("other", *args))
 
     odd = _Compiled(other)
-    launch.KeptLaunch(odd, (1, 1, 1), device=0)("w", 1)
+    launch.KeptLaunch(odd)((1, 1, 1), 0, "w", 1)
     assert odd.through_runner == [((1, 1, 1), "w", 1)]
     assert calls[-1][-2:] == ("v", 3)
 
