@@ -331,6 +331,26 @@ def _paged_rows(table, tokens, M, F: tl.constexpr):
 
 
 @triton.jit
+def _page_tile_row(table, token, M, F: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pool row of a tile's first token ``token`` (a multiple of ``BLOCK_N``, which
+    divides the page size): the tile's tokens are that row and the next ``BLOCK_N - 1`` of
+    the same page. Clamped as :func:`_paged_rows` clamps, by whole tiles."""
+    PAGE: tl.constexpr = page_size(F)
+    t = tl.maximum(tl.minimum(tl.maximum(token, 0), mask_kv_capacity(M) - BLOCK_N), 0)
+    page = tl.load(table + t // PAGE)
+    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
+    return page.to(tl.int64) * PAGE + t % PAGE
+
+
+@triton.jit
+def _page_grid(kv_shift, BLOCK_N: tl.constexpr):
+    """The grid offset that puts key tiles on a row's tokens (key position ``n`` is token
+    ``n + kv_shift``): tiles start at the positions whose token is a multiple of
+    ``BLOCK_N``."""
+    return ((kv_shift % BLOCK_N) + BLOCK_N) % BLOCK_N
+
+
+@triton.jit
 def _tile_ptrs(head, start, stride_row, stride_col, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
     """Pointers ``[ROWS, BLOCK_E]`` to rows ``[start, start + ROWS)`` of the ``(rows, E)``
     matrix at ``head`` (one batch entry and head of a ``(B, H, rows, E)`` tensor)."""
@@ -377,10 +397,12 @@ def _key_block_range(
 
 @triton.jit
 def _rows_key_blocks(
-    first, last, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi, BLOCK_N: tl.constexpr
-):
+    first, last, seq_k, M, F: tl.constexpr, doc_off, kv_lo, kv_hi, BLOCK_N: tl.constexpr,
+    grid_off=0,
+):  # fmt: skip
     """Key blocks seen by query rows ``[first, last]`` (see ``_split_blocks``); ``doc_off``:
-    the batch row's offset into the document ranges."""
+    the batch row's offset into the document ranges. Block ``t`` holds key positions
+    ``[t * BLOCK_N - grid_off, (t + 1) * BLOCK_N - grid_off)``."""
     lo = first * 0
     hi = lo + seq_k
     full_lo = lo
@@ -401,7 +423,8 @@ def _rows_key_blocks(
         full_lo = tl.maximum(full_lo, kv_lo)
         hi = tl.minimum(hi, kv_hi)
         full_hi = tl.minimum(full_hi, kv_hi)
-    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
+    return _split_blocks(lo + grid_off, hi + grid_off, full_lo + grid_off, full_hi + grid_off,
+                         BLOCK_N)  # fmt: skip
 
 
 @triton.jit

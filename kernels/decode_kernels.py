@@ -14,6 +14,7 @@ from .common import (
     LOG2E_K,
     _key_range,
     _mod_context,
+    _page_grid,
     _page_row,
     _row_bounds,
     _rows_key_blocks,
@@ -26,6 +27,7 @@ from .record import (
     mask_alibi_stride_h,
     mask_row_stride,
     mask_slopes,
+    page_size,
 )
 
 __all__: list[str] = []
@@ -108,24 +110,29 @@ def _decode_fwd(
     k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
     kv_table, kv_shift = _page_row(M, F, off_b, seq_k)
+    # Over pages the block of keys divides, the key tiles lie on the row's tokens, so each
+    # lies in one page (one page-table read a tile, pointers moved by one number)
+    PAGE_TILES: tl.constexpr = page_size(F) > 0 and page_size(F) % BLOCK_N == 0
+    grid_off = kv_shift * 0
+    if PAGE_TILES:
+        grid_off = _page_grid(kv_shift, BLOCK_N)
 
     doc_off = off_b * mask_row_stride(M)
     first_q = start_r // group_size
     last_q = tl.minimum((start_r + BLOCK_M - 1) // group_size, seq_q - 1)
     kv_lo, kv_hi = _key_range(M, F, off_b, seq_k)
     block_first, full_first, full_end, block_end = _rows_key_blocks(
-        first_q, last_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_N
+        first_q, last_q, seq_k, M, F, doc_off, kv_lo, kv_hi, BLOCK_N, grid_off
     )
     if MASK_FN is not None and HEADLESS_TILE_FN is not None:
         # the band's full run stays full where the masks' bounds over all of it (or all but
         # its last block, which a draft tree's root shares with the cache) keep every pair
-        _, drops_all = HEADLESS_TILE_FN(
-            off_b, off_b * 0, first_q, last_q, full_first * BLOCK_N, full_end * BLOCK_N - 1, MOD
-        )
+        run_first = full_first * BLOCK_N - grid_off  # (the run's first and last keys)
+        run_last = full_end * BLOCK_N - grid_off - 1
+        _, drops_all = HEADLESS_TILE_FN(off_b, off_b * 0, first_q, last_q, run_first, run_last, MOD)
         _, drops_shorter = HEADLESS_TILE_FN(
-            off_b, off_b * 0, first_q, last_q, full_first * BLOCK_N,
-            full_end * BLOCK_N - BLOCK_N - 1, MOD,
-        )  # fmt: skip
+            off_b, off_b * 0, first_q, last_q, run_first, run_last - BLOCK_N, MOD
+        )
         full_end = tl.where(
             drops_all == 0, full_end, tl.where(drops_shorter == 0, full_end - 1, full_first)
         )
@@ -172,7 +179,7 @@ def _decode_fwd(
         seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M, F,
         EVEN=EVEN_N, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
         DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN, kv_table=kv_table,
-        kv_shift=kv_shift,
+        kv_shift=kv_shift, grid_off=grid_off, PAGE_TILES=PAGE_TILES,
     )  # fmt: skip
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -27,6 +27,7 @@ from .common import (
     _mod_context,
     _mod_score,
     _page_row,
+    _page_tile_row,
     _paged_rows,
     _partial_keep,
     _row_bounds,
@@ -83,6 +84,8 @@ def _attn_fwd_inner(
     TILED_SCORES: tl.constexpr = False,
     kv_table=0,
     kv_shift=0,
+    grid_off=0,
+    PAGE_TILES: tl.constexpr = False,
 ):  # fmt: skip
     """Key tiles ``[block_first, block_end)``: contiguous tiles, or with ``LISTED_TILES`` the
     tiles of the list blocks at ``entries + 1`` (``LISTED_TILES`` tiles to a block), counted
@@ -92,7 +95,11 @@ def _attn_fwd_inner(
     ``M``, ``F``: the mask (``record.py``). With its page size, the keys lie in pages (a
     paged cache): key position ``n`` is the row's token ``n + kv_shift``, read where
     ``kv_table`` (its page table) puts it among the rows of ``k_head`` / ``v_head``
-    (:func:`_paged_rows`)."""
+    (:func:`_paged_rows`). ``grid_off``: tile ``t`` holds key positions ``[t * BLOCK_N -
+    grid_off, (t + 1) * BLOCK_N - grid_off)`` (0: the positions' own grid). ``PAGE_TILES``:
+    the caller put each tile inside one page (``BLOCK_N`` divides the page size and
+    ``grid_off`` aligns the tiles to the row's tokens, see :func:`_page_grid`): its rows are
+    one page's consecutive slots, found with one page-table read a tile."""
     HAS_SOFTCAP: tl.constexpr = has_softcap(F)
     HAS_ALIBI: tl.constexpr = has_alibi(F)
     PAGE: tl.constexpr = page_size(F)
@@ -107,22 +114,36 @@ def _attn_fwd_inner(
     # Full tiles lie inside the key range; partial ones may cross its ends: keys and values
     # outside it are not read there (zeros), so that nothing in them reaches the results.
     IN_RANGE: tl.constexpr = MASKED and has_kv_range(F)
-    offs_n = block_first * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = (block_first * BLOCK_N).to(tl.int64)
+    offs_n = block_first * BLOCK_N - grid_off + tl.arange(0, BLOCK_N)
+    start = (block_first * BLOCK_N - grid_off).to(tl.int64)
     k_ptrs = _tile_ptrs(k_head, start, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
     v_ptrs = _tile_ptrs(v_head, start, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
     if PAGE > 0:
         tl.static_assert(LISTED_TILES == 0, "paged keys are read over contiguous tiles")
         # each tile's rows are worked out one tile ahead, so that its key and value loads do
         # not wait for its page numbers
-        next_rows = _paged_rows(kv_table, offs_n + kv_shift, M, F)
+        if PAGE_TILES:
+            tl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
+            k_tile = _tile_ptrs(k_head, start * 0, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+            v_tile = _tile_ptrs(v_head, start * 0, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+            tile_token = block_first * BLOCK_N - grid_off + kv_shift  # a multiple of BLOCK_N
+            next_row = _page_tile_row(kv_table, tile_token, M, F, BLOCK_N)
+        else:
+            next_rows = _paged_rows(kv_table, offs_n + kv_shift, M, F)
     for t in range(block_first, block_end):
         if LISTED_TILES > 0:
             tile = _listed_tile(entries, t, LISTED_TILES)
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
-        if PAGE > 0:
+        if PAGE > 0 and PAGE_TILES:
+            # the tile's first pool row: every pointer moves by one number, as over a cache
+            row = next_row
+            k_ptrs = k_tile + row * stride_kn
+            v_ptrs = v_tile + row * stride_vn
+            tile_token += BLOCK_N
+            next_row = _page_tile_row(kv_table, tile_token, M, F, BLOCK_N)
+        elif PAGE > 0:
             # positions past the end read the row's last token (masked, or never kept)
             rows = next_rows
             offs_e = tl.arange(0, BLOCK_E)[None, :]
@@ -186,18 +207,20 @@ def _attn_fwd_runs(
     suffix_end, seq_k, kv_lo, kv_hi, shift, alibi_coef, MODC, M, F: tl.constexpr,
     EVEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASK_FN: tl.constexpr, SCORE_FN: tl.constexpr,
-    TILED_SCORES: tl.constexpr = False, kv_table=0, kv_shift=0,
+    TILED_SCORES: tl.constexpr = False, kv_table=0, kv_shift=0, grid_off=0,
+    PAGE_TILES: tl.constexpr = False,
 ):  # fmt: skip
     """The key blocks of a tile in three runs: a partial prefix, a full middle (no element
-    mask) and a partial suffix, each ``[first, end)`` in blocks (the page arguments: as
-    :func:`_attn_fwd_inner` takes them)."""
+    mask) and a partial suffix, each ``[first, end)`` in blocks (the page arguments and the
+    grid: as :func:`_attn_fwd_inner` takes them)."""
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
         offs_m, row_lo, row_hi, prefix_first, prefix_end, seq_k, kv_lo, kv_hi, shift,
         alibi_coef, MODC, M, F,
         MASKED=True, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
         DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift, grid_off=grid_off,
+        PAGE_TILES=PAGE_TILES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -205,7 +228,8 @@ def _attn_fwd_runs(
         alibi_coef, MODC, M, F,
         MASKED=False, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
         DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift, grid_off=grid_off,
+        PAGE_TILES=PAGE_TILES,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_head, v_head, stride_kn, stride_kk, stride_vn, stride_vk,
@@ -213,7 +237,8 @@ def _attn_fwd_runs(
         alibi_coef, MODC, M, F,
         MASKED=True, EVEN=EVEN, HEAD_DIM=HEAD_DIM, BLOCK_E=BLOCK_E, BLOCK_N=BLOCK_N,
         DOT_PRECISION=DOT_PRECISION, MASK_FN=MASK_FN, SCORE_FN=SCORE_FN,
-        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift,
+        TILED_SCORES=TILED_SCORES, kv_table=kv_table, kv_shift=kv_shift, grid_off=grid_off,
+        PAGE_TILES=PAGE_TILES,
     )  # fmt: skip
     return acc, l_i, m_i
 

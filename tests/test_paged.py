@@ -347,6 +347,32 @@ def test_a_draft_tree_over_long_rows_on_the_decode_kernel(
         run_and_check(query, k, v, pages, rest)
 
 
+@pytest.mark.parametrize("rest", ["none", "causal", "window alibi softcap", "mod mask",
+                                  "mod draft tree", "mod score in a window"])  # fmt: skip
+@pytest.mark.parametrize(("page_size", "length_q"), [(16, 1), (32, 3)])
+def test_the_decode_kernel_reads_each_key_tile_from_one_page(
+    rest: str, page_size: int, length_q: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages a multiple of the decode kernel's block of keys (16 under the interpreter): the
+    key tiles lie on each row's tokens, each inside one page. Rows of several blocks whose
+    lengths are no multiple of the block (the tiles then start off the positions' own grid),
+    pages listed out of order, one page shared by two rows: the oracle's result for the parts
+    that compose and ModBias masks that settle blocks by their bounds (a draft tree)."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    width = 96 // page_size  # pages a row: 96 tokens
+    k, v = pools(3 * width, page_size, 2, 16, seed=40 + length_q)
+    order = torch.randperm(3 * width, generator=torch.Generator().manual_seed(page_size))
+    rows = order.reshape(3, width).tolist()
+    rows[1][0] = rows[0][0]  # a shared first page (a common prefix)
+    lens = lens_of([66, 37, 85])  # (66: the tree starts in a tile before the last)
+    pages = PagedKV(table_of(rows), lens)
+    query = torch.randn(3, 4, length_q, 16, device=DEVICE)
+    parts = _IN_PLACE[rest](lens, length_q, torch.randn(4, 32, device=DEVICE))
+    with attnbias.use_backends("triton-decode"):
+        run_and_check(query, k, v, pages, parts)
+
+
 def test_a_repeated_call_plans_once_and_follows_the_backends_pinned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
