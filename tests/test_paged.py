@@ -347,8 +347,21 @@ def test_a_draft_tree_over_long_rows_on_the_decode_kernel(
         run_and_check(query, k, v, pages, rest)
 
 
-@pytest.mark.parametrize("rest", ["none", "causal", "window alibi softcap", "mod mask",
-                                  "mod draft tree", "mod score in a window"])  # fmt: skip
+def _hole(lens: torch.Tensor) -> ModBias:
+    """A mask that drops each row's tokens ``[n - 20, n - 18)`` (``n`` its length): bounds
+    the tile function takes as exact, so the blocks around the hole run unmasked."""
+
+    def hole(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx < lens[b] - 20) | (kv_idx >= lens[b] - 18)
+
+    return ModBias(mask_mod=hole)
+
+
+ONE_PAGE_RESTS = ["none", "causal", "window alibi softcap", "mod mask", "mod draft tree",
+                  "mod score in a window", "mod hole"]  # fmt: skip
+
+
+@pytest.mark.parametrize("rest", ONE_PAGE_RESTS)
 @pytest.mark.parametrize(("page_size", "length_q"), [(16, 1), (32, 3)])
 def test_the_decode_kernel_reads_each_key_tile_from_one_page(
     rest: str, page_size: int, length_q: int, monkeypatch: pytest.MonkeyPatch
@@ -357,7 +370,8 @@ def test_the_decode_kernel_reads_each_key_tile_from_one_page(
     key tiles lie on each row's tokens, each inside one page. Rows of several blocks whose
     lengths are no multiple of the block (the tiles then start off the positions' own grid),
     pages listed out of order, one page shared by two rows: the oracle's result for the parts
-    that compose and ModBias masks that settle blocks by their bounds (a draft tree)."""
+    that compose and ModBias masks that settle blocks by their bounds (a draft tree, a hole
+    of two tokens at the end of the last block but one of the run kept whole)."""
     route = importlib.import_module("attnbias.paged")
     monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
     width = 96 // page_size  # pages a row: 96 tokens
@@ -368,7 +382,10 @@ def test_the_decode_kernel_reads_each_key_tile_from_one_page(
     lens = lens_of([66, 37, 85])  # (66: the tree starts in a tile before the last)
     pages = PagedKV(table_of(rows), lens)
     query = torch.randn(3, 4, length_q, 16, device=DEVICE)
-    parts = _IN_PLACE[rest](lens, length_q, torch.randn(4, 32, device=DEVICE))
+    if rest == "mod hole":  # (in row 0, the last 2 tokens of a block that ends the full run)
+        parts = causal_lower_right() + _hole(lens)
+    else:
+        parts = _IN_PLACE[rest](lens, length_q, torch.randn(4, 32, device=DEVICE))
     with attnbias.use_backends("triton-decode"):
         run_and_check(query, k, v, pages, parts)
 
