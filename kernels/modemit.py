@@ -152,11 +152,10 @@ class _Emitter:
     # -- a parameter read ``node`` (op "load"): its runtime arguments, by dimension ------------
 
     def size(self, node: Node, dim: int) -> str:
-        return f"MOD[{self.param_slot[node.args[0]] + 1 + dim}]"
+        return f"MOD[{self.traced.read_args(node)[1][dim]}]"
 
     def stride(self, node: Node, dim: int) -> str:
-        dims = len(node.args) - 1
-        return f"MOD[{self.param_slot[node.args[0]] + 1 + dims + dim}]"
+        return f"MOD[{self.traced.read_args(node)[2][dim]}]"
 
     def clamped(self, node: Node, dim: int) -> str:
         """The read's element index along ``dim``: a negative index counts from the end (where

@@ -91,6 +91,13 @@ class TracedMods:
             slot += 1 + 2 * param.dim()
         return slots
 
+    def read_args(self, node: Node) -> tuple[int, list[int], list[int]]:
+        """Where a parameter read's (op ``"load"``) runtime arguments lie in the flat tuple of
+        :meth:`runtime_args`: its tensor, then its sizes and its strides by dimension."""
+        slot = self.param_slots()[node.args[0]]
+        dims = range(len(node.args) - 1)
+        return slot, [slot + 1 + d for d in dims], [slot + 1 + len(dims) + d for d in dims]
+
     def additive_score(self) -> bool:
         """Whether the score functions only add something that does not depend on the score
         (``score + g(b, h, q_idx, kv_idx)``, chained), so that they have an additive form:

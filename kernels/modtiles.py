@@ -44,7 +44,6 @@ class TileEmitter:
         self.done: dict[int, tuple[str, ...]] = {}
         self.input_names = {node: name for name, node in traced.inputs.items()}
         self.prefix = prefix  # of the variables written, beside the caller's
-        self.slots = traced.param_slots()
 
     def bounds(self, node_id: int) -> tuple[str, ...]:
         """``("int", lo, hi, unknown)``, ``("bool", may_true, may_false)`` or
@@ -143,12 +142,12 @@ class TileEmitter:
         block, within the tensor (a negative index, which counts from the end, is left
         unknown); unknown otherwise. The element read is clamped into the tensor, so that a
         read left unknown loads some element of it and no other memory."""
-        p, slot = self.prefix, self.slots[node.args[0]]
-        dims = len(node.args) - 1
+        p = self.prefix
+        slot, sizes, strides = self.traced.read_args(node)
         exact, offset = "YES", "ZERO"
         for dim, index in enumerate(node.args[1:]):
             lo, hi, unknown = self.as_int(index)
-            size, stride = f"MOD[{slot + 1 + dim}]", f"MOD[{slot + 1 + dims + dim}]"
+            size, stride = f"MOD[{sizes[dim]}]", f"MOD[{strides[dim]}]"
             exact = f"{exact} & ~({unknown}) & ({lo} == {hi}) & ({lo} >= 0) & ({lo} < {size})"
             offset = f"{offset} + tl.minimum(tl.maximum({lo}, 0), {size} - 1) * {stride}"
         self.lines += [f"{p}x{i} = {exact}", f"{p}r{i} = tl.load(MOD[{slot}] + {offset})"]
