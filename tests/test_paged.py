@@ -71,6 +71,13 @@ def run_and_check(
     assert_close_to_oracle([out], [expected], [stock], dtype)
 
 
+def _no_gathering(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The paged route's module, made to fail the test where it would gather the pages."""
+    route = importlib.import_module("attnbias.paged")
+    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    return route
+
+
 RESTS = {
     "none": lambda: None,
     "causal": causal_lower_right,
@@ -312,8 +319,7 @@ def test_the_kernels_read_the_pages_in_place(
     pools: nothing is gathered (a gather fails the test), and the result is the oracle's, for
     every part that composes and a ModBias reading each row's own positions (a window: only
     the last tokens mapped)."""
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     k, v = pools(10, 4, 2, 16, seed=20 + length_q)
     lens = lens_of([13, 10, 6])
     pages = PagedKV(table_of([[7, 2, 9, 0], [7, 2, 4, 4], [1, 5, 0, 0]]), lens)
@@ -335,8 +341,7 @@ def test_a_draft_tree_over_long_rows_on_the_decode_kernel(
     several key blocks that fill their pages: the decode kernel runs the blocks before the
     tree without the mask (the tile function reads ``lens[b]``) and the tree's block, the
     last of the full run, with it; the oracle's result."""
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     k, v = pools(24, 8, 2, 16, seed=30 + length_q)
     lens = lens_of([64, 40, 64])
     order = torch.randperm(24, generator=torch.Generator().manual_seed(length_q)).tolist()
@@ -372,14 +377,13 @@ def test_the_decode_kernel_reads_each_key_tile_from_one_page(
     pages listed out of order, one page shared by two rows: the oracle's result for the parts
     that compose and ModBias masks that settle blocks by their bounds (a draft tree, a hole
     of two tokens at the end of the last block but one of the run kept whole)."""
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     width = 96 // page_size  # pages a row: 96 tokens
     k, v = pools(3 * width, page_size, 2, 16, seed=40 + length_q)
     order = torch.randperm(3 * width, generator=torch.Generator().manual_seed(page_size))
     rows = order.reshape(3, width).tolist()
     rows[1][0] = rows[0][0]  # a shared first page (a common prefix)
-    lens = lens_of([66, 37, 85])  # (66: the tree starts in a tile before the last)
+    lens = lens_of([66, 37, 85])  # (row 0's hole: the end of the full run's last block but one)
     pages = PagedKV(table_of(rows), lens)
     query = torch.randn(3, 4, length_q, 16, device=DEVICE)
     if rest == "mod hole":  # (in row 0, the last 2 tokens of a block that ends the full run)
@@ -463,8 +467,7 @@ def test_the_kernels_reading_pages_keep_the_numerical_contract(
     tokens (past a row's length in its last page, pages no row lists) reaches nothing, any
     finite scale (0 and negative ones) gives the oracle's result, and no query gives an
     empty output."""
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     k, v = pools(8, 4, 2, 16, seed=54)
     table = table_of([[3, 1, 0], [4, 5, 6]])
     lens = lens_of([6, 9])
@@ -518,8 +521,7 @@ def test_the_kernels_read_ragged_rows_pages_in_place(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and decode rows packed in one query, read in place."""
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     k, v = pools(12, 4, 2, 16, seed=31)
     table = table_of([[3, 4, 5, 6], [0, 1, 0, 0], [8, 9, 10, 11], [2, 0, 0, 0]])
     cu = torch.tensor([0, 5, 6, 6, 9], dtype=I32, device=DEVICE)
@@ -538,8 +540,7 @@ def test_ragged_rows_skip_the_query_tiles_before_their_queries(
     the row's earlier keys), and the outputs still match the oracle."""
     from attnbias.kernels import forward
 
-    route = importlib.import_module("attnbias.paged")
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
+    _no_gathering(monkeypatch)
     seen: list[torch.Tensor] = []
     launch = forward.ForwardPlan.launch
 
@@ -580,9 +581,8 @@ def test_short_ragged_rows_run_on_the_decode_kernel_beside_longer_rows(
     rows (their log-sum-exp there is -inf)."""
     from attnbias.kernels import decode, forward
 
-    route = importlib.import_module("attnbias.paged")
+    route = _no_gathering(monkeypatch)
     monkeypatch.setattr(route, "SPLIT_SHORT_ROWS", split)
-    monkeypatch.setattr(route, "_gathered", lambda *_: pytest.fail("the pages were gathered"))
     starts: list[torch.Tensor | None] = []
     tails: list[tuple[int, ...]] = []
     launch, run = forward.ForwardPlan.launch, decode.DecodePlan.run
