@@ -63,8 +63,8 @@ def peak_bandwidth() -> tuple[float, str]:
 
 # (page, L, window, bias besides the causal alignment, rows)
 CASES = [(16, 1, None, "causal", 8), (64, 1, None, "causal", 8), (256, 1, None, "causal", 8),
-         (16, 16, None, "causal", 8), (16, 1, 4095, "causal", 8), (256, 16, 4095, "causal", 8),
-         (64, 512, None, "causal", 8), (64, 2048, None, "causal", 8),
+         (16, 16, None, "causal", 8), (64, 16, None, "causal", 8), (16, 1, 4095, "causal", 8),
+         (256, 16, 4095, "causal", 8), (64, 512, None, "causal", 8), (64, 2048, None, "causal", 8),
          (64, 1, None, "causal", 32), (64, 1, None, "causal", 64), (64, 1, None, "softcap", 8),
          (64, 16, None, "tree", 8)]  # fmt: skip
 

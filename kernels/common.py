@@ -343,6 +343,21 @@ def _page_tile_row(table, token, M, F: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _page_tile_pages(table, token, M, F: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a tile of ``BLOCK_N`` tokens from ``token`` (a multiple of ``BLOCK_N``, which the
+    page size divides, so the tile holds ``BLOCK_N / PAGE`` whole pages): the pool row of each
+    token's page's first slot (int64 ``[BLOCK_N]``); the tile's token ``i`` is slot ``i %
+    PAGE`` past it. Table entries are clamped into the row's table and pages into the pool,
+    as :func:`_paged_rows` clamps."""
+    PAGE: tl.constexpr = page_size(F)
+    entry = token // PAGE + tl.arange(0, BLOCK_N) // PAGE
+    entry = tl.minimum(tl.maximum(entry, 0), mask_kv_capacity(M) // PAGE - 1)
+    page = tl.load(table + entry)
+    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
+    return page.to(tl.int64) * PAGE
+
+
+@triton.jit
 def _page_grid(kv_shift, BLOCK_N: tl.constexpr):
     """The grid offset that puts key tiles on a row's tokens (key position ``n`` is token
     ``n + kv_shift``): tiles start at the positions whose token is a multiple of

@@ -110,9 +110,11 @@ def _decode_fwd(
     k_head = K + off_b * stride_kb + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_b * stride_vb + off_hk.to(tl.int64) * stride_vh
     kv_table, kv_shift = _page_row(M, F, off_b, seq_k)
-    # Over pages the block of keys divides, the key tiles lie on the row's tokens, so each
-    # lies in one page (one page-table read a tile, pointers moved by one number)
-    PAGE_TILES: tl.constexpr = page_size(F) > 0 and page_size(F) % BLOCK_N == 0
+    # Over pages the block of keys divides (or that divide it), the key tiles lie on the
+    # row's tokens, so each lies in one page (one page-table read a tile, pointers moved by
+    # one number), or holds whole pages (one read a page, each key's slot in it fixed)
+    PAGE: tl.constexpr = page_size(F)
+    PAGE_TILES: tl.constexpr = PAGE > 0 and (PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0)
     grid_off = kv_shift * 0
     if PAGE_TILES:
         grid_off = _page_grid(kv_shift, BLOCK_N)

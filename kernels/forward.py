@@ -27,6 +27,7 @@ from .common import (
     _mod_context,
     _mod_score,
     _page_row,
+    _page_tile_pages,
     _page_tile_row,
     _paged_rows,
     _partial_keep,
@@ -97,9 +98,10 @@ def _attn_fwd_inner(
     ``kv_table`` (its page table) puts it among the rows of ``k_head`` / ``v_head``
     (:func:`_paged_rows`). ``grid_off``: tile ``t`` holds key positions ``[t * BLOCK_N -
     grid_off, (t + 1) * BLOCK_N - grid_off)`` (0: the positions' own grid). ``PAGE_TILES``:
-    the caller put each tile inside one page (``BLOCK_N`` divides the page size and
-    ``grid_off`` aligns the tiles to the row's tokens, see :func:`_page_grid`): its rows are
-    one page's consecutive slots, found with one page-table read a tile."""
+    the caller put the tiles on pages (``grid_off`` aligns them to the row's tokens, see
+    :func:`_page_grid`): where ``BLOCK_N`` divides the page size, a tile's rows are one page's
+    consecutive slots, found with one page-table read a tile; where the page size divides
+    ``BLOCK_N``, a tile holds whole pages and each key's slot in its page is fixed."""
     HAS_SOFTCAP: tl.constexpr = has_softcap(F)
     HAS_ALIBI: tl.constexpr = has_alibi(F)
     PAGE: tl.constexpr = page_size(F)
@@ -123,11 +125,18 @@ def _attn_fwd_inner(
         # each tile's rows are worked out one tile ahead, so that its key and value loads do
         # not wait for its page numbers
         if PAGE_TILES:
-            tl.static_assert(PAGE % BLOCK_N == 0, "a tile inside one page")
-            k_tile = _tile_ptrs(k_head, start * 0, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
-            v_tile = _tile_ptrs(v_head, start * 0, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+            tl.static_assert(PAGE % BLOCK_N == 0 or BLOCK_N % PAGE == 0, "tiles on pages")
             tile_token = block_first * BLOCK_N - grid_off + kv_shift  # a multiple of BLOCK_N
-            next_row = _page_tile_row(kv_table, tile_token, M, F, BLOCK_N)
+            if PAGE % BLOCK_N == 0:  # a tile inside one page
+                k_tile = _tile_ptrs(k_head, start * 0, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
+                v_tile = _tile_ptrs(v_head, start * 0, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
+                next_row = _page_tile_row(kv_table, tile_token, M, F, BLOCK_N)
+            else:  # whole pages a tile: each key's slot in its page is fixed
+                slots = (tl.arange(0, BLOCK_N) % PAGE)[:, None]
+                offs_e = tl.arange(0, BLOCK_E)[None, :]
+                k_tile = k_head + slots * stride_kn + offs_e * stride_kk
+                v_tile = v_head + slots * stride_vn + offs_e * stride_vk
+                next_pages = _page_tile_pages(kv_table, tile_token, M, F, BLOCK_N)
         else:
             next_rows = _paged_rows(kv_table, offs_n + kv_shift, M, F)
     for t in range(block_first, block_end):
@@ -137,12 +146,19 @@ def _attn_fwd_inner(
             k_ptrs = _tile_ptrs(k_head, tile * BLOCK_N, stride_kn, stride_kk, BLOCK_N, BLOCK_E)
             v_ptrs = _tile_ptrs(v_head, tile * BLOCK_N, stride_vn, stride_vk, BLOCK_N, BLOCK_E)
         if PAGE > 0 and PAGE_TILES:
-            # the tile's first pool row: every pointer moves by one number, as over a cache
-            row = next_row
-            k_ptrs = k_tile + row * stride_kn
-            v_ptrs = v_tile + row * stride_vn
+            if PAGE % BLOCK_N == 0:
+                # the tile's first pool row: every pointer moves by one number, as over a cache
+                row = next_row
+                k_ptrs = k_tile + row * stride_kn
+                v_ptrs = v_tile + row * stride_vn
+                next_row = _page_tile_row(kv_table, tile_token + BLOCK_N, M, F, BLOCK_N)
+            else:
+                # each key's row moves by its page's: one table read a page
+                pages = next_pages[:, None]
+                k_ptrs = k_tile + pages * stride_kn
+                v_ptrs = v_tile + pages * stride_vn
+                next_pages = _page_tile_pages(kv_table, tile_token + BLOCK_N, M, F, BLOCK_N)
             tile_token += BLOCK_N
-            next_row = _page_tile_row(kv_table, tile_token, M, F, BLOCK_N)
         elif PAGE > 0:
             # positions past the end read the row's last token (masked, or never kept)
             rows = next_rows

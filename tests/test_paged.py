@@ -367,12 +367,15 @@ ONE_PAGE_RESTS = ["none", "causal", "window alibi softcap", "mod mask", "mod dra
 
 
 @pytest.mark.parametrize("rest", ONE_PAGE_RESTS)
-@pytest.mark.parametrize(("page_size", "length_q"), [(16, 1), (32, 3)])
-def test_the_decode_kernel_reads_each_key_tile_from_one_page(
+@pytest.mark.parametrize(
+    ("page_size", "length_q"), [(16, 1), (32, 3), (4, 2), (8, 1), (12, 1), (24, 2)]
+)
+def test_the_decode_kernel_reads_key_tiles_laid_on_pages(
     rest: str, page_size: int, length_q: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pages a multiple of the decode kernel's block of keys (16 under the interpreter): the
-    key tiles lie on each row's tokens, each inside one page. Rows of several blocks whose
+    """Pages a multiple of the decode kernel's block of keys (16 under the interpreter) or a
+    divisor of it: the key tiles lie on each row's tokens, each inside one page or holding
+    whole pages; pages of 12 and 24 (neither) read a row per key. Rows of several blocks whose
     lengths are no multiple of the block (the tiles then start off the positions' own grid),
     pages listed out of order, one page shared by two rows: the oracle's result for the parts
     that compose and ModBias masks that settle blocks by their bounds (a draft tree, a hole

@@ -7,11 +7,11 @@ Two processes: the recording one sets ``TRITON_INTERPRET=1`` before Triton is im
 one compiles. The counts are static (prologue, epilogue and each pipelined copy of the key
 loop together): read them as where the two kernels differ, not as time.
 
-    python benchmarks/probes/sass_counts.py [--queries 16] [--block-m 64] [--block-n 64]
+    python benchmarks/probes/sass_counts.py [--queries 16] [--page 64] [--block-m 64] [--block-n 64]
 
 Relies on Triton internals (``create_function_from_signature``, ``JITFunction._pack_args``;
 Triton 3.6-3.9) and on the rows below fitting the interpreter's quick run: two rows of 320
-and 512 tokens, pages of 64, 32 query heads over 8 key/value heads, head dim 128, bf16.
+and 512 tokens, pages of 64 (``--page``), 32 query heads over 8 key/value heads, head dim 128, bf16.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ OPCODES = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "HGMMA", "HMMA", "IMAD", "IADD
            "SHF", "VIMNMX", "ISETP", "SEL", "MUFU", "BAR")  # fmt: skip
 
 
-def record(queries: int, path: str) -> None:
+def record(queries: int, page: int, path: str) -> None:
     """Under the interpreter: the decode kernel's launch arguments and options for the paged
     call, then the contiguous one (the same tokens at the end of a cache of 512)."""
     import torch
@@ -47,8 +47,9 @@ def record(queries: int, path: str) -> None:
     launch.PreparedLaunch.__call__ = keep  # type: ignore[method-assign]
     torch.manual_seed(0)
     lens = torch.tensor([320, 512], dtype=torch.int32)
-    table = torch.arange(16, dtype=torch.int32).reshape(2, 8)
-    pool_k = torch.randn(16, 64, 8, 128, dtype=torch.bfloat16)
+    pages = 1024 // page  # two rows of 512 tokens
+    table = torch.arange(pages, dtype=torch.int32).reshape(2, pages // 2)
+    pool_k = torch.randn(pages, page, 8, 128, dtype=torch.bfloat16)
     pool_v = torch.randn_like(pool_k)
     q = torch.randn(2, 32, queries, 128, dtype=torch.bfloat16)
     k = torch.randn(2, 8, 512, 128, dtype=torch.bfloat16)
@@ -111,6 +112,7 @@ def counts(args: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=16)
+    parser.add_argument("--page", type=int, default=64, help="tokens a page (divides 512)")
     parser.add_argument("--block-m", type=int, help="default: 4 x queries, 16 to 64")
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
@@ -118,13 +120,14 @@ def main() -> None:
     parser.add_argument("--record", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.record:
-        record(options.queries, options.record)
+        record(options.queries, options.page, options.record)
         return
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "calls.pkl")
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         subprocess.run(
-            [sys.executable, __file__, "--queries", str(options.queries), "--record", path],
+            [sys.executable, __file__, "--queries", str(options.queries), "--page",
+             str(options.page), "--record", path],
             env=env, check=True,
         )  # fmt: skip
         with open(path, "rb") as file:
@@ -135,7 +138,7 @@ def main() -> None:
     rows = {}
     for label, (args, recorded) in zip(("paged", "contiguous"), calls, strict=True):
         rows[label] = counts(args, {**recorded, **gpu})
-    print(f"L = {options.queries}, {gpu}")
+    print(f"L = {options.queries}, pages of {options.page}, {gpu}")
     columns = list(rows["paged"])
     print("| cache | " + " | ".join(columns) + " |")
     print("|---|" + "--:|" * len(columns))
