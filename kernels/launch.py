@@ -100,12 +100,18 @@ def _direct_launcher(compiled: Any) -> Any:
     return run
 
 
+@functools.cache
+def _runtime_knobs() -> Any:
+    """Triton's runtime settings (one object; its hooks are read at each launch)."""
+    from triton import knobs
+
+    return knobs.runtime
+
+
 def _launch_hooks() -> bool:
     """Whether Triton has a launch hook registered (a hook chain with calls, or a hook of a
     version without chains)."""
-    from triton import knobs
-
-    runtime = knobs.runtime
+    runtime = _runtime_knobs()
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
@@ -113,10 +119,19 @@ def _launch_hooks() -> bool:
 
 
 def _current_stream(device: int) -> int:
-    """The raw CUDA stream Triton launches on for ``device``."""
+    """The raw CUDA stream Triton launches on for ``device``: PyTorch's current stream, which
+    Triton's CUDA driver reads, taken from PyTorch at once where it can be."""
+    return _stream_getter()(device)
+
+
+@functools.cache
+def _stream_getter() -> Any:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
     from triton.runtime import driver
 
-    return driver.active.get_current_stream(device)
+    return driver.active.get_current_stream
 
 
 class KeptLaunch:
