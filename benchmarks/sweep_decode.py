@@ -2,9 +2,10 @@
 for a few decode cases (bf16, B=8, Hq=32, Hkv=8, E=128), next to the split count the
 heuristic picks and the bytes floor.
 
-``--ragged``: instead, ``paged_bench.py``'s rows (4096 to 32768 tokens) with L = 1 and 16,
+``--ragged``: instead, ``paged_bench.py``'s rows (4096 to 32768 tokens) with L = 1 and 16
+(``--queries``), over pages of ``--page`` tokens, causal or with a ``--window``,
 through ``attnbias.sdpa`` as it routes them, on the contiguous cache (a key range keeping
-each row's tokens) and on pages of 64: every (block_n, warps, stages, rows per tile where
+each row's tokens) and on the pages: every (block_n, warps, stages, rows per tile where
 L > 1) with the split count the rule picks for rows of unequal lengths and twice it,
 against the measured floor of the bytes the rows keep.
 
@@ -74,15 +75,21 @@ def sweep(name: str, length_q: int, length_kv: int, window: bool) -> None:
         print(f"| {cells}{label} | {ms:.4f} | {floor / ms:.2f} |")
 
 
-def sweep_ragged(length_q: int, page: int = 64) -> None:
-    """The ``--ragged`` table for L = ``length_q``."""
+def sweep_ragged(length_q: int, page: int = 64, window: int | None = None) -> None:
+    """The ``--ragged`` table for L = ``length_q`` over pages of ``page`` tokens, with a
+    sliding window of ``window`` keys before each query where given."""
     tuned, tuned_small = decode._GPU_CONFIGS[128], decode._GPU_SMALL_TILE_CONFIGS[128]
     splitting = decode.num_splits
     q, pool_k, pool_v, table, lens, k, v = cache(page, length_q)
-    kept = torch.empty(sum(LENGTHS), HEADS_KV, k.shape[-1], device=k.device, dtype=k.dtype)
+    reach = LENGTHS if window is None else [min(n, window + length_q) for n in LENGTHS]
+    kept = torch.empty(sum(reach), HEADS_KV, k.shape[-1], device=k.device, dtype=k.dtype)
     floor = floor_ms(kept, kept)
     del kept
-    print(f"\n## ragged rows, L={length_q}: floor {floor:.4f} ms\n")
+    rest = causal_lower_right()
+    if window is not None:
+        rest = rest + SlidingWindowBias(window)
+    print(f"\n## ragged rows, L={length_q}, pages of {page}, window {window}: "
+          f"floor {floor:.4f} ms\n")  # fmt: skip
     print("| block_n | warps | stages | rows | splits | contiguous ms | floor / ms | paged ms "
           "| floor / ms |")  # fmt: skip
     print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
@@ -108,8 +115,8 @@ def sweep_ragged(length_q: int, page: int = 64) -> None:
         decode.num_splits = splits
         plan_cache.clear()  # (and new biases: nothing planned for another setting is reused)
         biases = {
-            "contiguous": (k, v, KeyRangeBias(start=starts) + causal_lower_right()),
-            "paged": (pool_k, pool_v, PagedKV(table, lens) + causal_lower_right()),
+            "contiguous": (k, v, KeyRangeBias(start=starts) + rest),
+            "paged": (pool_k, pool_v, PagedKV(table, lens) + rest),
         }  # fmt: skip
         times = {}
         try:
@@ -146,11 +153,13 @@ def main() -> None:
         "--queries", default="1,16", help="with --ragged: the L of the tables (each takes "
         "minutes: L = 1 alone ~5 on an H200)",
     )  # fmt: skip
+    parser.add_argument("--page", type=int, default=64, help="with --ragged: tokens a page")
+    parser.add_argument("--window", type=int, help="with --ragged: a sliding window of keys")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.ragged:
         for length_q in (int(n) for n in args.queries.split(",")):
-            sweep_ragged(length_q)
+            sweep_ragged(length_q, args.page, args.window)
             torch.cuda.empty_cache()
         return
     for name, case in CASES.items():

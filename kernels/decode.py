@@ -190,6 +190,35 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# The small tiles' ``full_enough`` was measured on an H100 (3.35 TB/s over 132
+# multiprocessors). A GPU whose memory feeds each multiprocessor faster needs more of them
+# reading to keep it busy: there the share scales with the bandwidth per multiprocessor, up
+# to FULL_ENOUGH (an H200, 4.8 TB/s over 132: windows of 4096 keys at L = 1 and 4 17-21%
+# faster in two splits than in one; on the H100 one split was 3% faster).
+H100_BYTES_PER_S_PER_SM = 3.35e12 / 132
+
+
+@functools.cache
+def _cuda_bandwidth_per_sm(index: int) -> float:
+    """``index``'s memory bandwidth per multiprocessor (bytes/s; double data rate over the
+    bus), 0 where the driver does not give the memory's clock or bus width."""
+    props = torch.cuda.get_device_properties(index)
+    clock_khz = getattr(props, "memory_clock_rate", 0) or 0
+    bus_bits = getattr(props, "memory_bus_width", 0) or 0
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / max(1, props.multi_processor_count)
+
+
+def full_enough_on(config: DecodeConfig, device: torch.device) -> float:
+    """``config.full_enough`` on ``device``: a share below :data:`FULL_ENOUGH` (the small
+    tiles') scaled by the device's memory bandwidth per multiprocessor against the H100's
+    (never lowered, at most :data:`FULL_ENOUGH`)."""
+    if config.full_enough >= FULL_ENOUGH or interpreting() or device.type != "cuda":
+        return config.full_enough
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    scale = max(1.0, _cuda_bandwidth_per_sm(index) / H100_BYTES_PER_S_PER_SM)
+    return min(FULL_ENOUGH, config.full_enough * scale)
+
+
 def visited_key_blocks(
     seq_q: int,
     seq_k: int,
@@ -327,7 +356,7 @@ def decode_layout(
             row_tiles=row_tiles,
             key_blocks=key_blocks,
             sms=sm_count(device),
-            full_enough=config.full_enough,
+            full_enough=full_enough_on(config, device),
             ragged=ragged,
             min_share=-(-RAGGED_MIN_KEYS // config.block_n),
         )

@@ -555,6 +555,33 @@ def test_num_splits_choices() -> None:
                       full_enough=0.45) > 1  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("bandwidth", "sms", "expected"),
+    [
+        (3.35e12, 132, 0.45),  # an H100: the share as measured there
+        (2.04e12, 108, 0.45),  # less bandwidth a multiprocessor (an A100): never lowered
+        (4.8e12, 132, 0.45 * 4.8 / 3.35),  # an H200: scaled
+        (8.0e12, 148, decode.FULL_ENOUGH),  # far more (a B200): capped
+    ],
+)
+def test_small_tiles_keep_more_multiprocessors_busy_where_each_reads_faster(
+    bandwidth: float, sms: int, expected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small tiles' share of busy multiprocessors scales with the memory bandwidth per
+    multiprocessor against the H100's; so a window's 64 programs at L = 1 split in two on
+    an H200 (measured faster there) and not on an H100 (measured faster unsplit)."""
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_cuda_bandwidth_per_sm", lambda index: bandwidth / sms)
+    small = decode._GPU_SMALL_TILE_CONFIGS[128]
+    share = decode.full_enough_on(small, torch.device("cuda", 0))
+    assert share == pytest.approx(expected)
+    general = decode._GPU_CONFIGS[128]  # (the general tiles' share is not the small tiles')
+    assert decode.full_enough_on(general, torch.device("cuda", 0)) == general.full_enough
+    window = num_splits(batch=8, kv_heads=8, row_tiles=1, key_blocks=32, sms=132,
+                        full_enough=share)  # fmt: skip
+    assert window == (2 if bandwidth / sms > 1.1 * 3.35e12 / 132 else 1)
+
+
 @given(**SPLIT_SHAPES, min_share=st.integers(1, 64))
 def test_num_splits_ragged_properties(
     batch: int, kv_heads: int, row_tiles: int, key_blocks: int, sms: int, min_share: int
