@@ -325,9 +325,14 @@ def _paged_rows(table, tokens, M, F: tl.constexpr):
     before the row's first token read that token (they are outside its key range)."""
     PAGE: tl.constexpr = page_size(F)
     t = tl.minimum(tl.maximum(tokens, 0), mask_kv_capacity(M) - 1)
-    page = tl.load(table + t // PAGE)
-    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
-    return page.to(tl.int64) * PAGE + t % PAGE
+    return _pool_page(table, t // PAGE, M).to(tl.int64) * PAGE + t % PAGE
+
+
+@triton.jit
+def _pool_page(table, entry, M):
+    """The page at ``table[entry]``, clamped into the pool (a bad entry is flagged where the
+    tables are checked, never read out of bounds)."""
+    return tl.minimum(tl.maximum(tl.load(table + entry), 0), mask_kv_pool(M) - 1)
 
 
 @triton.jit
@@ -337,9 +342,7 @@ def _page_tile_row(table, token, M, F: tl.constexpr, BLOCK_N: tl.constexpr):
     the same page. Clamped as :func:`_paged_rows` clamps, by whole tiles."""
     PAGE: tl.constexpr = page_size(F)
     t = tl.maximum(tl.minimum(tl.maximum(token, 0), mask_kv_capacity(M) - BLOCK_N), 0)
-    page = tl.load(table + t // PAGE)
-    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
-    return page.to(tl.int64) * PAGE + t % PAGE
+    return _pool_page(table, t // PAGE, M).to(tl.int64) * PAGE + t % PAGE
 
 
 @triton.jit
@@ -352,9 +355,7 @@ def _page_tile_pages(table, token, M, F: tl.constexpr, BLOCK_N: tl.constexpr):
     PAGE: tl.constexpr = page_size(F)
     entry = token // PAGE + tl.arange(0, BLOCK_N) // PAGE
     entry = tl.minimum(tl.maximum(entry, 0), mask_kv_capacity(M) // PAGE - 1)
-    page = tl.load(table + entry)
-    page = tl.minimum(tl.maximum(page, 0), mask_kv_pool(M) - 1)
-    return page.to(tl.int64) * PAGE
+    return _pool_page(table, entry, M).to(tl.int64) * PAGE
 
 
 @triton.jit
