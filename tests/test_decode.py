@@ -625,6 +625,7 @@ def test_rows_of_unequal_lengths_split_on_a_gpu(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(decode, "interpreting", lambda: False)
     monkeypatch.setattr(decode, "_cuda_shared_memory", lambda index: 227 * 1024)  # H100
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "_cuda_bandwidth_per_sm", lambda index: 3.35e12 / 132)
     starts = torch.zeros(8, dtype=torch.int32)
     ranged = MaskProgram(band_hi=32767, kv_start=starts)
     plain = MaskProgram(band_hi=32767)
