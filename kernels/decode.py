@@ -171,7 +171,7 @@ def decode_config(
         and keys <= SMALL_TILE_MAX_KEYS
         and device.type == "cuda"
     ):
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         blocks = small.num_stages * 2 * small.block_n * block_e * itemsize
         if blocks + SHARED_MEMORY_SLACK <= _cuda_shared_memory(index):
             return small
@@ -187,7 +187,12 @@ def sm_count(device: torch.device) -> int:
     """The streaming multiprocessors of ``device`` (a fixed count under the interpreter)."""
     if interpreting() or device.type != "cuda":
         return INTERPRETER_SM_COUNT
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sm_count(_cuda_index(device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of the CUDA ``device`` (the current device where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 # The small tiles' ``full_enough`` was measured on an H100 (3.35 TB/s over 132
@@ -214,8 +219,7 @@ def full_enough_on(config: DecodeConfig, device: torch.device) -> float:
     (never lowered, at most :data:`FULL_ENOUGH`)."""
     if config.full_enough >= FULL_ENOUGH or interpreting() or device.type != "cuda":
         return config.full_enough
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    scale = max(1.0, _cuda_bandwidth_per_sm(index) / H100_BYTES_PER_S_PER_SM)
+    scale = max(1.0, _cuda_bandwidth_per_sm(_cuda_index(device)) / H100_BYTES_PER_S_PER_SM)
     return min(FULL_ENOUGH, config.full_enough * scale)
 
 
