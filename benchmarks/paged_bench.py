@@ -215,10 +215,11 @@ def case(
     if kind == "softcap":
         extra = extra + SoftcapBias(CAP)
     bias = PagedKV(table, lens) + extra
-    contiguous_bias = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
+    ranged = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
+    contiguous_bias = ranged
     if kind == "tree":  # the contiguous rows end at the capacity: the nodes are its last keys
         bias = bias + ModBias(mask_mod=paged_tree(length_q, lens))
-        contiguous_bias = contiguous_bias + ModBias(mask_mod=tree_mask(length_q, CAPACITY))
+        contiguous_bias = ranged + ModBias(mask_mod=tree_mask(length_q, CAPACITY))
     route = importlib.import_module("attnbias.paged")
     reader = route._reader
 
@@ -243,8 +244,7 @@ def case(
         # the contiguous cache under the paged mask's own form (each row's end read from a
         # tensor, the clamps at both ends): what the mask's form costs apart from the pages
         ends = torch.full_like(lens, CAPACITY)
-        same_form = KeyRangeBias(start=(CAPACITY - lens).int()) + extra
-        same_form = same_form + ModBias(mask_mod=paged_tree(length_q, ends))
+        same_form = ranged + ModBias(mask_mod=paged_tree(length_q, ends))
         runs["contiguous, paged form"] = lambda: attnbias.sdpa(
             q, k, v, attn_mask=same_form, enable_gqa=True
         )
