@@ -155,26 +155,26 @@ def _sdpa(
             local.params,
             lambda: _start_agreeing(local, None, group, world),
         )
-    _agree(local, failure, group, world)
-    assert local is not None  # no failure here
+    # the head mode posts the gather, packs its parts for the exchange while the headers
+    # travel, and waits for them before its first collective
+    agreed = _start_agreeing(local, failure, group, world)
+    if local is None:
+        agreed()  # raises this rank's failure
+    assert local is not None
     return heads_sdpa(
         query, key, value, local.bias, scale=local.scale, enable_gqa=local.enable_gqa,
-        group=group, layout=local.layout,
+        group=group, layout=local.layout, before_exchange=agreed,
     )  # fmt: skip
-
-
-def _agree(local: _Local | None, failure: Exception | None, group: Any, world: int) -> None:
-    """The call's one gather of every rank's header: raises this rank's ``failure``, or
-    ``ValueError`` where another rank refused its call or the ranks' calls differ. Every rank
-    of the group calls it once per call, before the call's first collective or transfer."""
-    _start_agreeing(local, failure, group, world)()
 
 
 def _start_agreeing(
     local: _Local | None, failure: Exception | None, group: Any, world: int
 ) -> Callable[[], None]:
-    """:func:`_agree` in two halves: the gather is posted now, and the function returned waits
-    for it and raises as :func:`_agree` does (the host can launch work meanwhile)."""
+    """The call's one gather of every rank's header, in two halves: the gather is posted now
+    (the host can launch work meanwhile), and the function returned waits for it and raises
+    this rank's ``failure``, or ``ValueError`` where another rank refused its call or the
+    ranks' calls differ. Every rank of the group calls it once per call and waits before the
+    call's first collective or transfer."""
     headers_group = _headers_group(group)
     summary = _summary(local, _gather_device(headers_group))
     gathered = [torch.empty_like(summary) for _ in range(world)]

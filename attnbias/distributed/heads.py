@@ -22,6 +22,7 @@ key/value head goes to every rank whose query heads use it, so the exchange keep
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ def heads_sdpa(
     enable_gqa: bool,
     group: Any,
     layout: Layout,
+    before_exchange: Callable[[], None] | None = None,
 ) -> Tensor:
     """Attention over the whole sequence from each rank's part of it, the heads split over
     the ranks of ``group`` (``None``: the default group).
@@ -103,6 +105,9 @@ def heads_sdpa(
             each rank's call sets its own from the heads it holds).
         group: the process group (or ``None``).
         layout: how the sequence is split across the ranks.
+        before_exchange: called once after this rank's parts are packed for the first
+            exchange and before it starts (the wait for the ranks' agreement on the call, so
+            that the packing's launches overlap its round trip); it may raise.
 
     Returns:
         This rank's part of the output, ``(B, Hq, L / W, Ev)`` in ``layout``'s order.
@@ -115,13 +120,14 @@ def heads_sdpa(
     part_kv = key.shape[2]
     per_rank = heads_q // world
     key, value = _kv_for_ranks(key, world), _kv_for_ranks(value, world)
-    if part_q == part_kv:  # q, k and v in one exchange (and their gradients in one, back)
-        whole_q, whole_k, whole_v = _ToHeads.apply(group, layout, query, key, value)
-    else:
-        (whole_q,) = _ToHeads.apply(group, layout, query)
-        whole_k, whole_v = _ToHeads.apply(group, layout, key, value)
     call = Call(batch, heads_q, part_q * world, part_kv * world, query.device)
     own = None if bias is None else bias.sub_heads(call, rank * per_rank, per_rank)
+    if part_q == part_kv:  # q, k and v in one exchange (and their gradients in one, back)
+        whole_q, whole_k, whole_v = _ToHeads.apply(group, layout, before_exchange, query, key,
+                                                   value)  # fmt: skip
+    else:
+        (whole_q,) = _ToHeads.apply(group, layout, before_exchange, query)
+        whole_k, whole_v = _ToHeads.apply(group, layout, None, key, value)
     out = sdpa(
         whole_q,
         whole_k,
@@ -167,17 +173,26 @@ class _ToHeads(torch.autograd.Function):
     double backward runs through it too)."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, layout: Layout, *parts: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        ctx: Any,
+        group: Any,
+        layout: Layout,
+        before_exchange: Callable[[], None] | None,
+        *parts: Tensor,
+    ) -> tuple[Tensor, ...]:
         world = layout.world
         ctx.group, ctx.layout = group, layout
         shapes = [tuple(p.shape) for p in parts]
         length = parts[0].shape[2] * world
-        whole = _to_whole(_pack_heads(parts, world), length, layout, group)
+        packed = _pack_heads(parts, world)
+        if before_exchange is not None:
+            before_exchange()
+        whole = _to_whole(packed, length, layout, group)
         return tuple(_whole_views(whole, shapes, world))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, None, *_FromHeads.apply(ctx.group, ctx.layout, *grads))
+        return (None, None, None, *_FromHeads.apply(ctx.group, ctx.layout, *grads))
 
 
 class _FromHeads(torch.autograd.Function):
@@ -204,7 +219,7 @@ class _FromHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, None, *_ToHeads.apply(ctx.group, ctx.layout, *grads))
+        return (None, None, *_ToHeads.apply(ctx.group, ctx.layout, None, *grads))
 
 
 def _pack_heads(parts: tuple[Tensor, ...], world: int) -> Tensor:
