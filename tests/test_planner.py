@@ -56,7 +56,7 @@ from attnbias.spec import Spec, make_spec
 # the priority lists alone (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("lists_alone")
 
-NAMES = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
+NAMES = ("fa4", "triton-decode", "triton", "gluon", "sdpa", "sdpa+mask", "reference")
 # The backends a priority list leaves out are tried after it, in this order; FlashAttention 4
 # is tried only where a list names it.
 FALLBACK = ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
@@ -541,7 +541,7 @@ def test_regions_are_per_thread(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_bad_names(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
-    known = r"the backends are fa4, triton-decode, triton, sdpa, sdpa\+mask, reference"
+    known = r"the backends are fa4, triton-decode, triton, gluon, sdpa, sdpa\+mask, reference"
     pinned = rf"unknown backend 'flash' in the pinned names; {known}"
     with pytest.raises(ValueError, match=pinned), use_backends("flash"):
         pass
@@ -571,6 +571,7 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
         "triton-decode > fa4 > triton > sdpa > reference",
         "  fa4: no A; no B",
         "  triton-decode: no D",
+        "  gluon: could run it, but is not in the order",
         "  sdpa: could run it, after triton in the order",
         "  sdpa+mask: could run it, but use_backends excludes it",
         "  reference: no C",
@@ -583,6 +584,7 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
         "  fa4: no A; no B",
         "  triton-decode: no D",
         "  triton: could run it, but use_backends leaves it out",
+        "  gluon: could run it, but use_backends leaves it out",
         "  sdpa+mask: could run it, but use_backends leaves it out",
         "  reference: no C",
     ]

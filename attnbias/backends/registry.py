@@ -7,6 +7,7 @@ from attnbias.backends.base import Backend
 from attnbias.backends.decode import TritonDecode
 from attnbias.backends.empty import EmptyOutput
 from attnbias.backends.fa4 import FlashAttention4
+from attnbias.backends.gluon import GluonForward
 from attnbias.backends.own_dispatch import OwnDispatch
 from attnbias.backends.reference import Reference
 from attnbias.backends.stock import MaterializedSDPA, StockSDPA
@@ -20,6 +21,7 @@ BACKENDS: dict[str, Backend] = {
         FlashAttention4(),
         TritonDecode(),
         TritonKernel(),
+        GluonForward(),
         StockSDPA(),
         MaterializedSDPA(),
         Reference(),

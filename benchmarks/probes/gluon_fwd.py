@@ -572,6 +572,62 @@ def bench(args: argparse.Namespace) -> None:
         print(f"| {batch} | {length} | {causal} | {name} | {ms:.3f} | {rate:.0f} | {ratio} |")
 
 
+def library(args: argparse.Namespace) -> None:
+    """``attnbias.sdpa`` pinned to the Gluon backend, the Triton kernel and FlashAttention 4
+    (where installed), whole calls as a user makes them: causal, a window of 1024 + causal and
+    no mask, on (B, H, S, E) tensors and on (B, S, H, E) memory."""
+    from triton.testing import do_bench
+
+    import attnbias
+
+    backends = ["gluon", "triton", "sdpa", "fa4"]
+    biases = {
+        "causal": attnbias.causal_upper_left,
+        "window 1024 + causal": lambda: (
+            attnbias.causal_upper_left() + attnbias.SlidingWindowBias(1023)
+        ),
+        "no mask": lambda: None,
+    }
+    rows = []
+    for batch, length in ((4, 4096), (1, 16384)):
+        for layout in ("bhse", "bshe"):
+            q, k, v = (torch.randn(batch, 16, length, 128, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))  # fmt: skip
+            if layout == "bshe":
+                q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+            for case, make in biases.items():
+                bias = make()
+                calls = {}
+                for name in backends:
+                    try:
+                        with attnbias.use_backends(name):
+                            attnbias.sdpa(q, k, v, attn_mask=bias)
+                    except ValueError:
+                        continue  # it cannot run this call
+                    calls[name] = functools.partial(_pinned, attnbias, name, q, k, v, bias)
+                times: dict[str, list[float]] = {name: [] for name in calls}
+                for round_index in range(2):
+                    order = list(calls) if round_index == 0 else list(calls)[::-1]
+                    for name in order:
+                        times[name].append(do_bench(calls[name], warmup=50, rep=300))
+                for name, found in times.items():
+                    rows.append((batch, length, layout, case, name, sum(found) / len(found)))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{triton.__version__}; attnbias.sdpa pinned, bf16, H=16, E=128, forward")  # fmt: skip
+    print("| B | S | memory | bias | backend | ms | gluon ÷ this |")
+    print("|--:|--:|---|---|---|--:|--:|")
+    gluon_ms = {r[:4]: r[5] for r in rows if r[4] == "gluon"}
+    for batch, length, layout, case, name, ms in rows:
+        mine = gluon_ms.get((batch, length, layout, case))
+        ratio = f"{mine / ms:.2f}" if mine else "-"
+        print(f"| {batch} | {length} | {layout} | {case} | {name} | {ms:.3f} | {ratio} |")
+
+
+def _pinned(attnbias: Any, name: str, q: Any, k: Any, v: Any, bias: Any) -> Any:
+    with attnbias.use_backends(name):
+        return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+
 def _ours(attnbias: Any, q: Any, k: Any, v: Any, mask: Any) -> Any:
     with attnbias.use_backends("triton"):
         return attnbias.sdpa(q, k, v, attn_mask=mask)
@@ -583,8 +639,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--ws-check", action="store_true", help="check the warp-specialized "
                         "kernel only (run it under a timeout: a wrong barrier hangs)")  # fmt: skip
+    parser.add_argument("--library", action="store_true", help="time attnbias.sdpa pinned to "
+                        "the Gluon backend against the other backends")  # fmt: skip
     args = parser.parse_args()
-    if args.compile_only:
+    if args.library:
+        library(args)
+    elif args.compile_only:
         compile_only(args)
     elif args.ws_check:
         sys.exit(1 if check(ws_only=True) else 0)

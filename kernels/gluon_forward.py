@@ -1,0 +1,327 @@
+"""An attention forward for Hopper in Triton's Gluon dialect: warp-specialized, with ping-pong.
+
+One program per 128 query rows of one (batch, query head), three partitions:
+
+* a producer warp issues every TMA load: the program's queries once, then each block of
+  ``BLOCK_N`` keys and values into one of ``STAGES`` shared-memory stages, once both consumers
+  released the block that held it (an mbarrier per stage each way);
+* two consumer warpgroups of 64 query rows each issue block ``j``'s scores MMA
+  (``S = Q K^T``) and block ``j - 1``'s ``O += P V`` back to back (warpgroup MMAs, ``P`` from
+  registers), then run block ``j``'s online softmax (base 2, in registers) while both run; the
+  two take turns to issue their MMAs (an mbarrier each), so that one's softmax runs while the
+  other's MMAs do (FlashAttention 3's ping-pong).
+
+Masks: a band ``band_lo <= j - i <= band_hi`` (either side open; causal in either alignment,
+sliding windows) over a key loop bounded to the band's blocks; keys at or past ``S`` are masked
+(TMA fills them with zeros: nothing past a row's end is read). A row that keeps no key gives 0.
+
+Shape legend:
+
+    B   batch size              L   query length            E   head dim (128)
+    Hq  query heads             S   key/value length
+    Hkv key/value heads (GQA: query head h reads key/value head h // (Hq / Hkv))
+
+Tensors are seen through 3-D TMA descriptors ``(P, length, C)``: ``(B, H, length, E)`` in
+memory as ``(B * H, length, E)``; ``(B, length, H, E)`` in memory (a ``(B, H, length, E)``
+view of projections) as ``(B, length, H * E)``, a head's columns at ``h * E``.
+
+Measured on an H200 (benchmarks/RESULTS.md, "A Hopper forward in Gluon"): 0.91-0.97x
+FlashAttention 4's forward throughput at E = 128, 1.25-1.33x the Triton kernel's.
+"""
+
+# The @gluon.jit bodies annotate only their constexpr parameters.
+# mypy: allow-incomplete-defs, allow-untyped-defs
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["BLOCK_M", "HEAD_DIMS", "gluon_forward", "layout_of"]
+
+#: Query rows per program (two consumer warpgroups of 64).
+BLOCK_M = 128
+#: Keys per block and stages of the key/value ring (3 x 64 KiB beside 32 KiB of queries).
+BLOCK_N = 128
+STAGES = 3
+#: The head dims the kernel takes (the shared memory of three stages at 128).
+HEAD_DIMS = (128,)
+_LOG2E = 1.4426950408889634
+
+
+def layout_of(x: Tensor) -> str | None:
+    """How a ``(B, H, length, E)`` tensor lies in memory for a TMA descriptor: ``"bhse"``
+    (``(B * H, length, E)`` rows), ``"bshe"`` (``(B, length, H * E)`` rows), or ``None``
+    (neither, or strides / base not 16-byte aligned)."""
+    batch, heads, length, dim = x.shape
+    s_b, s_h, s_l, s_e = x.stride()
+    size = x.element_size()
+    if s_e != 1 or x.data_ptr() % 16:
+        return None
+    if s_l == dim and (s_h == length * dim or heads == 1) and (s_b == heads * s_h or batch == 1):
+        return "bhse" if (s_h * size) % 16 == 0 else None
+    if s_h == dim and (s_b == length * s_l or batch == 1) and (s_l * size) % 16 == 0:
+        return "bshe" if s_l == heads * dim and (s_b * size) % 16 == 0 else None
+    return None
+
+
+def _descriptor(x: Tensor, rows: int) -> tuple[Any, tuple[int, int, int]]:
+    """A 3-D TMA descriptor of ``x`` ``(B, H, length, E)`` with blocks of ``rows`` positions
+    of one head, and how a (batch, head) finds its block: ``(per batch, per head, column per
+    head)`` steps of the descriptor's first and last coordinates."""
+    batch, heads, length, dim = x.shape
+    s_b, s_h, s_l, _ = x.stride()
+    element = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, dim], element)
+    if layout_of(x) == "bhse":
+        shape, strides, steps = [batch * heads, length, dim], [s_h, s_l, 1], (heads, 1, 0)
+    else:
+        shape, strides, steps = [batch, length, heads * dim], [s_b, s_l, 1], (1, 0, dim)
+    return TensorDescriptor(x, shape, strides, [1, rows, dim], layout), steps
+
+
+def gluon_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    band_lo: int | None,
+    band_hi: int | None,
+    scale: float,
+) -> Tensor:
+    """Attention ``(B, Hq, L, E)`` of ``query`` ``(B, Hq, L, E)``, ``key`` / ``value``
+    ``(B, Hkv, S, E)`` (fp16 or bf16, E in :data:`HEAD_DIMS`, laid out as :func:`layout_of`
+    accepts, ``Hq`` a multiple of ``Hkv``) keeping ``band_lo <= j - i <= band_hi`` (``None``:
+    open side), scores scaled by ``scale > 0``. The output has the query's layout. The caller
+    has checked all of this (the ``gluon`` backend's reasons)."""
+    batch, heads_q, length_q, dim = query.shape
+    heads_kv, length_kv = key.shape[1], key.shape[2]
+    if layout_of(query) == "bhse":
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        out = query.new_empty((batch, length_q, heads_q, dim)).transpose(1, 2)
+    q_desc, q_steps = _descriptor(query, BLOCK_M // 2)
+    o_desc, _ = _descriptor(out, BLOCK_M // 2)
+    k_desc, k_steps = _descriptor(key, BLOCK_N)
+    v_desc, v_steps = _descriptor(value, BLOCK_N)
+    assert k_steps == v_steps  # the backend takes keys and values of one layout
+    grid = (math.ceil(length_q / BLOCK_M), batch * heads_q)
+    _attention_forward[grid](
+        q_desc, k_desc, v_desc, o_desc,
+        scale * _LOG2E, length_q, length_kv, heads_q, heads_q // heads_kv,
+        *q_steps, *k_steps,
+        0 if band_lo is None else band_lo, 0 if band_hi is None else band_hi,
+        HAS_LO=band_lo is not None, HAS_HI=band_hi is not None, STAGES=STAGES, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale,
+                   MASK: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+                   col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
+                   dtype: gl.constexpr):  # fmt: skip
+    # One block's online softmax: the new row maxima and sums, the weights as the PV
+    # MMA's register operand, the factor that rescales the accumulator. A row with no
+    # kept key yet keeps its maximum at -inf and its weights at 0.
+    BLOCK: gl.constexpr = s.shape[1]
+    if MASK:
+        cols = n0 + gl.arange(0, BLOCK, col_s)
+        keep = cols[None, :] < seq_k
+        if HAS_LO:
+            keep = keep & (cols[None, :] - rows[:, None] >= band_lo)
+        if HAS_HI:
+            keep = keep & (cols[None, :] - rows[:, None] <= band_hi)
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    return m_new, l_i, p16, gl.convert_layout(alpha, row_o)
+
+
+@gluon.jit
+def _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS: gl.constexpr,
+                  BLOCK: gl.constexpr, HAS_LO: gl.constexpr,
+                  HAS_HI: gl.constexpr):  # fmt: skip
+    # Whether every pair of rows [first, first + ROWS) and keys [n0, n0 + BLOCK) is kept.
+    full = n0 + BLOCK <= seq_k
+    if HAS_LO:
+        full = full & (n0 - (first + ROWS - 1) >= band_lo)
+    if HAS_HI:
+        full = full & (n0 + BLOCK - 1 - first <= band_hi)
+    return full
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_p,
+             q_c, kv_p, kv_c, off_m, first_block, blocks,
+             STAGES: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK: gl.constexpr = k_desc.block_type.shape[1]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_p, off_m, q_c], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_p, off_m + ROWS, q_c], q_bar,
+                                    q_smem.index(1))  # fmt: skip
+    for j in range(blocks):
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        n0 = (first_block + j) * BLOCK
+        tma.async_copy_global_to_shared(k_desc, [kv_p, n0, kv_c], bar, k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [kv_p, n0, kv_c], bar, v_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q_c, off_m,
+             first_block, blocks, seq_k, band_lo, band_hi, qk_scale, WHICH: gl.constexpr,
+             HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = o_desc.block_type.shape[1]
+    E: gl.constexpr = o_desc.block_type.shape[2]
+    BLOCK: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, E, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=2)  # fmt: skip
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    first = off_m + WHICH * ROWS
+    rows = first + gl.arange(0, ROWS, row_s)
+    q = q_smem.index(WHICH).reshape([ROWS, E])
+    my_turn = turns.index(WHICH)
+    their_turn = turns.index(1 - WHICH)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, E], gl.float32, o_layout)
+    zero = gl.zeros([ROWS, BLOCK], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(my_turn, 0)
+    k0 = k_smem.index(0).reshape([BLOCK, E]).permute((1, 0))
+    s = warpgroup_mma(q, k0, zero, use_acc=False, is_async=True)
+    mbarrier.arrive(their_turn, count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    n0 = first_block * BLOCK
+    if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
+        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
+                                             band_hi, qk_scale, False, HAS_LO, HAS_HI,
+                                             col_s, row_o, p_layout, dtype)  # fmt: skip
+    else:
+        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
+                                             band_hi, qk_scale, True, HAS_LO, HAS_HI,
+                                             col_s, row_o, p_layout, dtype)  # fmt: skip
+    for j in range(1, blocks):
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        mbarrier.wait(my_turn, j & 1)
+        kt = k_smem.index(stage).reshape([BLOCK, E]).permute((1, 0))
+        s = warpgroup_mma(q, kt, zero, use_acc=False, is_async=True)
+        acc = acc * alpha[:, None]
+        v = v_smem.index((j - 1) % STAGES).reshape([BLOCK, E])
+        acc = warpgroup_mma(p16, v, acc, is_async=True)
+        mbarrier.arrive(their_turn, count=1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        n0 = (first_block + j) * BLOCK
+        if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
+            m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
+                                                 band_hi, qk_scale, False, HAS_LO, HAS_HI,
+                                                 col_s, row_o, p_layout, dtype)  # fmt: skip
+        else:
+            m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
+                                                 band_hi, qk_scale, True, HAS_LO, HAS_HI,
+                                                 col_s, row_o, p_layout, dtype)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+    last = (blocks - 1) % STAGES
+    mbarrier.wait(my_turn, blocks & 1)
+    acc = acc * alpha[:, None]
+    acc = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK, E]), acc, is_async=True)
+    mbarrier.arrive(their_turn, count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(last), count=1)
+    total = gl.convert_layout(l_i, row_o)
+    acc = acc / gl.where(total == 0.0, 1.0, total)[:, None]  # no kept key: 0
+    q.store(acc.to(dtype))  # this warpgroup's queries are no longer read
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_p, first, q_c], q_smem.index(WHICH))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, heads_q,
+                      group, q_pb, q_ph, q_ch, kv_pb, kv_ph, kv_ch, band_lo, band_hi,
+                      HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    E: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # later rows first: more keys
+    batch = gl.program_id(1) // heads_q
+    head = gl.program_id(1) % heads_q
+    head_kv = head // group
+    q_p = batch * q_pb + head * q_ph
+    q_c = head * q_ch
+    kv_p = batch * kv_pb + head_kv * kv_ph
+    kv_c = head_kv * kv_ch
+    off_m = pid_m * 2 * ROWS
+    # the band's blocks for rows [off_m, last row]; at least one (a row keeping no key
+    # runs it masked and gives 0)
+    last_row = gl.minimum(off_m + 2 * ROWS, seq_q) - 1
+    key_lo = gl.maximum(off_m + band_lo, 0) if HAS_LO else 0
+    key_hi = gl.minimum(last_row + band_hi + 1, seq_k) if HAS_HI else seq_k
+    key_blocks = (seq_k + BLOCK - 1) // BLOCK
+    first_block = gl.minimum(key_lo // BLOCK, key_blocks - 1)
+    blocks = gl.maximum((key_hi + BLOCK - 1) // BLOCK - first_block, 1)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, ROWS, E], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK, E], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK, E], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    mbarrier.arrive(turns.index(0), count=1)  # the first warpgroup issues first
+    gl.warp_specialize(
+        [
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
+                        q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
+                        qk_scale, 0, HAS_LO, HAS_HI, STAGES)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
+                        q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
+                        qk_scale, 1, HAS_LO, HAS_HI, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
+                        empty, q_p, q_c, kv_p, kv_c, off_m, first_block, blocks, STAGES)),
+        ],
+        [4, 1],
+        [232, 24],
+    )  # fmt: skip

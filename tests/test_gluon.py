@@ -1,0 +1,174 @@
+"""The Gluon forward for Hopper (``use_backends("gluon")``): what it refuses and why (CPU, a
+GPU faked), how it sees tensors in memory, and on a Hopper GPU its output against the oracle
+(fp64 stock PyTorch on the bias's materialized mask), lengths off its tiles, GQA, both
+layouts, every band it takes and rows that keep no key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from planning import set_generation, spec_of
+from torch import Tensor
+
+import attnbias
+import attnbias.backends.gluon as gluon
+from attnbias import (
+    AlibiBias,
+    AttnBias,
+    DocumentBias,
+    SlidingWindowBias,
+    causal_lower_right,
+    causal_upper_left,
+    use_backends,
+)
+from attnbias.planner import plan
+from attnbias.testing.oracle import assert_close_to_oracle, attention, flash_rounding
+
+
+def _fake_hopper(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] = (9, 0)) -> None:
+    monkeypatch.setattr(gluon, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(gluon, "_capability", lambda device: capability)
+    monkeypatch.setattr(gluon, "gluon_ready", lambda: None)
+    monkeypatch.setattr(gluon, "_layout", lambda x: "bhse")
+
+
+def _reasons(bias: AttnBias | None, **shape: object) -> list[str]:
+    scale = shape.pop("scale", None)
+    return gluon.GluonForward().reasons(spec_of(bias, head_dim=128, scale=scale, **shape))  # type: ignore[arg-type]
+
+
+def test_on_cpu_tensors_it_says_so() -> None:
+    reasons = _reasons(causal_upper_left())
+    assert "the Gluon kernel needs CUDA tensors and these are on cpu" in reasons
+
+
+def test_a_faked_hopper_takes_causal_windows_and_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_hopper(monkeypatch)
+    for bias in (None, causal_upper_left(), causal_lower_right(), SlidingWindowBias(7, 3)):
+        assert _reasons(bias, length_q=16, length_kv=40) == []
+
+
+REFUSALS: dict[str, tuple[Callable[[], AttnBias | None], dict[str, object], str]] = {
+    "gradients": (causal_upper_left, {"needs_grad": True}, "forward only"),
+    "documents": (
+        lambda: DocumentBias.from_seqlens([6, 10]),
+        {},
+        "takes no mask or a band (causal, windows); not documents",
+    ),
+    "alibi": (lambda: AlibiBias(num_heads=2), {}, "not ALiBi"),
+    "head dim": (causal_upper_left, {"head_dim": 64}, "head dims (E, Ev)=(64, 64)"),
+    "value head dim": (causal_upper_left, {"head_dim_v": 64}, "head dims (E, Ev)=(128, 64)"),
+    "scale": (causal_upper_left, {"scale": -0.5}, "scale=-0.5: the Gluon kernel takes scale > 0"),
+    "float32": (causal_upper_left, {"dtype": torch.float32}, "dtype torch.float32 is not one"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_each_refusal_names_the_value(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    _fake_hopper(monkeypatch)
+    make, shape, expected = REFUSALS[name]
+    shape = {"head_dim": 128, **shape}
+    scale = shape.pop("scale", None)
+    spec = spec_of(make(), scale=scale, **shape)  # type: ignore[arg-type]
+    reasons = gluon.GluonForward().not_supported_reasons(spec)
+    assert len(reasons) == 1, reasons
+    assert expected in reasons[0], reasons
+
+
+def test_other_gpus_and_other_tritons_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_hopper(monkeypatch, capability=(10, 0))
+    assert _reasons(causal_upper_left()) == [
+        "the Gluon kernel is written for Hopper (capability 9.x); this GPU is 10.0"
+    ]
+    _fake_hopper(monkeypatch)
+    monkeypatch.setattr(gluon, "gluon_ready", lambda: "no Gluon here")
+    assert _reasons(causal_upper_left()) == ["no Gluon here"]
+
+
+def test_strides_it_cannot_describe_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_hopper(monkeypatch)
+    monkeypatch.setattr(gluon, "_layout", lambda x: None)
+    (reason,) = _reasons(causal_upper_left())
+    assert "the Gluon kernel's TMA descriptors take (B, H, L, E) tensors" in reason
+
+
+def test_the_planner_takes_it_only_when_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_hopper(monkeypatch)
+    set_generation(monkeypatch, "hopper")
+    spec = spec_of(causal_upper_left(), head_dim=128)
+    assert "gluon" not in plan(spec).order
+    with use_backends("gluon"):
+        assert plan(spec).order == ("gluon",)
+
+
+def test_layouts_it_describes() -> None:
+    from attnbias.kernels.gluon_forward import layout_of
+
+    contiguous = torch.zeros(2, 3, 40, 128, dtype=torch.bfloat16)
+    projected = torch.zeros(2, 40, 3, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert layout_of(contiguous) == "bhse"
+    assert layout_of(projected) == "bshe"
+    assert layout_of(contiguous[:, :, 1:]) is None  # rows of one head do not start together
+    assert layout_of(contiguous.transpose(2, 3)) is None  # the head dim is not contiguous
+    heads = torch.zeros(2, 40, 5, 128, dtype=torch.bfloat16).transpose(1, 2)[:, 1:4]
+    assert layout_of(heads) is None  # three heads of five: not (B, L, H * E) rows
+
+
+# ------------------------------------------------------------------------------------------
+# On a Hopper GPU
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# (batch, Hq, Hkv, L, S, bias, layout of q / k / v, dtype)
+Case = tuple[int, int, int, int, int, Callable[[], AttnBias | None], str, torch.dtype]
+CASES: dict[str, Case] = {
+    "causal, lengths off the tiles": (2, 3, 3, 300, 300, causal_upper_left, "bhse", torch.bfloat16),
+    "lower-right causal, GQA, projections": (
+        2, 4, 2, 200, 517, causal_lower_right, "bshe", torch.float16,
+    ),
+    "window 100 + causal": (1, 2, 2, 1000, 1000, lambda: causal_upper_left()
+                            + SlidingWindowBias(100), "bhse", torch.bfloat16),
+    "two-sided window": (1, 2, 1, 777, 777, lambda: SlidingWindowBias(64, 64), "bshe",
+                         torch.bfloat16),
+    "no mask, one block of keys": (3, 2, 2, 130, 70, lambda: None, "bhse", torch.bfloat16),
+    "rows that keep no key": (1, 2, 2, 300, 100, causal_lower_right, "bhse", torch.float16),
+}  # fmt: skip
+
+
+def _laid_out(x: Tensor, layout: str) -> Tensor:
+    return x if layout == "bhse" else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_the_oracle(name: str) -> None:
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    problem = gluon.gluon_ready()
+    if problem is not None:
+        pytest.skip(problem)
+    batch, heads_q, heads_kv, length_q, length_kv, make, layout, dtype = CASES[name]
+    bias = make()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(heads: int, length: int) -> Tensor:
+        x = torch.randn(batch, heads, length, 128, device="cuda", generator=generator)
+        return _laid_out(x.to(dtype), layout)
+
+    q, k, v = draw(heads_q, length_q), draw(heads_kv, length_kv), draw(heads_kv, length_kv)
+    gqa = heads_q != heads_kv
+    with use_backends("gluon"):
+        assert attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa).startswith("gluon")
+        got = attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=gqa)
+    assert got.shape == q.shape and got.stride() == q.stride()  # the query's layout
+    oracle = attention(q, k, v, bias, enable_gqa=gqa)
+    low = attention(q, k, v, bias, enable_gqa=gqa, dtype=dtype)
+    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=None)[:1]
+    assert_close_to_oracle([got], [oracle], [low], dtype, ("out",), rounding)
+    if name == "rows that keep no key":
+        assert torch.equal(got[:, :, : length_q - length_kv], torch.zeros_like(got[:, :, :200]))
