@@ -168,6 +168,25 @@ def _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS: gl.constexpr,
 
 
 @gluon.jit
+def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale,
+             ROWS: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+             col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
+             dtype: gl.constexpr):  # fmt: skip
+    # The softmax of the block of keys from n0, masked only where the band or the end of the
+    # keys cuts it for rows [first, first + ROWS).
+    BLOCK: gl.constexpr = s.shape[1]
+    if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
+        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
+                                              qk_scale, False, HAS_LO, HAS_HI, col_s, row_o,
+                                              p_layout, dtype)  # fmt: skip
+    else:
+        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
+                                              qk_scale, True, HAS_LO, HAS_HI, col_s, row_o,
+                                              p_layout, dtype)  # fmt: skip
+    return m_i, l_i, p16, alpha
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, q_p,
              q_c, kv_p, kv_c, off_m, first_block, blocks,
              STAGES: gl.constexpr):  # fmt: skip
@@ -224,15 +243,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
     s = warpgroup_mma(q, k0, zero, use_acc=False, is_async=True)
     mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    n0 = first_block * BLOCK
-    if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
-        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
-                                             band_hi, qk_scale, False, HAS_LO, HAS_HI,
-                                             col_s, row_o, p_layout, dtype)  # fmt: skip
-    else:
-        m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
-                                             band_hi, qk_scale, True, HAS_LO, HAS_HI,
-                                             col_s, row_o, p_layout, dtype)  # fmt: skip
+    m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, first_block * BLOCK, first, seq_k,
+                                    band_lo, band_hi, qk_scale, ROWS, HAS_LO, HAS_HI, col_s,
+                                    row_o, p_layout, dtype)  # fmt: skip
     for j in range(1, blocks):
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
@@ -244,15 +257,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
         acc = warpgroup_mma(p16, v, acc, is_async=True)
         mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        n0 = (first_block + j) * BLOCK
-        if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
-            m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
-                                                 band_hi, qk_scale, False, HAS_LO, HAS_HI,
-                                                 col_s, row_o, p_layout, dtype)  # fmt: skip
-        else:
-            m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo,
-                                                 band_hi, qk_scale, True, HAS_LO, HAS_HI,
-                                                 col_s, row_o, p_layout, dtype)  # fmt: skip
+        m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, (first_block + j) * BLOCK, first,
+                                        seq_k, band_lo, band_hi, qk_scale, ROWS, HAS_LO,
+                                        HAS_HI, col_s, row_o, p_layout, dtype)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
     last = (blocks - 1) % STAGES

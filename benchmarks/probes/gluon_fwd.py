@@ -9,20 +9,22 @@ Two kernels, each one program per 128 query rows of one (batch, head):
   blocks ahead by the same warps, each stage tracked by an mbarrier. ``S = Q K^T`` and
   ``O += P V`` are warpgroup MMAs (``P`` from registers); the online softmax runs in registers
   in base 2. ``OVERLAP`` issues the next block's scores MMA before this block's softmax.
-* ``attn_fwd_ws``: warp-specialized as FlashAttention 3 is: a producer warp issues every TMA
-  load (a stage is reused once both consumers released it), two consumer warpgroups of 64 rows
-  each issue block ``j``'s scores MMA and block ``j - 1``'s PV MMA back to back, then run block
-  ``j``'s softmax while both MMAs run; with ``PINGPONG`` the two warpgroups take turns to issue
-  their MMAs (one mbarrier each), so that one's softmax runs while the other's MMAs do. The
-  consumers get 232-256 registers a thread, the producer 24.
+* the library's kernel (``attnbias/kernels/gluon_forward.py``), warp-specialized as
+  FlashAttention 3 is: a producer warp issues every TMA load (a stage is reused once both
+  consumers released it), two consumer warpgroups of 64 rows each issue block ``j``'s scores
+  MMA and block ``j - 1``'s PV MMA back to back, then run block ``j``'s softmax while both MMAs
+  run, taking turns to issue their MMAs (one mbarrier each), so that one's softmax runs while
+  the other's MMAs do; three stages. Its first version here, at e103f28, also ran without the
+  turns and with two stages (benchmarks/RESULTS.md, "A Hopper forward in Gluon").
 
 Causal: blocks past the diagonal are skipped, the diagonal block masked; the heaviest query
-blocks are launched first. S must be a multiple of 128 (a probe, not the library's kernel).
+blocks are launched first. ``attn_fwd`` takes S a multiple of 128 (a probe's kernel).
 
-Run on a Hopper GPU (bf16, H=16, E=128): ``python benchmarks/probes/gluon_fwd.py``
-(``--ws-check`` checks the warp-specialized kernel alone; run it under a timeout, as a wrong
-barrier hangs); without one, ``--compile-only`` compiles ``attn_fwd`` for sm_90a and prints
-registers, spills and shared memory.
+Run on a Hopper GPU (bf16, H=16, E=128): ``python benchmarks/probes/gluon_fwd.py``;
+``--ws-check`` checks the warp-specialized kernel alone (run it under a timeout: a wrong
+barrier hangs); ``--library`` times ``attnbias.sdpa`` pinned to each backend. Without a GPU,
+``--compile-only`` compiles ``attn_fwd`` for sm_90a and prints registers, spills and shared
+memory.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attnbias.kernels.gluon_forward import gluon_forward
+
 LOG2E = 1.4426950408889634
 # (overlap, stages, block_n) timed against the peers
 VARIANTS = ((False, 2, 128), (False, 3, 128), (False, 2, 64))
-# (ping-pong, stages) of the warp-specialized kernel
-WS_VARIANTS = ((False, 2), (True, 2), (True, 3))
 
 
 @gluon.jit
@@ -194,207 +196,6 @@ def attn_fwd(
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, row0,
-                 off_m, blocks, STAGES: gl.constexpr):  # fmt: skip
-    """One warp: both consumers' queries, then each key/value block into its stage once both
-    consumers released the block that held it."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + off_m, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + off_m + ROWS, 0], q_bar, q_smem.index(1))
-    for j in range(blocks):
-        stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], bar, k_smem.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], bar, v_smem.index(stage))
-
-
-@gluon.jit
-def _ws_consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, row0, off_m,
-                 blocks, qk_scale, WHICH: gl.constexpr, CAUSAL: gl.constexpr,
-                 STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
-    """One warpgroup, 64 query rows: each block's scores MMA issued, the previous block's PV
-    MMA issued behind it, then this block's softmax while both run (and, with ``PINGPONG``,
-    while the other warpgroup's MMAs run: the two take turns to issue theirs)."""
-    ROWS: gl.constexpr = o_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = o_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    first = off_m + WHICH * ROWS
-    offs_m = first + gl.arange(0, ROWS, row_s)
-    q = q_smem.index(WHICH)
-    my_turn = turns.index(WHICH)
-    their_turn = turns.index(1 - WHICH)
-    m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_bar, 0)
-
-    # block 0: its scores, then its softmax
-    mbarrier.wait(ready.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(my_turn, 0)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(their_turn, count=1)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, offs_m, 0, first, qk_scale, CAUSAL, BLOCK_N,
-                                    col_s, row_o, p_layout)  # fmt: skip
-    for j in range(1, blocks):
-        stage = j % STAGES
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(my_turn, j & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero, use_acc=False,
-                          is_async=True)  # fmt: skip
-        acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p16, v_smem.index((j - 1) % STAGES), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(their_turn, count=1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, offs_m, j, first, qk_scale, CAUSAL,
-                                        BLOCK_N, col_s, row_o, p_layout)  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-    last = blocks - 1
-    if PINGPONG:
-        mbarrier.wait(my_turn, blocks & 1)
-    acc = acc * alpha[:, None]
-    acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(their_turn, count=1)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index(last % STAGES), count=1)
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q.store(acc.to(dtype))  # this warpgroup's queries are no longer read
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0 + first, 0], q)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def attn_fwd_ws(
-    q_desc,
-    k_desc,
-    v_desc,
-    o_desc,
-    qk_scale,
-    seq_len,
-    CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """Two consumer warpgroups of 64 query rows each (the default partition and a worker) and
-    a producer warp that issues every TMA load; ``q_desc`` / ``o_desc`` blocks of 64 rows."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    blocks_m = gl.num_programs(0)
-    pid_m = blocks_m - 1 - gl.program_id(0)
-    row0 = gl.program_id(1) * seq_len
-    off_m = pid_m * 2 * ROWS
-    blocks = (off_m + 2 * ROWS) // BLOCK_N if CAUSAL else seq_len // BLOCK_N
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
-    mbarrier.arrive(turns.index(0), count=1)  # the first warpgroup issues first
-
-    gl.warp_specialize(
-        [
-            (
-                _ws_consumer,
-                (
-                    o_desc,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    ready,
-                    empty,
-                    turns,
-                    row0,
-                    off_m,
-                    blocks,
-                    qk_scale,
-                    0,
-                    CAUSAL,
-                    STAGES,
-                    PINGPONG,
-                ),
-            ),
-            (
-                _ws_consumer,
-                (
-                    o_desc,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    ready,
-                    empty,
-                    turns,
-                    row0,
-                    off_m,
-                    blocks,
-                    qk_scale,
-                    1,
-                    CAUSAL,
-                    STAGES,
-                    PINGPONG,
-                ),
-            ),
-            (
-                _ws_producer,
-                (
-                    q_desc,
-                    k_desc,
-                    v_desc,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    ready,
-                    empty,
-                    row0,
-                    off_m,
-                    blocks,
-                    STAGES,
-                ),
-            ),
-        ],
-        [4, 1],
-        [232, 24],
-    )
-
-
 def descriptors(q: Any, k: Any, v: Any, o: Any, block_m: int, block_n: int) -> list[Any]:
     """TMA descriptors of ``(B, H, S, E)`` tensors seen as ``(B * H * S, E)`` rows."""
     found = []
@@ -424,27 +225,6 @@ def gluon_sdpa(
     attn_fwd[grid](
         *descriptors(q, k, v, o, block_m, block_n), LOG2E / math.sqrt(dim), length,
         causal, overlap, stages, num_warps=8,
-    )  # fmt: skip
-    return o
-
-
-def gluon_sdpa_ws(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    pingpong: bool = True,
-    stages: int = 2,
-    block_n: int = 128,
-) -> torch.Tensor:
-    """The warp-specialized kernel: ``(B, H, S, E)`` bf16 contiguous, S a multiple of 128."""
-    batch, heads, length, dim = q.shape
-    assert length % 128 == 0 and length % block_n == 0 and 128 % block_n == 0
-    o = torch.empty_like(q)
-    grid = (length // 128, batch * heads)
-    attn_fwd_ws[grid](
-        *descriptors(q, k, v, o, 64, block_n), LOG2E / math.sqrt(dim), length,
-        causal, pingpong, stages, num_warps=4,
     )  # fmt: skip
     return o
 
@@ -492,9 +272,10 @@ def kernels(q: Any, k: Any, v: Any, causal: bool, ws_only: bool = False) -> dict
             name = f"gluon {'overlap' if overlap else 'in turn'} stages={stages} N={block_n}"
             found[name] = functools.partial(gluon_sdpa, q, k, v, causal, overlap, stages, 128,
                                              block_n)  # fmt: skip
-    for pingpong, stages in WS_VARIANTS:
-        name = f"gluon warp-specialized {'ping-pong ' if pingpong else ''}stages={stages}"
-        found[name] = functools.partial(gluon_sdpa_ws, q, k, v, causal, pingpong, stages)
+    scale = 1 / math.sqrt(q.shape[-1])
+    found["gluon warp-specialized ping-pong stages=3 (the library's)"] = functools.partial(
+        gluon_forward, q, k, v, None, 0 if causal else None, scale
+    )
     return found
 
 
