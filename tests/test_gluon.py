@@ -62,6 +62,7 @@ REFUSALS: dict[str, tuple[Callable[[], AttnBias | None], dict[str, object], str]
     "value head dim": (causal_upper_left, {"head_dim_v": 64}, "head dims (E, Ev)=(128, 64)"),
     "scale": (causal_upper_left, {"scale": -0.5}, "scale=-0.5: the Gluon kernel takes scale > 0"),
     "float32": (causal_upper_left, {"dtype": torch.float32}, "dtype torch.float32 is not one"),
+    "no keys": (lambda: None, {"length_kv": 0}, "S=0: the Gluon kernel needs at least one key"),
 }
 
 

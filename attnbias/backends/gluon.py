@@ -102,6 +102,8 @@ class GluonForward(Backend):
                 f"head dims (E, Ev)=({spec.head_dim}, {spec.head_dim_v}): the Gluon kernel "
                 f"takes E = Ev in {_HEAD_DIMS}"
             )
+        if spec.shape[3] == 0:
+            reasons.append("S=0: the Gluon kernel needs at least one key")
         if spec.resolved_scale <= 0.0:
             reasons.append(f"scale={spec.resolved_scale}: the Gluon kernel takes scale > 0")
         problem = gluon_ready()
