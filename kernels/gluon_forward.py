@@ -25,8 +25,9 @@ Tensors are seen through 3-D TMA descriptors ``(P, length, C)``: ``(B, H, length
 memory as ``(B * H, length, E)``; ``(B, length, H, E)`` in memory (a ``(B, H, length, E)``
 view of projections) as ``(B, length, H * E)``, a head's columns at ``h * E``.
 
-Measured on an H200 (benchmarks/RESULTS.md, "A Hopper forward in Gluon"): 0.91-0.97x
-FlashAttention 4's forward throughput at E = 128, 1.25-1.33x the Triton kernel's.
+Why three stages: with two, the next load waits for both consumers to release the stage it
+needs, and the kernel ran no faster than one partition of both warpgroups, turns or not
+(benchmarks/RESULTS.md, "A Hopper forward in Gluon").
 """
 
 # The @gluon.jit bodies annotate only their constexpr parameters.

@@ -1,8 +1,8 @@
 """The library's Hopper forward written in Triton's Gluon dialect (``kernels/gluon_forward.py``):
 warp-specialized, two consumer warpgroups taking turns with their MMAs, TMA loads from a
-producer warp. The first of the library's own kernels at FlashAttention 4's speed
-(benchmarks/RESULTS.md, "A Hopper forward in Gluon"); it takes what its first version
-handles and the planner does not choose it yet: ``use_backends("gluon")`` runs it."""
+producer warp (benchmarks/RESULTS.md, "A Hopper forward in Gluon"). The planner does not
+choose it yet (no priority list names it, so routing never times it):
+``use_backends("gluon")`` runs it."""
 
 from __future__ import annotations
 
