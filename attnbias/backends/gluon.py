@@ -76,8 +76,8 @@ class GluonForward(Backend):
         on_cuda = _on_cuda(device)
         if not on_cuda:
             reasons.append(f"the Gluon kernel needs CUDA tensors and these are on {device.type}")
-        elif _capability(device)[0] != 9:
-            major, minor = _capability(device)
+        elif (capability := _capability(device))[0] != 9:
+            major, minor = capability
             reasons.append(
                 f"the Gluon kernel is written for Hopper (capability 9.x); this GPU is "
                 f"{major}.{minor}"
