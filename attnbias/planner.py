@@ -148,7 +148,7 @@ def use_backends(*only: str, exclude: Iterable[str] = ()) -> Iterator[None]:
     arguments, or a list or tuple of them) are tried in the order given.
     ``use_backends(exclude=["fa4"])`` keeps the normal choice without FlashAttention 4.
     Nested regions: the inner pin replaces the outer one, exclusions add up. Backends:
-    ``fa4``, ``triton-decode``, ``triton``, ``gluon`` (never chosen unpinned), ``sdpa``,
+    ``fa4``, ``triton-decode``, ``triton``, ``gluon`` (Hopper, no gradients), ``sdpa``,
     ``sdpa+mask``, ``reference``.
 
     Under ``torch.compile`` the region is read when the call is traced.

@@ -52,13 +52,18 @@ class CapturedFa4First:
 # out follows in FALLBACK order. On Hopper FlashAttention 4 is the fastest on every kind it
 # takes but ALiBi without gradients (the Triton kernel is as fast there); the decode kernel
 # comes first because it takes only short queries without gradients, where it is fastest
-# when called eagerly (FlashAttention 4's host time is far above their GPU time).
+# when called eagerly (FlashAttention 4's host time is far above their GPU time). The Gluon
+# forward (no gradients; no mask and bands) follows the backend it was measured against: its
+# GPU time is lower from a few thousand keys on, its host time per call about twice that of
+# stock SDPA or the Triton kernel, so it is the choice where routing measures it faster, and
+# the planner's own choice stays where nothing is measured (benchmarks/NOTES.md, "The Gluon
+# forward in the routing lists").
 _HOPPER: dict[Kind, Order] = {
-    Kind.NONE: Order(("triton-decode", "fa4", "sdpa"), training=("fa4", "sdpa")),
+    Kind.NONE: Order(("triton-decode", "fa4", "sdpa", "gluon"), training=("fa4", "sdpa")),
     Kind.CAUSAL: Order(
-        ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
+        ("triton-decode", "fa4", "sdpa", "gluon", "triton"), training=("fa4", "sdpa", "triton")
     ),
-    Kind.BAND: Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
+    Kind.BAND: Order(("triton-decode", "fa4", "triton", "gluon"), training=("fa4", "triton")),
     # Stock SDPA takes documents only where they are of one length (chunked attention), as
     # separate sequences: faster than FlashAttention 4 where its host time shows, slower where
     # the GPU's time decides, so the weighing below picks (benchmarks/NOTES.md, "Documents of
@@ -83,9 +88,14 @@ _HOPPER: dict[Kind, Order] = {
 # code's choices").
 MOD_MASK_FA4_MIN_KEYS = 1536
 # Blackwell follows Hopper, unmeasured, but for ModBias functions, whose FlashAttention 4 form
-# is laid out for Hopper's kernels.
+# is laid out for Hopper's kernels, and the Gluon forward, written for Hopper only.
 _BLACKWELL: dict[Kind, Order] = {
-    kind: order for kind, order in _HOPPER.items() if kind not in (Kind.MOD, Kind.MOD_MASK)
+    kind: Order(
+        tuple(name for name in order.inference if name != "gluon"),
+        None if order.training is None else tuple(n for n in order.training if n != "gluon"),
+    )
+    for kind, order in _HOPPER.items()
+    if kind not in (Kind.MOD, Kind.MOD_MASK)
 }
 # Other GPUs and the CPU: stock SDPA where it fuses the mask, then the library's kernels.
 _DEFAULT: dict[Kind, Order] = {

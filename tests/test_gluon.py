@@ -5,6 +5,7 @@ layouts, every band it takes and rows that keep no key."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -102,13 +103,31 @@ def test_strides_it_cannot_describe_are_refused(monkeypatch: pytest.MonkeyPatch)
     assert "the Gluon kernel's TMA descriptors take (B, H, L, E) tensors" in reason
 
 
-def test_the_planner_takes_it_only_when_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_planner_lists_it_after_the_backends_it_was_measured_against(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On Hopper, calls without gradients list it after stock SDPA (no mask, causal) or the
+    Triton kernel (bands): routing by measurement times it, the planner alone never picks it
+    over them; training calls and Blackwell do not list it."""
     _fake_hopper(monkeypatch)
     set_generation(monkeypatch, "hopper")
-    spec = spec_of(causal_upper_left(), head_dim=128)
-    assert "gluon" not in plan(spec).order
+    orders = {
+        "causal": plan(spec_of(causal_upper_left(), head_dim=128)).order,
+        "band": plan(
+            spec_of(SlidingWindowBias(64), head_dim=128, length_q=256, length_kv=256)
+        ).order,
+        "none": plan(spec_of(None, head_dim=128)).order,
+    }
+    assert orders["causal"][orders["causal"].index("sdpa") + 1] == "gluon"
+    assert orders["none"][orders["none"].index("sdpa") + 1] == "gluon"
+    assert orders["band"][orders["band"].index("triton") + 1] == "gluon"
+    training = plan(spec_of(causal_upper_left(), head_dim=128, needs_grad=True))
+    assert training.backend.name != "gluon"
+    assert "gluon" not in training.order[: training.order.index("triton")]
     with use_backends("gluon"):
-        assert plan(spec).order == ("gluon",)
+        assert plan(spec_of(causal_upper_left(), head_dim=128)).order == ("gluon",)
+    set_generation(monkeypatch, "blackwell")
+    assert "gluon" not in plan(spec_of(causal_upper_left(), head_dim=128)).order
 
 
 def test_layouts_it_describes() -> None:
@@ -181,3 +200,93 @@ def test_against_the_oracle(name: str) -> None:
     if name == "rows that keep no key":
         empty = got[:, :, : length_q - length_kv]
         assert torch.equal(empty, torch.zeros_like(empty))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhse", "bshe"])
+def test_non_finite_keys_reach_only_the_rows_that_keep_them(layout: str) -> None:
+    """Lower-right causal + a window of 64 over L=200, S=333: row i keeps keys i + 69 ..
+    i + 133, so tiles are cut by the lengths and by both edges of the band. NaN keys that no
+    row keeps and NaN past the last key in the same memory (the tensors are views of longer
+    ones) change no row; a NaN key that rows 7 .. 71 keep makes exactly those rows NaN. An
+    infinite value of a masked key reaches no row whose block of 128 rows skips its tile
+    (within a tile some row keeps, a masked key's non-finite value meets a zero weight in the
+    PV product, as in the Triton kernels: ``kernels/common.py``)."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    problem = gluon.gluon_ready()
+    if problem is not None:
+        pytest.skip(problem)
+    heads = 1 if layout == "bhse" else 2  # (a bhse view of a longer tensor: one head)
+    length_q, length_kv, extra = 200, 333, 64
+    bias = causal_lower_right() + SlidingWindowBias(64)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+
+    def draw(length: int) -> Tensor:
+        # (1, H, length, E) in the layout, the first `length` positions of a longer tensor
+        # whose tail is NaN (one batch row, so the view is a layout TMA takes)
+        x = torch.randn(1, heads, length + extra, 128, device="cuda", generator=generator)
+        x[:, :, length:] = float("nan")
+        x = _laid_out(x.to(torch.bfloat16), layout)
+        return x[:, :, :length]
+
+    q, k, v = draw(length_q), draw(length_kv), draw(length_kv)
+    assert gluon._layout(k) == layout and gluon._layout(q) == layout
+    oracle = attention(q, k, v, bias)
+    low = attention(q, k, v, bias, dtype=torch.bfloat16)
+    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=None)[:1]
+
+    def run(k: Tensor, v: Tensor) -> Tensor:
+        with use_backends("gluon"):
+            assert attnbias.explain(q, k, v, attn_mask=bias).startswith("gluon")
+            return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+    def assert_exact(got: Tensor, rows: Tensor) -> None:
+        assert torch.isfinite(got[rows]).all(), "a NaN or Inf reached a row that keeps none"
+        assert_close_to_oracle(
+            [got[rows]], [oracle[rows]], [low[rows]], torch.bfloat16, ("out",), rounding
+        )
+
+    dirty_k = k.clone()
+    dirty_k[:, :, [0, 5, 68], 7] = float("nan")  # kept by no row
+    dirty_k[:, 0, 140, 11] = float("nan")  # kept by rows 7 .. 71
+    got = run(dirty_k, v)
+    poisoned = torch.zeros(1, heads, length_q, dtype=torch.bool, device="cuda")
+    poisoned[:, 0, 7:72] = True
+    assert torch.isnan(got[poisoned]).any(-1).all(), "a row keeping a NaN key is not NaN"
+    assert_exact(got, ~poisoned)
+    dirty_v = v.clone()
+    dirty_v[:, :, 5, 3] = float("inf")  # in keys 0 .. 127, which rows 128 on skip
+    got = run(k, dirty_v)
+    later = torch.zeros(1, heads, length_q, dtype=torch.bool, device="cuda")
+    later[:, :, 128:] = True
+    assert_exact(got, later)
+
+
+@pytest.mark.gpu
+def test_a_repeated_call_on_misaligned_memory_runs_on_copies() -> None:
+    """The plan cache keys on strides, not on the data pointers' alignment the TMA
+    descriptors need: a call of the same shapes and strides on tensors 2 bytes off a 16-byte
+    boundary, after an aligned one was prepared, gives the oracle's result."""
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    problem = gluon.gluon_ready()
+    if problem is not None:
+        pytest.skip(problem)
+    shape = (1, 2, 130, 128)
+    size = math.prod(shape)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    storage = torch.randn(3, size + 8, device="cuda", generator=generator).to(torch.bfloat16)
+    aligned = [storage[i, :size].view(shape) for i in range(3)]
+    shifted = [storage[i, 1 : size + 1].view(shape) for i in range(3)]
+    assert all(x.data_ptr() % 16 for x in shifted)
+    assert [x.stride() for x in shifted] == [x.stride() for x in aligned]
+    bias = causal_upper_left()
+    with use_backends("gluon"):
+        attnbias.sdpa(*aligned, attn_mask=bias)  # planned and prepared
+        got = attnbias.sdpa(*shifted, attn_mask=bias)
+    q, k, v = shifted
+    oracle = attention(q, k, v, bias)
+    low = attention(q, k, v, bias, dtype=torch.bfloat16)
+    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=None)[:1]
+    assert_close_to_oracle([got], [oracle], [low], torch.bfloat16, ("out",), rounding)

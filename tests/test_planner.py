@@ -185,7 +185,7 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "band",
             False,
-            ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "triton", "gluon", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
@@ -197,7 +197,7 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "none",
             False,
-            ("triton-decode", "fa4", "sdpa", "triton", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "sdpa", "gluon", "triton", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
@@ -260,7 +260,7 @@ def test_orders(
     assert fakes.log == [order[0]]
 
 
-HOPPER_BAND = ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference")
+HOPPER_BAND = ("triton-decode", "fa4", "triton", "gluon", "sdpa", "sdpa+mask", "reference")
 
 
 # ------------------------------------------------------------------------------------------
@@ -488,7 +488,7 @@ def test_exclude_removes_backends(fakes: Fakes, monkeypatch: pytest.MonkeyPatch)
     with use_backends(exclude=["fa4"]):
         chosen = plan(spec)
     assert chosen.backend is fakes.backends["triton-decode"]
-    assert chosen.order == ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
+    assert chosen.order == ("triton-decode", "triton", "gluon", "sdpa", "sdpa+mask", "reference")
     assert chosen.excluded == {"fa4"}
     assert chosen.heading == "hopper, band, inference; excluded fa4"
     assert "fa4" not in fakes.log
@@ -508,10 +508,11 @@ def test_nesting(fakes: Fakes, monkeypatch: pytest.MonkeyPatch) -> None:
     with use_backends(exclude=["fa4"]):
         with use_backends(exclude=["triton"]):  # exclusions add up
             chosen = plan(spec)
-            assert chosen.order == ("triton-decode", "sdpa", "sdpa+mask", "reference")
+            assert chosen.order == ("triton-decode", "gluon", "sdpa", "sdpa+mask", "reference")
             assert chosen.excluded == {"fa4", "triton"}
             assert chosen.heading.endswith("; excluded fa4, triton")
-        assert plan(spec).order == ("triton-decode", "triton", "sdpa", "sdpa+mask", "reference")
+        order = ("triton-decode", "triton", "gluon", "sdpa", "sdpa+mask", "reference")
+        assert plan(spec).order == order
     assert plan(spec).order == HOPPER_BAND
 
 
@@ -524,7 +525,8 @@ def test_regions_are_restored_after_an_exception(
         with pytest.raises(RuntimeError, match="inside"), use_backends("reference"):
             assert plan(spec).order == ("reference",)
             raise RuntimeError("inside")
-        assert plan(spec).order == ("triton-decode", "fa4", "triton", "sdpa+mask", "reference")
+        order = ("triton-decode", "fa4", "triton", "gluon", "sdpa+mask", "reference")
+        assert plan(spec).order == order
     assert plan(spec).order == HOPPER_BAND
 
 
@@ -568,10 +570,10 @@ def test_explain_lists_the_route_the_order_and_every_other_backend(
     assert text.splitlines() == [
         "triton-route: band -3 <= j - i <= 0 runs in the fake triton",
         "  order (hopper, band, inference; excluded sdpa+mask): "
-        "triton-decode > fa4 > triton > sdpa > reference",
+        "triton-decode > fa4 > triton > gluon > sdpa > reference",
         "  fa4: no A; no B",
         "  triton-decode: no D",
-        "  gluon: could run it, but is not in the order",
+        "  gluon: could run it, after triton in the order",
         "  sdpa: could run it, after triton in the order",
         "  sdpa+mask: could run it, but use_backends excludes it",
         "  reference: no C",

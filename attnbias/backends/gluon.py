@@ -1,8 +1,9 @@
 """The library's Hopper forward written in Triton's Gluon dialect (``kernels/gluon_forward.py``):
 warp-specialized, two consumer warpgroups taking turns with their MMAs, TMA loads from a
-producer warp (benchmarks/RESULTS.md, "A Hopper forward in Gluon"). The planner does not
-choose it yet (no priority list names it, so routing never times it):
-``use_backends("gluon")`` runs it."""
+producer warp (benchmarks/RESULTS.md, "A Hopper forward in Gluon"). On Hopper the priority
+lists name it for calls without gradients after stock SDPA (no mask, causal) or the Triton
+kernel (bands), so routing by measurement times it and takes it where it is faster;
+``use_backends("gluon")`` pins it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from attnbias.backends.base import Backend
+from attnbias.backends.base import Backend, Prepared
 from attnbias.kinds import Kind
 from attnbias.spec import Spec
 
@@ -127,10 +128,23 @@ class GluonForward(Backend):
         )
 
     def run(self, spec: Spec) -> Tensor:
+        return self.prepare(spec)(spec.query, spec.key, spec.value)
+
+    def prepare(self, spec: Spec) -> Prepared:
+        """The band and the scale bound once; a call launches with its tensors. The plan
+        cache's key holds the shapes, dtypes and strides the reasons were checked on, not
+        the data pointers' 16-byte alignment, which the TMA descriptors need: a call with a
+        misaligned tensor runs on aligned copies of its inputs (the output then contiguous)."""
         from attnbias.kernels.gluon_forward import gluon_forward
 
         program = spec.program
-        return gluon_forward(
-            spec.query, spec.key, spec.value, program.band_lo, program.band_hi,
-            spec.resolved_scale,
-        )  # fmt: skip
+        band_lo, band_hi, scale = program.band_lo, program.band_hi, spec.resolved_scale
+
+        def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
+                query, key, value = (
+                    x.clone(memory_format=torch.contiguous_format) for x in (query, key, value)
+                )
+            return gluon_forward(query, key, value, band_lo, band_hi, scale)
+
+        return run_prepared
