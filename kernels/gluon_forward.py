@@ -17,7 +17,7 @@ sliding windows) over a key loop bounded to the band's blocks; keys at or past `
 
 Shape legend:
 
-    B   batch size              L   query length            E   head dim (128)
+    B   batch size              L   query length            E   head dim (64, 128, 256)
     Hq  query heads             S   key/value length
     Hkv key/value heads (GQA: query head h reads key/value head h // (Hq / Hkv))
 
@@ -25,9 +25,10 @@ Tensors are seen through 3-D TMA descriptors ``(P, length, C)``: ``(B, H, length
 memory as ``(B * H, length, E)``; ``(B, length, H, E)`` in memory (a ``(B, H, length, E)``
 view of projections) as ``(B, length, H * E)``, a head's columns at ``h * E``.
 
-Why three stages: with two, the next load waits for both consumers to release the stage it
-needs, and the kernel ran no faster than one partition of both warpgroups, turns or not
-(benchmarks/RESULTS.md, "A Hopper forward in Gluon").
+Why three stages at E = 128: with two, the next load waits for both consumers to release the
+stage it needs, and the kernel ran no faster than one partition of both warpgroups, turns or
+not (benchmarks/RESULTS.md, "A Hopper forward in Gluon"). Per head dim (:data:`CONFIGS`), the
+keys per block and the stages that fit Hopper's 227 KiB of shared memory beside the queries.
 """
 
 # The @gluon.jit bodies annotate only their constexpr parameters.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,15 +54,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["BLOCK_M", "HEAD_DIMS", "gluon_forward", "layout_of"]
+from .launch import KeptLaunch, current_device
+
+__all__ = ["BLOCK_M", "CONFIGS", "HEAD_DIMS", "gluon_forward", "layout_of", "plan_gluon_forward"]
 
 #: Query rows per program (two consumer warpgroups of 64).
 BLOCK_M = 128
-#: Keys per block and stages of the key/value ring (3 x 64 KiB beside 32 KiB of queries).
-BLOCK_N = 128
-STAGES = 3
-#: The head dims the kernel takes (the shared memory of three stages at 128).
-HEAD_DIMS = (128,)
+#: Per head dim: keys per block and stages of the key/value ring. E = 128: 3 x 64 KiB beside
+#: 32 KiB of queries; E = 64: 4 x 32 KiB beside 16; E = 256: 2 x 64 KiB (blocks of 64 keys)
+#: beside 64.
+CONFIGS: dict[int, tuple[int, int]] = {64: (128, 4), 128: (128, 3), 256: (64, 2)}
+#: The head dims the kernel takes.
+HEAD_DIMS = tuple(CONFIGS)
 _LOG2E = 1.4426950408889634
 
 
@@ -101,6 +106,68 @@ def _descriptor(x: Tensor, rows: int) -> tuple[Any, tuple[int, int, int]]:
     return TensorDescriptor(x, shape, strides, [1, rows, dim], layout), steps
 
 
+def plan_gluon_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    band_lo: int | None,
+    band_hi: int | None,
+    scale: float,
+    config: tuple[int, int] | None = None,
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The forward of calls like this one (the shapes, strides, dtypes and device of
+    ``query``, ``key``, ``value``: the caller guarantees them, and 16-byte aligned data), worked
+    out once: the returned function takes each call's tensors and returns
+    ``(B, Hq, L, E)`` in the query's layout. Its first launch goes through Triton's JIT
+    (compiling if needed); the later ones call the compiled kernel's launcher directly
+    (:class:`~.launch.KeptLaunch`, ~40 µs less host time a call), which every argument but
+    the descriptors' data pointers allows: they are fixed by the call's identity.
+
+    ``query`` ``(B, Hq, L, E)``, ``key`` / ``value`` ``(B, Hkv, S, E)`` (fp16 or bf16, E in
+    :data:`HEAD_DIMS`, laid out as :func:`layout_of` accepts, ``Hq`` a multiple of ``Hkv``);
+    the band keeps ``band_lo <= j - i <= band_hi`` (``None``: open side), scores scaled by
+    ``scale > 0``. ``config``: ``(keys per block, stages)`` instead of :data:`CONFIGS`'s (for
+    measuring). The caller has checked all of this (the ``gluon`` backend's reasons)."""
+    batch, heads_q, length_q, dim = query.shape
+    heads_kv, length_kv = key.shape[1], key.shape[2]
+    block_n, stages = CONFIGS[dim] if config is None else config
+    bhse = layout_of(query) == "bhse"
+    grid = (math.ceil(length_q / BLOCK_M), batch * heads_q, 1)
+    _, q_steps = _descriptor(query, BLOCK_M // 2)
+    _, k_steps = _descriptor(key, block_n)
+    scalars = (
+        scale * _LOG2E, length_q, length_kv, heads_q, heads_q // heads_kv, *q_steps, *k_steps,
+        0 if band_lo is None else band_lo, 0 if band_hi is None else band_hi,
+    )  # fmt: skip
+    options = {
+        "HAS_LO": band_lo is not None, "HAS_HI": band_hi is not None, "STAGES": stages,
+        "num_warps": 4,
+    }  # fmt: skip
+    constexprs = tuple(options.values())
+    kept: dict[int, KeptLaunch] = {}  # per current device
+
+    def run(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        if bhse:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        else:
+            out = query.new_empty((batch, length_q, heads_q, dim)).transpose(1, 2)
+        descriptors = (
+            _descriptor(query, BLOCK_M // 2)[0], _descriptor(key, block_n)[0],
+            _descriptor(value, block_n)[0], _descriptor(out, BLOCK_M // 2)[0],
+        )  # fmt: skip
+        device = current_device()
+        launch = kept.get(device)
+        if launch is not None:
+            launch(grid, device, *descriptors, *scalars, *constexprs)
+            return out
+        compiled = _attention_forward[grid[:2]](*descriptors, *scalars, **options)
+        if hasattr(compiled, "__getitem__"):  # a compiled kernel with its own launcher
+            kept[device] = KeptLaunch(compiled)
+        return out
+
+    return run
+
+
 def gluon_forward(
     query: Tensor,
     key: Tensor,
@@ -109,31 +176,9 @@ def gluon_forward(
     band_hi: int | None,
     scale: float,
 ) -> Tensor:
-    """Attention ``(B, Hq, L, E)`` of ``query`` ``(B, Hq, L, E)``, ``key`` / ``value``
-    ``(B, Hkv, S, E)`` (fp16 or bf16, E in :data:`HEAD_DIMS`, laid out as :func:`layout_of`
-    accepts, ``Hq`` a multiple of ``Hkv``) keeping ``band_lo <= j - i <= band_hi`` (``None``:
-    open side), scores scaled by ``scale > 0``. The output has the query's layout. The caller
-    has checked all of this (the ``gluon`` backend's reasons)."""
-    batch, heads_q, length_q, dim = query.shape
-    heads_kv, length_kv = key.shape[1], key.shape[2]
-    if layout_of(query) == "bhse":
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    else:
-        out = query.new_empty((batch, length_q, heads_q, dim)).transpose(1, 2)
-    q_desc, q_steps = _descriptor(query, BLOCK_M // 2)
-    o_desc, _ = _descriptor(out, BLOCK_M // 2)
-    k_desc, k_steps = _descriptor(key, BLOCK_N)
-    v_desc, v_steps = _descriptor(value, BLOCK_N)
-    assert k_steps == v_steps  # the backend takes keys and values of one layout
-    grid = (math.ceil(length_q / BLOCK_M), batch * heads_q)
-    _attention_forward[grid](
-        q_desc, k_desc, v_desc, o_desc,
-        scale * _LOG2E, length_q, length_kv, heads_q, heads_q // heads_kv,
-        *q_steps, *k_steps,
-        0 if band_lo is None else band_lo, 0 if band_hi is None else band_hi,
-        HAS_LO=band_lo is not None, HAS_HI=band_hi is not None, STAGES=STAGES, num_warps=4,
-    )  # fmt: skip
-    return out
+    """One call of :func:`plan_gluon_forward` (its arguments, but ``config``): attention
+    ``(B, Hq, L, E)`` in the query's layout."""
+    return plan_gluon_forward(query, key, value, band_lo, band_hi, scale)(query, key, value)
 
 
 @gluon.jit

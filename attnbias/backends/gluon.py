@@ -20,9 +20,11 @@ from attnbias.spec import Spec
 
 __all__ = ["GluonForward", "gluon_ready"]
 
-# What the first version's kernel takes (kernels/gluon_forward.py's HEAD_DIMS, repeated here so
-# that planning imports no kernel module).
-_HEAD_DIMS = (128,)
+# The head dims offered (of kernels/gluon_forward.py's HEAD_DIMS, repeated here so that planning
+# imports no kernel module). At 256 the kernel (two stages of 64 keys) ran at the Triton kernel's
+# speed and 0.55-0.6x stock SDPA's on an H200 (benchmarks/NOTES.md, "The Gluon forward at head
+# dims 64 and 256"): not offered, so that routing spends no time on it.
+_HEAD_DIMS = (64, 128)
 _KINDS = (Kind.NONE, Kind.CAUSAL, Kind.BAND)
 
 
@@ -63,10 +65,10 @@ def _layout(x: Tensor) -> str | None:
 
 
 class GluonForward(Backend):
-    """No mask or a band (causal in either alignment, sliding windows), fp16 / bf16, head dim
-    128, GQA, ``(B, H, L, E)`` tensors or ``(B, L, H, E)`` memory seen as ``(B, H, L, E)``, on
-    Hopper (capability 9.x), forward only. A row that keeps no key gives 0; nothing past a
-    row's ``S`` keys is read (TMA fills it with zeros)."""
+    """No mask or a band (causal in either alignment, sliding windows), fp16 / bf16, head dims
+    64 and 128, GQA, ``(B, H, L, E)`` tensors or ``(B, L, H, E)`` memory seen as
+    ``(B, H, L, E)``, on Hopper (capability 9.x), forward only. A row that keeps no key gives
+    0; nothing past a row's ``S`` keys is read (TMA fills it with zeros)."""
 
     name = "gluon"
     dtypes = (torch.float16, torch.bfloat16)
@@ -135,16 +137,18 @@ class GluonForward(Backend):
         cache's key holds the shapes, dtypes and strides the reasons were checked on, not
         the data pointers' 16-byte alignment, which the TMA descriptors need: a call with a
         misaligned tensor runs on aligned copies of its inputs (the output then contiguous)."""
-        from attnbias.kernels.gluon_forward import gluon_forward
+        from attnbias.kernels.gluon_forward import gluon_forward, plan_gluon_forward
 
         program = spec.program
         band_lo, band_hi, scale = program.band_lo, program.band_hi, spec.resolved_scale
+        planned = plan_gluon_forward(spec.query, spec.key, spec.value, band_lo, band_hi, scale)
 
         def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
             if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
                 query, key, value = (
                     x.clone(memory_format=torch.contiguous_format) for x in (query, key, value)
                 )
-            return gluon_forward(query, key, value, band_lo, band_hi, scale)
+                return gluon_forward(query, key, value, band_lo, band_hi, scale)
+            return planned(query, key, value)
 
         return run_prepared
