@@ -53,11 +53,10 @@ class CapturedFa4First:
 # takes but ALiBi without gradients (the Triton kernel is as fast there); the decode kernel
 # comes first because it takes only short queries without gradients, where it is fastest
 # when called eagerly (FlashAttention 4's host time is far above their GPU time). The Gluon
-# forward (no gradients; no mask and bands) follows the backend it was measured against: its
-# GPU time is lower from a few thousand keys on, its host time per call about twice that of
-# stock SDPA or the Triton kernel, so it is the choice where routing measures it faster, and
-# the planner's own choice stays where nothing is measured (benchmarks/NOTES.md, "The Gluon
-# forward in the routing lists").
+# forward (no gradients; no mask, bands, ALiBi, soft-cap) follows the Triton kernel or stock
+# SDPA: its GPU time is lower from a few thousand keys on, its host time per call above theirs,
+# so it is the choice where routing measures it faster, and the planner's own choice stays
+# where nothing is measured (benchmarks/NOTES.md, "The Gluon forward in the routing lists").
 _HOPPER: dict[Kind, Order] = {
     Kind.NONE: Order(("triton-decode", "fa4", "sdpa", "gluon"), training=("fa4", "sdpa")),
     Kind.CAUSAL: Order(
@@ -71,8 +70,8 @@ _HOPPER: dict[Kind, Order] = {
     Kind.DOCUMENTS: Order(
         ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
     ),
-    Kind.SOFTCAP: Order(("triton-decode", "fa4", "triton"), training=("fa4", "triton")),
-    Kind.ALIBI: Order(("triton-decode", "triton", "fa4"), training=("fa4", "triton")),
+    Kind.SOFTCAP: Order(("triton-decode", "fa4", "triton", "gluon"), training=("fa4", "triton")),
+    Kind.ALIBI: Order(("triton-decode", "triton", "gluon", "fa4"), training=("fa4", "triton")),
     # ModBias functions: FlashAttention 4 with generated callbacks and block sparsity where it
     # takes them (on capability 9 only), the Triton kernels otherwise. In training FA4 first
     # (faster on most examples); without gradients masks alone ("mod mask") FA4 first, score

@@ -14,6 +14,9 @@ One program per 128 query rows of one (batch, query head), three partitions:
 Masks: a band ``band_lo <= j - i <= band_hi`` (either side open; causal in either alignment,
 sliding windows) over a key loop bounded to the band's blocks; keys at or past ``S`` are masked
 (TMA fills them with zeros: nothing past a row's end is read). A row that keeps no key gives 0.
+Scores: ``scale * q.k``, then a soft-cap ``cap * tanh(s / cap)`` (``tanh.approx``, as the
+Triton kernels take it for fp16 / bf16), then ALiBi's ``- slope[b, h] * |i + S - L - j|``
+(float32 distances, exact below 2**24), as :class:`~.program.MaskProgram` defines them.
 
 Shape legend:
 
@@ -114,6 +117,9 @@ def plan_gluon_forward(
     band_hi: int | None,
     scale: float,
     config: tuple[int, int] | None = None,
+    *,
+    softcap: float | None = None,
+    slopes: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The forward of calls like this one (the shapes, strides, dtypes and device of
     ``query``, ``key``, ``value``: the caller guarantees them, and 16-byte aligned data), worked
@@ -126,8 +132,10 @@ def plan_gluon_forward(
     ``query`` ``(B, Hq, L, E)``, ``key`` / ``value`` ``(B, Hkv, S, E)`` (fp16 or bf16, E in
     :data:`HEAD_DIMS`, laid out as :func:`layout_of` accepts, ``Hq`` a multiple of ``Hkv``);
     the band keeps ``band_lo <= j - i <= band_hi`` (``None``: open side), scores scaled by
-    ``scale > 0``. ``config``: ``(keys per block, stages)`` instead of :data:`CONFIGS`'s (for
-    measuring). The caller has checked all of this (the ``gluon`` backend's reasons)."""
+    ``scale > 0``, then soft-capped at ``softcap`` (> 0), then ALiBi's ``slopes`` float32
+    ``(1 | B, Hq)`` (kept by the plan: not written in place while it is used). ``config``:
+    ``(keys per block, stages)`` instead of :data:`CONFIGS`'s (for measuring). The caller has
+    checked all of this (the ``gluon`` backend's reasons)."""
     batch, heads_q, length_q, dim = query.shape
     heads_kv, length_kv = key.shape[1], key.shape[2]
     block_n, stages = CONFIGS[dim] if config is None else config
@@ -135,12 +143,25 @@ def plan_gluon_forward(
     grid = (math.ceil(length_q / BLOCK_M), batch * heads_q, 1)
     _, q_steps = _descriptor(query, BLOCK_M // 2)
     _, k_steps = _descriptor(key, block_n)
+    # base-2 scores: s2 = qk * score_scale, or cap_out * tanh(qk * cap_in) under a soft-cap;
+    # the softmax then takes exp2(s2 * qk_scale - max), qk_scale = 1 where a term comes first
+    modified = softcap is not None or slopes is not None
+    if slopes is None:
+        slopes_arg, slope_b, slope_h = query, 0, 0  # (a pointer never read)
+    else:
+        slopes_arg = slopes
+        slope_b = 0 if slopes.shape[0] == 1 else slopes.stride(0)
+        slope_h = slopes.stride(1)
     scalars = (
-        scale * _LOG2E, length_q, length_kv, heads_q, heads_q // heads_kv, *q_steps, *k_steps,
-        0 if band_lo is None else band_lo, 0 if band_hi is None else band_hi,
+        1.0 if modified else scale * _LOG2E, length_q, length_kv, heads_q,
+        heads_q // heads_kv, *q_steps, *k_steps, 0 if band_lo is None else band_lo,
+        0 if band_hi is None else band_hi, slopes_arg, slope_b, slope_h,
+        scale * _LOG2E, 0.0 if softcap is None else scale / softcap,
+        0.0 if softcap is None else softcap * _LOG2E,
     )  # fmt: skip
     options = {
-        "HAS_LO": band_lo is not None, "HAS_HI": band_hi is not None, "STAGES": stages,
+        "HAS_LO": band_lo is not None, "HAS_HI": band_hi is not None,
+        "HAS_SOFTCAP": softcap is not None, "HAS_ALIBI": slopes is not None, "STAGES": stages,
         "num_warps": 4,
     }  # fmt: skip
     constexprs = tuple(options.values())
@@ -175,21 +196,58 @@ def gluon_forward(
     band_lo: int | None,
     band_hi: int | None,
     scale: float,
+    *,
+    softcap: float | None = None,
+    slopes: Tensor | None = None,
 ) -> Tensor:
     """One call of :func:`plan_gluon_forward` (its arguments, but ``config``): attention
     ``(B, Hq, L, E)`` in the query's layout."""
-    return plan_gluon_forward(query, key, value, band_lo, band_hi, scale)(query, key, value)
+    planned = plan_gluon_forward(
+        query, key, value, band_lo, band_hi, scale, softcap=softcap, slopes=slopes
+    )
+    return planned(query, key, value)
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale,
+def _tanh_approx(x):
+    return gl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _scores(s, rows, n0, terms, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+            col_s: gl.constexpr):  # fmt: skip
+    # Base-2 scores with the soft-cap and ALiBi (see plan_gluon_forward); ``terms`` is
+    # (score_scale, cap_in, cap_out, alibi_coef, shift) with alibi_coef = -slope * log2(e)
+    # and shift = S - L.
+    score_scale, cap_in, cap_out, alibi_coef, shift = terms
+    BLOCK: gl.constexpr = s.shape[1]
+    if HAS_SOFTCAP:  # noqa: SIM108 (a branch per constexpr value)
+        s = _tanh_approx(s * cap_in) * cap_out
+    else:
+        s = s * score_scale
+    if HAS_ALIBI:
+        cols = (n0 + gl.arange(0, BLOCK, col_s)).to(gl.float32)
+        dist = gl.abs((rows + shift).to(gl.float32)[:, None] - cols[None, :])
+        s = s + dist * alibi_coef
+    return s
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale, terms,
                    MASK: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                    col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
                    dtype: gl.constexpr):  # fmt: skip
     # One block's online softmax: the new row maxima and sums, the weights as the PV
     # MMA's register operand, the factor that rescales the accumulator. A row with no
-    # kept key yet keeps its maximum at -inf and its weights at 0.
+    # kept key yet keeps its maximum at -inf and its weights at 0. Without score terms
+    # ``s`` stays raw dot products (scaled in the exponent); with them it becomes base-2
+    # scores and ``qk_scale`` is 1.
     BLOCK: gl.constexpr = s.shape[1]
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s = _scores(s, rows, n0, terms, HAS_SOFTCAP, HAS_ALIBI, col_s)
     if MASK:
         cols = n0 + gl.arange(0, BLOCK, col_s)
         keep = cols[None, :] < seq_k
@@ -221,8 +279,9 @@ def _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale,
+def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale, terms,
              ROWS: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
              dtype: gl.constexpr):  # fmt: skip
     # The softmax of the block of keys from n0, masked only where the band or the end of the
@@ -230,12 +289,14 @@ def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale,
     BLOCK: gl.constexpr = s.shape[1]
     if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
         m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
-                                              qk_scale, False, HAS_LO, HAS_HI, col_s, row_o,
-                                              p_layout, dtype)  # fmt: skip
+                                              qk_scale, terms, False, HAS_LO, HAS_HI,
+                                              HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
+                                              dtype)  # fmt: skip
     else:
         m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
-                                              qk_scale, True, HAS_LO, HAS_HI, col_s, row_o,
-                                              p_layout, dtype)  # fmt: skip
+                                              qk_scale, terms, True, HAS_LO, HAS_HI,
+                                              HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
+                                              dtype)  # fmt: skip
     return m_i, l_i, p16, alpha
 
 
@@ -261,8 +322,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q_c, off_m,
-             first_block, blocks, seq_k, band_lo, band_hi, qk_scale, WHICH: gl.constexpr,
-             HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+             first_block, blocks, seq_k, band_lo, band_hi, qk_scale, score_scale, cap_in,
+             cap_out, alibi_coef, shift, WHICH: gl.constexpr, HAS_LO: gl.constexpr,
+             HAS_HI: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              STAGES: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = o_desc.block_type.shape[1]
     E: gl.constexpr = o_desc.block_type.shape[2]
@@ -281,6 +343,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     first = off_m + WHICH * ROWS
     rows = first + gl.arange(0, ROWS, row_s)
+    terms = (score_scale, cap_in, cap_out, alibi_coef, shift)
     q = q_smem.index(WHICH).reshape([ROWS, E])
     my_turn = turns.index(WHICH)
     their_turn = turns.index(1 - WHICH)
@@ -297,8 +360,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
     mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, first_block * BLOCK, first, seq_k,
-                                    band_lo, band_hi, qk_scale, ROWS, HAS_LO, HAS_HI, col_s,
-                                    row_o, p_layout, dtype)  # fmt: skip
+                                    band_lo, band_hi, qk_scale, terms, ROWS, HAS_LO, HAS_HI,
+                                    HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
+                                    dtype)  # fmt: skip
     for j in range(1, blocks):
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
@@ -311,8 +375,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
         mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, (first_block + j) * BLOCK, first,
-                                        seq_k, band_lo, band_hi, qk_scale, ROWS, HAS_LO,
-                                        HAS_HI, col_s, row_o, p_layout, dtype)  # fmt: skip
+                                        seq_k, band_lo, band_hi, qk_scale, terms, ROWS, HAS_LO,
+                                        HAS_HI, HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
+                                        dtype)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
     last = (blocks - 1) % STAGES
@@ -333,7 +398,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
 @gluon.jit
 def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, heads_q,
                       group, q_pb, q_ph, q_ch, kv_pb, kv_ph, kv_ch, band_lo, band_hi,
-                      HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, STAGES: gl.constexpr,
+                      slopes, slope_b, slope_h, score_scale, cap_in, cap_out,
+                      HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                      HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr,
                       num_warps: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     E: gl.constexpr = q_desc.block_type.shape[2]
@@ -347,6 +414,10 @@ def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, h
     q_c = head * q_ch
     kv_p = batch * kv_pb + head_kv * kv_ph
     kv_c = head_kv * kv_ch
+    if HAS_ALIBI:
+        alibi_coef = -gl.load(slopes + batch * slope_b + head * slope_h) * 1.4426950408889634
+    else:
+        alibi_coef = 0.0
     off_m = pid_m * 2 * ROWS
     # the band's blocks for rows [off_m, last row]; at least one (a row keeping no key
     # runs it masked and gives 0)
@@ -375,10 +446,12 @@ def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, h
         [
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
                         q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
-                        qk_scale, 0, HAS_LO, HAS_HI, STAGES)),
+                        qk_scale, score_scale, cap_in, cap_out, alibi_coef, seq_k - seq_q,
+                        0, HAS_LO, HAS_HI, HAS_SOFTCAP, HAS_ALIBI, STAGES)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
                         q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
-                        qk_scale, 1, HAS_LO, HAS_HI, STAGES)),
+                        qk_scale, score_scale, cap_in, cap_out, alibi_coef, seq_k - seq_q,
+                        1, HAS_LO, HAS_HI, HAS_SOFTCAP, HAS_ALIBI, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
                         empty, q_p, q_c, kv_p, kv_c, off_m, first_block, blocks, STAGES)),
         ],

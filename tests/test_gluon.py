@@ -21,6 +21,7 @@ from attnbias import (
     DocumentBias,
     ModBias,
     SlidingWindowBias,
+    SoftcapBias,
     causal_lower_right,
     causal_upper_left,
     use_backends,
@@ -53,8 +54,20 @@ def test_on_cpu_tensors_it_says_so() -> None:
 
 def test_a_faked_hopper_takes_causal_windows_and_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_hopper(monkeypatch)
-    for bias in (None, causal_upper_left(), causal_lower_right(), SlidingWindowBias(7, 3)):
+    takes = (
+        None, causal_upper_left(), causal_lower_right(), SlidingWindowBias(7, 3),
+        causal_lower_right() + AlibiBias(num_heads=2), SoftcapBias(30.0),
+        SlidingWindowBias(9) + SoftcapBias(5.0) + AlibiBias(num_heads=2),
+    )  # fmt: skip
+    for bias in takes:
         assert _reasons(bias, length_q=16, length_kv=40) == []
+
+
+def test_alibi_distances_past_float32_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_hopper(monkeypatch)
+    monkeypatch.setattr(gluon, "MAX_ALIBI_LENGTH", 32)
+    reasons = _reasons(AlibiBias(num_heads=2), length_q=16, length_kv=40)
+    assert any("ALiBi distances in (L, S)=(16, 40) exceed 32" in r for r in reasons)
 
 
 REFUSALS: dict[str, tuple[Callable[[], AttnBias | None], dict[str, object], str]] = {
@@ -62,13 +75,17 @@ REFUSALS: dict[str, tuple[Callable[[], AttnBias | None], dict[str, object], str]
     "documents": (
         lambda: DocumentBias.from_seqlens([6, 10]),
         {},
-        "takes no mask or a band (causal, windows); not documents",
+        "takes no mask, a band (causal, windows), ALiBi and soft-cap; not documents",
     ),
-    "alibi": (lambda: AlibiBias(num_heads=2), {}, "not ALiBi"),
+    "documents with ALiBi": (
+        lambda: DocumentBias.from_seqlens([6, 10]) + AlibiBias(num_heads=2),
+        {},
+        "takes no mask, a band (causal, windows), ALiBi and soft-cap; not documents",
+    ),
     "a user's mask": (
         lambda: ModBias(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0),
         {},
-        "the Gluon kernel takes no mask or a band (causal, windows); not ",
+        "the Gluon kernel takes no mask, a band (causal, windows), ALiBi and soft-cap; not ",
     ),
     "head dim": (causal_upper_left, {"head_dim": 256}, "head dims (E, Ev)=(256, 256)"),
     "value head dim": (causal_upper_left, {"head_dim_v": 64}, "head dims (E, Ev)=(128, 64)"),
@@ -171,6 +188,14 @@ CASES: dict[str, Case] = {
     "head dim 64, window, GQA": (2, 4, 2, 333, 333, lambda: causal_lower_right()
                                  + SlidingWindowBias(100), "bshe", torch.bfloat16, 64),
     "head dim 64, no mask": (1, 3, 3, 200, 517, lambda: None, "bhse", torch.float16, 64),
+    "ALiBi, lower-right causal, GQA": (2, 4, 2, 300, 517, lambda: causal_lower_right()
+                                       + AlibiBias(num_heads=4), "bshe", torch.bfloat16, 128),
+    "soft-cap 20, window 100 + causal": (1, 2, 2, 400, 400, lambda: causal_upper_left()
+                                         + SlidingWindowBias(100) + SoftcapBias(20.0), "bhse",
+                                         torch.bfloat16, 128),
+    "ALiBi and soft-cap, no band, head dim 64": (2, 2, 2, 200, 300, lambda: SoftcapBias(10.0)
+                                                 + AlibiBias(num_heads=2), "bhse", torch.float16,
+                                                 64),
 }  # fmt: skip
 
 

@@ -203,13 +203,13 @@ def test_walk_follows_the_priority_list_then_the_fallback(
             "hopper",
             "softcap",
             False,
-            ("triton-decode", "fa4", "triton", "sdpa", "sdpa+mask", "reference"),
+            ("triton-decode", "fa4", "triton", "gluon", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "hopper",
             "alibi",
             False,
-            ("triton-decode", "triton", "fa4", "sdpa", "sdpa+mask", "reference"),
+            ("triton-decode", "triton", "gluon", "fa4", "sdpa", "sdpa+mask", "reference"),
         ),
         (
             "hopper",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from attnbias.backends.base import Backend, Prepared
+from attnbias.kernels.limits import MAX_ALIBI_LENGTH
 from attnbias.kinds import Kind
 from attnbias.spec import Spec
 
@@ -25,7 +26,7 @@ __all__ = ["GluonForward", "gluon_ready"]
 # speed and 0.55-0.6x stock SDPA's on an H200 (benchmarks/NOTES.md, "The Gluon forward at head
 # dims 64 and 256"): not offered, so that routing spends no time on it.
 _HEAD_DIMS = (64, 128)
-_KINDS = (Kind.NONE, Kind.CAUSAL, Kind.BAND)
+_KINDS = (Kind.NONE, Kind.CAUSAL, Kind.BAND, Kind.ALIBI, Kind.SOFTCAP)
 
 
 @functools.cache
@@ -65,10 +66,11 @@ def _layout(x: Tensor) -> str | None:
 
 
 class GluonForward(Backend):
-    """No mask or a band (causal in either alignment, sliding windows), fp16 / bf16, head dims
-    64 and 128, GQA, ``(B, H, L, E)`` tensors or ``(B, L, H, E)`` memory seen as
-    ``(B, H, L, E)``, on Hopper (capability 9.x), forward only. A row that keeps no key gives
-    0; nothing past a row's ``S`` keys is read (TMA fills it with zeros)."""
+    """No mask or a band (causal in either alignment, sliding windows), with ALiBi and a
+    soft-cap, fp16 / bf16, head dims 64 and 128, GQA, ``(B, H, L, E)`` tensors or
+    ``(B, L, H, E)`` memory seen as ``(B, H, L, E)``, on Hopper (capability 9.x), forward
+    only. A row that keeps no key gives 0; nothing past a row's ``S`` keys is read (TMA fills
+    it with zeros)."""
 
     name = "gluon"
     dtypes = (torch.float16, torch.bfloat16)
@@ -95,11 +97,23 @@ class GluonForward(Backend):
         if spec.compiling:
             reasons.append("the Gluon kernel is not registered for torch.compile to trace")
         terms = spec.terms
-        if terms.kind not in _KINDS or terms.has_key_range:
+        if terms.kind not in _KINDS or terms.has_key_range or terms.q_doc is not None:
             reasons.append(
-                f"the Gluon kernel takes no mask or a band (causal, windows); not "
-                f"{terms.describe()}"
+                f"the Gluon kernel takes no mask, a band (causal, windows), ALiBi and soft-cap; "
+                f"not {terms.describe()}"
             )
+        elif terms.slopes is not None:
+            if terms.alibi_shift:
+                reasons.append(
+                    f"ALiBi shifted by {terms.alibi_shift} (a shard pair's) is not in the Gluon "
+                    f"kernel"
+                )
+            _, _, length_q, length_kv = spec.shape
+            if max(length_q, length_kv) > MAX_ALIBI_LENGTH:
+                reasons.append(
+                    f"ALiBi distances in (L, S)=({length_q}, {length_kv}) exceed "
+                    f"{MAX_ALIBI_LENGTH}, beyond which the kernel's float32 distances are inexact"
+                )
         if spec.head_dim not in _HEAD_DIMS or spec.head_dim_v != spec.head_dim:
             reasons.append(
                 f"head dims (E, Ev)=({spec.head_dim}, {spec.head_dim_v}): the Gluon kernel "
@@ -141,14 +155,17 @@ class GluonForward(Backend):
 
         program = spec.program
         band_lo, band_hi, scale = program.band_lo, program.band_hi, spec.resolved_scale
-        planned = plan_gluon_forward(spec.query, spec.key, spec.value, band_lo, band_hi, scale)
+        terms = {"softcap": program.softcap, "slopes": program.alibi_slopes}
+        planned = plan_gluon_forward(
+            spec.query, spec.key, spec.value, band_lo, band_hi, scale, **terms
+        )
 
         def run_prepared(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
             if (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16:
                 query, key, value = (
                     x.clone(memory_format=torch.contiguous_format) for x in (query, key, value)
                 )
-                return gluon_forward(query, key, value, band_lo, band_hi, scale)
+                return gluon_forward(query, key, value, band_lo, band_hi, scale, **terms)
             return planned(query, key, value)
 
         return run_prepared
