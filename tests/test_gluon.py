@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from planning import set_generation, spec_of
 from torch import Tensor
 
@@ -356,3 +359,61 @@ def test_a_repeated_call_on_misaligned_memory_runs_on_copies() -> None:
     low = attention(q, k, v, bias, dtype=torch.bfloat16)
     rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=None)[:1]
     assert_close_to_oracle([got], [oracle], [low], torch.bfloat16, ("out",), rounding)
+
+
+@st.composite
+def gluon_calls(draw: st.DrawFn) -> tuple[Any, ...]:
+    """A call the backend takes: shapes off its tiles, GQA, both layouts, fp16 / bf16, head
+    dims 64 and 128, a band (or none) with ALiBi and a soft-cap or not, any positive scale."""
+    heads_kv = draw(st.integers(1, 2))
+    heads_q = heads_kv * draw(st.integers(1, 3))
+    shape = (
+        draw(st.integers(1, 2)), heads_q, heads_kv, draw(st.integers(1, 400)),
+        draw(st.integers(1, 400)), draw(st.sampled_from([64, 128])),
+    )  # fmt: skip
+    band = draw(st.sampled_from(["none", "upper-left", "lower-right", "window", "two-sided"]))
+    width = draw(st.integers(1, 300))
+    parts: list[AttnBias] = []
+    if band == "upper-left":
+        parts.append(causal_upper_left())
+    elif band == "lower-right":
+        parts.append(causal_lower_right())
+    elif band == "window":
+        parts += [causal_lower_right(), SlidingWindowBias(width)]
+    elif band == "two-sided":
+        parts.append(SlidingWindowBias(width, draw(st.integers(0, 300))))
+    if draw(st.booleans()):
+        parts.append(SoftcapBias(draw(st.sampled_from([5.0, 30.0]))))
+    if draw(st.booleans()):
+        parts.append(AlibiBias(num_heads=heads_q))
+    layout = draw(st.sampled_from(["bhse", "bshe"]))
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    scale = draw(st.sampled_from([None, 0.05, 0.3]))
+    return shape, parts, layout, dtype, scale, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, deadline=None)
+@given(gluon_calls())
+def test_drawn_calls_against_the_oracle(call: tuple[Any, ...]) -> None:
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU")
+    problem = gluon.gluon_ready()
+    if problem is not None:
+        pytest.skip(problem)
+    (batch, heads_q, heads_kv, length_q, length_kv, dim), parts, layout, dtype, scale, seed = call
+    bias = sum(parts[1:], parts[0]) if parts else None
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(heads: int, length: int) -> Tensor:
+        x = torch.randn(batch, heads, length, dim, device="cuda", generator=generator)
+        return _laid_out(x.to(dtype), layout)
+
+    q, k, v = draw(heads_q, length_q), draw(heads_kv, length_kv), draw(heads_kv, length_kv)
+    gqa = heads_q != heads_kv
+    with use_backends("gluon"):
+        got = attnbias.sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    oracle = attention(q, k, v, bias, scale=scale, enable_gqa=gqa)
+    low = attention(q, k, v, bias, scale=scale, enable_gqa=gqa, dtype=dtype)
+    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=scale)[:1]
+    assert_close_to_oracle([got], [oracle], [low], dtype, ("out",), rounding)
