@@ -53,10 +53,11 @@ class CapturedFa4First:
 # takes but ALiBi without gradients (the Triton kernel is as fast there); the decode kernel
 # comes first because it takes only short queries without gradients, where it is fastest
 # when called eagerly (FlashAttention 4's host time is far above their GPU time). The Gluon
-# forward (no gradients; no mask, bands, ALiBi, soft-cap) follows the Triton kernel or stock
-# SDPA: its GPU time is lower from a few thousand keys on, its host time per call above theirs,
-# so it is the choice where routing measures it faster, and the planner's own choice stays
-# where nothing is measured (benchmarks/NOTES.md, "The Gluon forward in the routing lists").
+# forward (no gradients; no mask, bands, documents, ALiBi, soft-cap) follows the Triton kernel
+# or stock SDPA: its GPU time is lower from a few thousand keys on, its host time per call
+# above theirs, so it is the choice where routing measures it faster, and the planner's own
+# choice stays where nothing is measured (benchmarks/NOTES.md, "The Gluon forward in the
+# routing lists").
 _HOPPER: dict[Kind, Order] = {
     Kind.NONE: Order(("triton-decode", "fa4", "sdpa", "gluon"), training=("fa4", "sdpa")),
     Kind.CAUSAL: Order(
@@ -68,7 +69,7 @@ _HOPPER: dict[Kind, Order] = {
     # the GPU's time decides, so the weighing below picks (benchmarks/NOTES.md, "Documents of
     # one length on stock SDPA").
     Kind.DOCUMENTS: Order(
-        ("triton-decode", "fa4", "sdpa", "triton"), training=("fa4", "sdpa", "triton")
+        ("triton-decode", "fa4", "sdpa", "triton", "gluon"), training=("fa4", "sdpa", "triton")
     ),
     Kind.SOFTCAP: Order(("triton-decode", "fa4", "triton", "gluon"), training=("fa4", "triton")),
     Kind.ALIBI: Order(("triton-decode", "triton", "gluon", "fa4"), training=("fa4", "triton")),

@@ -13,8 +13,10 @@ One program per 128 query rows of one (batch, query head), three partitions:
 
 Masks: a band ``band_lo <= j - i <= band_hi`` (either side open; causal in either alignment,
 sliding windows) over a key loop bounded to the band's blocks; keys at or past ``S`` are masked
-(TMA fills them with zeros: nothing past a row's end is read). A row that keeps no key gives 0.
-Scores: ``scale * q.k``, then a soft-cap ``cap * tanh(s / cap)`` (``tanh.approx``, as the
+(TMA fills them with zeros: nothing past a row's end is read). Packed documents: each query
+row keeps the keys ``[row_lo[i], row_hi[i])`` of its document (the Triton kernels' ranges,
+``kernels/masks.py``), which narrow the key loop as the band does. A row that keeps no key
+gives 0. Scores: ``scale * q.k``, then a soft-cap ``cap * tanh(s / cap)`` (``tanh.approx``, as the
 Triton kernels take it for fp16 / bf16), then ALiBi's ``- slope[b, h] * |i + S - L - j|``
 (float32 distances, exact below 2**24), as :class:`~.program.MaskProgram` defines them.
 
@@ -58,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launch import KeptLaunch, current_device
+from .masks import _document_ranges
 
 __all__ = ["BLOCK_M", "CONFIGS", "HEAD_DIMS", "gluon_forward", "layout_of", "plan_gluon_forward"]
 
@@ -120,6 +123,7 @@ def plan_gluon_forward(
     *,
     softcap: float | None = None,
     slopes: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The forward of calls like this one (the shapes, strides, dtypes and device of
     ``query``, ``key``, ``value``: the caller guarantees them, and 16-byte aligned data), worked
@@ -133,7 +137,9 @@ def plan_gluon_forward(
     :data:`HEAD_DIMS`, laid out as :func:`layout_of` accepts, ``Hq`` a multiple of ``Hkv``);
     the band keeps ``band_lo <= j - i <= band_hi`` (``None``: open side), scores scaled by
     ``scale > 0``, then soft-capped at ``softcap`` (> 0), then ALiBi's ``slopes`` float32
-    ``(1 | B, Hq)`` (kept by the plan: not written in place while it is used). ``config``:
+    ``(1 | B, Hq)`` (kept by the plan: not written in place while it is used); ``documents``:
+    the ids ``(q_doc (1 | B, L), kv_doc (1 | B, S))``, non-decreasing, read at each call
+    (their ranges are recomputed where the ids changed in place). ``config``:
     ``(keys per block, stages)`` instead of :data:`CONFIGS`'s (for measuring). The caller has
     checked all of this (the ``gluon`` backend's reasons)."""
     batch, heads_q, length_q, dim = query.shape
@@ -152,7 +158,7 @@ def plan_gluon_forward(
         slopes_arg = slopes
         slope_b = 0 if slopes.shape[0] == 1 else slopes.stride(0)
         slope_h = slopes.stride(1)
-    scalars = (
+    head = (
         1.0 if modified else scale * _LOG2E, length_q, length_kv, heads_q,
         heads_q // heads_kv, *q_steps, *k_steps, 0 if band_lo is None else band_lo,
         0 if band_hi is None else band_hi, slopes_arg, slope_b, slope_h,
@@ -161,9 +167,18 @@ def plan_gluon_forward(
     )  # fmt: skip
     options = {
         "HAS_LO": band_lo is not None, "HAS_HI": band_hi is not None,
-        "HAS_SOFTCAP": softcap is not None, "HAS_ALIBI": slopes is not None, "STAGES": stages,
-        "num_warps": 4,
+        "HAS_SOFTCAP": softcap is not None, "HAS_ALIBI": slopes is not None,
+        "HAS_DOCS": documents is not None, "STAGES": stages, "num_warps": 4,
     }  # fmt: skip
+    no_documents = (query, query, 0)  # (pointers never read)
+
+    def ranges() -> tuple[Tensor, Tensor, int]:
+        if documents is None:
+            return no_documents
+        found = _document_ranges(*documents, rows=True, cols=False)
+        assert found.row_lo is not None and found.row_hi is not None
+        return found.row_lo, found.row_hi, length_q if found.per_batch else 0
+
     constexprs = tuple(options.values())
     kept: dict[int, KeptLaunch] = {}  # per current device
 
@@ -176,6 +191,7 @@ def plan_gluon_forward(
             _descriptor(query, BLOCK_M // 2)[0], _descriptor(key, block_n)[0],
             _descriptor(value, block_n)[0], _descriptor(out, BLOCK_M // 2)[0],
         )  # fmt: skip
+        scalars = (*head, *ranges())
         device = current_device()
         launch = kept.get(device)
         if launch is not None:
@@ -199,12 +215,14 @@ def gluon_forward(
     *,
     softcap: float | None = None,
     slopes: Tensor | None = None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One call of :func:`plan_gluon_forward` (its arguments, but ``config``): attention
     ``(B, Hq, L, E)`` in the query's layout."""
     planned = plan_gluon_forward(
-        query, key, value, band_lo, band_hi, scale, softcap=softcap, slopes=slopes
-    )
+        query, key, value, band_lo, band_hi, scale, softcap=softcap, slopes=slopes,
+        documents=documents,
+    )  # fmt: skip
     return planned(query, key, value)
 
 
@@ -235,9 +253,9 @@ def _scores(s, rows, n0, terms, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constex
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale, terms,
+def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale, terms, docs,
                    MASK: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
-                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DOCS: gl.constexpr,
                    col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
                    dtype: gl.constexpr):  # fmt: skip
     # One block's online softmax: the new row maxima and sums, the weights as the PV
@@ -255,6 +273,9 @@ def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale, ter
             keep = keep & (cols[None, :] - rows[:, None] >= band_lo)
         if HAS_HI:
             keep = keep & (cols[None, :] - rows[:, None] <= band_hi)
+        if HAS_DOCS:
+            row_lo, row_hi, _, _ = docs
+            keep = keep & (cols[None, :] >= row_lo[:, None]) & (cols[None, :] < row_hi[:, None])
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -266,37 +287,41 @@ def _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi, qk_scale, ter
 
 
 @gluon.jit
-def _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS: gl.constexpr,
-                  BLOCK: gl.constexpr, HAS_LO: gl.constexpr,
-                  HAS_HI: gl.constexpr):  # fmt: skip
+def _block_is_full(n0, first, seq_k, band_lo, band_hi, docs, ROWS: gl.constexpr,
+                  BLOCK: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+                  HAS_DOCS: gl.constexpr):  # fmt: skip
     # Whether every pair of rows [first, first + ROWS) and keys [n0, n0 + BLOCK) is kept.
     full = n0 + BLOCK <= seq_k
     if HAS_LO:
         full = full & (n0 - (first + ROWS - 1) >= band_lo)
     if HAS_HI:
         full = full & (n0 + BLOCK - 1 - first <= band_hi)
+    if HAS_DOCS:  # the largest first key and the smallest end of the rows' documents
+        _, _, full_lo, full_hi = docs
+        full = full & (n0 >= full_lo) & (n0 + BLOCK <= full_hi)
     return full
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale, terms,
+def _softmax(s, m_i, l_i, rows, n0, first, seq_k, band_lo, band_hi, qk_scale, terms, docs,
              ROWS: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
-             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DOCS: gl.constexpr,
              col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr,
              dtype: gl.constexpr):  # fmt: skip
     # The softmax of the block of keys from n0, masked only where the band or the end of the
     # keys cuts it for rows [first, first + ROWS).
     BLOCK: gl.constexpr = s.shape[1]
-    if _block_is_full(n0, first, seq_k, band_lo, band_hi, ROWS, BLOCK, HAS_LO, HAS_HI):
+    if _block_is_full(n0, first, seq_k, band_lo, band_hi, docs, ROWS, BLOCK, HAS_LO, HAS_HI,
+                      HAS_DOCS):  # fmt: skip
         m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
-                                              qk_scale, terms, False, HAS_LO, HAS_HI,
-                                              HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
-                                              dtype)  # fmt: skip
+                                              qk_scale, terms, docs, False, HAS_LO, HAS_HI,
+                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DOCS, col_s, row_o,
+                                              p_layout, dtype)  # fmt: skip
     else:
         m_i, l_i, p16, alpha = _softmax_block(s, m_i, l_i, rows, n0, seq_k, band_lo, band_hi,
-                                              qk_scale, terms, True, HAS_LO, HAS_HI,
-                                              HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
-                                              dtype)  # fmt: skip
+                                              qk_scale, terms, docs, True, HAS_LO, HAS_HI,
+                                              HAS_SOFTCAP, HAS_ALIBI, HAS_DOCS, col_s, row_o,
+                                              p_layout, dtype)  # fmt: skip
     return m_i, l_i, p16, alpha
 
 
@@ -323,8 +348,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empt
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q_c, off_m,
              first_block, blocks, seq_k, band_lo, band_hi, qk_scale, score_scale, cap_in,
-             cap_out, alibi_coef, shift, WHICH: gl.constexpr, HAS_LO: gl.constexpr,
-             HAS_HI: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+             cap_out, alibi_coef, shift, row_lo, row_hi, doc_base, seq_q,
+             WHICH: gl.constexpr, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DOCS: gl.constexpr,
              STAGES: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = o_desc.block_type.shape[1]
     E: gl.constexpr = o_desc.block_type.shape[2]
@@ -344,6 +370,17 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
     first = off_m + WHICH * ROWS
     rows = first + gl.arange(0, ROWS, row_s)
     terms = (score_scale, cap_in, cap_out, alibi_coef, shift)
+    if HAS_DOCS:
+        # each row's document's keys; rows past L keep none (their output is not stored)
+        valid = rows < seq_q
+        docs = (
+            gl.load(row_lo + doc_base + rows, mask=valid, other=0),
+            gl.load(row_hi + doc_base + rows, mask=valid, other=0),
+            gl.load(row_lo + doc_base + gl.minimum(first + ROWS, seq_q) - 1),
+            gl.load(row_hi + doc_base + gl.minimum(first, seq_q - 1)),
+        )
+    else:
+        docs = (0, 0, 0, 0)
     q = q_smem.index(WHICH).reshape([ROWS, E])
     my_turn = turns.index(WHICH)
     their_turn = turns.index(1 - WHICH)
@@ -360,9 +397,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
     mbarrier.arrive(their_turn, count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, first_block * BLOCK, first, seq_k,
-                                    band_lo, band_hi, qk_scale, terms, ROWS, HAS_LO, HAS_HI,
-                                    HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
-                                    dtype)  # fmt: skip
+                                    band_lo, band_hi, qk_scale, terms, docs, ROWS, HAS_LO,
+                                    HAS_HI, HAS_SOFTCAP, HAS_ALIBI, HAS_DOCS, col_s, row_o,
+                                    p_layout, dtype)  # fmt: skip
     for j in range(1, blocks):
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
@@ -375,9 +412,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
         mbarrier.arrive(their_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         m_i, l_i, p16, alpha = _softmax(s, m_i, l_i, rows, (first_block + j) * BLOCK, first,
-                                        seq_k, band_lo, band_hi, qk_scale, terms, ROWS, HAS_LO,
-                                        HAS_HI, HAS_SOFTCAP, HAS_ALIBI, col_s, row_o, p_layout,
-                                        dtype)  # fmt: skip
+                                        seq_k, band_lo, band_hi, qk_scale, terms, docs, ROWS,
+                                        HAS_LO, HAS_HI, HAS_SOFTCAP, HAS_ALIBI, HAS_DOCS, col_s,
+                                        row_o, p_layout, dtype)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
     last = (blocks - 1) % STAGES
@@ -398,9 +435,10 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p, q
 @gluon.jit
 def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, heads_q,
                       group, q_pb, q_ph, q_ch, kv_pb, kv_ph, kv_ch, band_lo, band_hi,
-                      slopes, slope_b, slope_h, score_scale, cap_in, cap_out,
-                      HAS_LO: gl.constexpr, HAS_HI: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-                      HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr,
+                      slopes, slope_b, slope_h, score_scale, cap_in, cap_out, row_lo, row_hi,
+                      doc_b, HAS_LO: gl.constexpr, HAS_HI: gl.constexpr,
+                      HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_DOCS: gl.constexpr,
+                      STAGES: gl.constexpr,
                       num_warps: gl.constexpr):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     E: gl.constexpr = q_desc.block_type.shape[2]
@@ -424,6 +462,10 @@ def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, h
     last_row = gl.minimum(off_m + 2 * ROWS, seq_q) - 1
     key_lo = gl.maximum(off_m + band_lo, 0) if HAS_LO else 0
     key_hi = gl.minimum(last_row + band_hi + 1, seq_k) if HAS_HI else seq_k
+    doc_base = batch * doc_b
+    if HAS_DOCS:  # the documents of the first and the last row bound the keys too
+        key_lo = gl.maximum(key_lo, gl.load(row_lo + doc_base + off_m))
+        key_hi = gl.minimum(key_hi, gl.load(row_hi + doc_base + last_row))
     key_blocks = (seq_k + BLOCK - 1) // BLOCK
     first_block = gl.minimum(key_lo // BLOCK, key_blocks - 1)
     blocks = gl.maximum((key_hi + BLOCK - 1) // BLOCK - first_block, 1)
@@ -447,11 +489,13 @@ def _attention_forward(q_desc, k_desc, v_desc, o_desc, qk_scale, seq_q, seq_k, h
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
                         q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
                         qk_scale, score_scale, cap_in, cap_out, alibi_coef, seq_k - seq_q,
-                        0, HAS_LO, HAS_HI, HAS_SOFTCAP, HAS_ALIBI, STAGES)),
+                        row_lo, row_hi, doc_base, seq_q, 0, HAS_LO, HAS_HI, HAS_SOFTCAP,
+                        HAS_ALIBI, HAS_DOCS, STAGES)),
             (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, q_p,
                         q_c, off_m, first_block, blocks, seq_k, band_lo, band_hi,
                         qk_scale, score_scale, cap_in, cap_out, alibi_coef, seq_k - seq_q,
-                        1, HAS_LO, HAS_HI, HAS_SOFTCAP, HAS_ALIBI, STAGES)),
+                        row_lo, row_hi, doc_base, seq_q, 1, HAS_LO, HAS_HI, HAS_SOFTCAP,
+                        HAS_ALIBI, HAS_DOCS, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready,
                         empty, q_p, q_c, kv_p, kv_c, off_m, first_block, blocks, STAGES)),
         ],

@@ -22,6 +22,7 @@ from attnbias import (
     AlibiBias,
     AttnBias,
     DocumentBias,
+    KeyRangeBias,
     ModBias,
     SlidingWindowBias,
     SoftcapBias,
@@ -61,6 +62,7 @@ def test_a_faked_hopper_takes_causal_windows_and_no_mask(monkeypatch: pytest.Mon
         None, causal_upper_left(), causal_lower_right(), SlidingWindowBias(7, 3),
         causal_lower_right() + AlibiBias(num_heads=2), SoftcapBias(30.0),
         SlidingWindowBias(9) + SoftcapBias(5.0) + AlibiBias(num_heads=2),
+        DocumentBias.from_seqlens([16]) + causal_upper_left(),
     )  # fmt: skip
     for bias in takes:
         assert _reasons(bias, length_q=16, length_kv=40) == []
@@ -75,20 +77,16 @@ def test_alibi_distances_past_float32_are_refused(monkeypatch: pytest.MonkeyPatc
 
 REFUSALS: dict[str, tuple[Callable[[], AttnBias | None], dict[str, object], str]] = {
     "gradients": (causal_upper_left, {"needs_grad": True}, "forward only"),
-    "documents": (
-        lambda: DocumentBias.from_seqlens([6, 10]),
-        {},
-        "takes no mask, a band (causal, windows), ALiBi and soft-cap; not documents",
-    ),
-    "documents with ALiBi": (
-        lambda: DocumentBias.from_seqlens([6, 10]) + AlibiBias(num_heads=2),
-        {},
-        "takes no mask, a band (causal, windows), ALiBi and soft-cap; not documents",
+    "key range": (
+        lambda: KeyRangeBias(start=[0], end=[7]) + causal_lower_right(),
+        {"batch": 1},
+        "documents, ALiBi and soft-cap; not ",
     ),
     "a user's mask": (
         lambda: ModBias(mask_mod=lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0),
         {},
-        "the Gluon kernel takes no mask, a band (causal, windows), ALiBi and soft-cap; not ",
+        "the Gluon kernel takes no mask, a band (causal, windows), documents, ALiBi and "
+        "soft-cap; not ",
     ),
     "head dim": (causal_upper_left, {"head_dim": 256}, "head dims (E, Ev)=(256, 256)"),
     "value head dim": (causal_upper_left, {"head_dim_v": 64}, "head dims (E, Ev)=(128, 64)"),
@@ -199,6 +197,15 @@ CASES: dict[str, Case] = {
     "ALiBi and soft-cap, no band, head dim 64": (2, 2, 2, 200, 300, lambda: SoftcapBias(10.0)
                                                  + AlibiBias(num_heads=2), "bhse", torch.float16,
                                                  64),
+    "documents + causal": (2, 2, 2, 400, 400, lambda: DocumentBias.from_seqlens([100, 37, 200, 63])
+                           + causal_upper_left(), "bhse", torch.bfloat16, 128),
+    "documents per batch row, window, ALiBi, GQA": (2, 4, 2, 300, 300, lambda: DocumentBias(
+        torch.tensor([[0] * 120 + [1] * 180, [0] * 10 + [1] * 250 + [2] * 40]))
+        + causal_lower_right() + SlidingWindowBias(64) + AlibiBias(num_heads=4), "bshe",
+        torch.float16, 64),
+    "documents across L != S, soft-cap": (1, 2, 2, 200, 517, lambda: DocumentBias(
+        torch.tensor([0] * 50 + [1] * 150), torch.tensor([0] * 300 + [1] * 217))
+        + SoftcapBias(20.0), "bhse", torch.bfloat16, 128),
 }  # fmt: skip
 
 
@@ -364,16 +371,26 @@ def test_a_repeated_call_on_misaligned_memory_runs_on_copies() -> None:
 @st.composite
 def gluon_calls(draw: st.DrawFn) -> tuple[Any, ...]:
     """A call the backend takes: shapes off its tiles, GQA, both layouts, fp16 / bf16, head
-    dims 64 and 128, a band (or none) with ALiBi and a soft-cap or not, any positive scale."""
+    dims 64 and 128, packed documents or not, a band (or none) with ALiBi and a soft-cap or
+    not, any positive scale."""
     heads_kv = draw(st.integers(1, 2))
     heads_q = heads_kv * draw(st.integers(1, 3))
     shape = (
         draw(st.integers(1, 2)), heads_q, heads_kv, draw(st.integers(1, 400)),
         draw(st.integers(1, 400)), draw(st.sampled_from([64, 128])),
     )  # fmt: skip
+    if draw(st.booleans()):  # packed documents over a self-attention call
+        batch, heads_q, heads_kv, length_q, _, dim = shape
+        shape = (batch, heads_q, heads_kv, length_q, length_q, dim)
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, length_q - 1)), max_size=4)))
+        cuts = [c for c in cuts if c < length_q]
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, length_q], strict=True)]
+        documents: list[AttnBias] = [DocumentBias.from_seqlens(lengths)]
+    else:
+        documents = []
     band = draw(st.sampled_from(["none", "upper-left", "lower-right", "window", "two-sided"]))
     width = draw(st.integers(1, 300))
-    parts: list[AttnBias] = []
+    parts: list[AttnBias] = documents
     if band == "upper-left":
         parts.append(causal_upper_left())
     elif band == "lower-right":
@@ -393,7 +410,7 @@ def gluon_calls(draw: st.DrawFn) -> tuple[Any, ...]:
 
 
 @pytest.mark.gpu
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(gluon_calls())
 def test_drawn_calls_against_the_oracle(call: tuple[Any, ...]) -> None:
     if not _hopper():

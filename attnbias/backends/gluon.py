@@ -26,7 +26,7 @@ __all__ = ["GluonForward", "gluon_ready"]
 # speed and 0.55-0.6x stock SDPA's on an H200 (benchmarks/NOTES.md, "The Gluon forward at head
 # dims 64 and 256"): not offered, so that routing spends no time on it.
 _HEAD_DIMS = (64, 128)
-_KINDS = (Kind.NONE, Kind.CAUSAL, Kind.BAND, Kind.ALIBI, Kind.SOFTCAP)
+_KINDS = (Kind.NONE, Kind.CAUSAL, Kind.BAND, Kind.DOCUMENTS, Kind.ALIBI, Kind.SOFTCAP)
 
 
 @functools.cache
@@ -66,8 +66,8 @@ def _layout(x: Tensor) -> str | None:
 
 
 class GluonForward(Backend):
-    """No mask or a band (causal in either alignment, sliding windows), with ALiBi and a
-    soft-cap, fp16 / bf16, head dims 64 and 128, GQA, ``(B, H, L, E)`` tensors or
+    """No mask or a band (causal in either alignment, sliding windows), packed documents,
+    ALiBi and a soft-cap, fp16 / bf16, head dims 64 and 128, GQA, ``(B, H, L, E)`` tensors or
     ``(B, L, H, E)`` memory seen as ``(B, H, L, E)``, on Hopper (capability 9.x), forward
     only. A row that keeps no key gives 0; nothing past a row's ``S`` keys is read (TMA fills
     it with zeros)."""
@@ -97,10 +97,10 @@ class GluonForward(Backend):
         if spec.compiling:
             reasons.append("the Gluon kernel is not registered for torch.compile to trace")
         terms = spec.terms
-        if terms.kind not in _KINDS or terms.has_key_range or terms.q_doc is not None:
+        if terms.kind not in _KINDS or terms.has_key_range:
             reasons.append(
-                f"the Gluon kernel takes no mask, a band (causal, windows), ALiBi and soft-cap; "
-                f"not {terms.describe()}"
+                f"the Gluon kernel takes no mask, a band (causal, windows), documents, ALiBi and "
+                f"soft-cap; not {terms.describe()}"
             )
         elif terms.slopes is not None:
             if terms.alibi_shift:
@@ -155,7 +155,11 @@ class GluonForward(Backend):
 
         program = spec.program
         band_lo, band_hi, scale = program.band_lo, program.band_hi, spec.resolved_scale
-        terms = {"softcap": program.softcap, "slopes": program.alibi_slopes}
+        terms = {
+            "softcap": program.softcap,
+            "slopes": program.alibi_slopes,
+            "documents": None if program.q_doc is None else (program.q_doc, program.kv_doc),
+        }
         planned = plan_gluon_forward(
             spec.query, spec.key, spec.value, band_lo, band_hi, scale, **terms
         )
