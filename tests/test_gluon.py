@@ -213,6 +213,37 @@ def _laid_out(x: Tensor, layout: str) -> Tensor:
     return x if layout == "bhse" else x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _pinned_against_the_oracle(
+    shape: tuple[int, int, int, int, int, int],
+    bias: AttnBias | None,
+    layout: str,
+    dtype: torch.dtype,
+    seed: int,
+    scale: float | None = None,
+) -> Tensor:
+    """``attnbias.sdpa`` pinned to the Gluon backend on random inputs of ``shape`` = ``(B, Hq,
+    Hkv, L, S, E)`` in ``layout``, checked against the oracle (and said to be the route);
+    returns the output."""
+    batch, heads_q, heads_kv, length_q, length_kv, dim = shape
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(heads: int, length: int) -> Tensor:
+        x = torch.randn(batch, heads, length, dim, device="cuda", generator=generator)
+        return _laid_out(x.to(dtype), layout)
+
+    q, k, v = draw(heads_q, length_q), draw(heads_kv, length_kv), draw(heads_kv, length_kv)
+    kwargs: dict[str, Any] = {"scale": scale, "enable_gqa": heads_q != heads_kv}
+    with use_backends("gluon"):
+        assert attnbias.explain(q, k, v, attn_mask=bias, **kwargs).startswith("gluon")
+        got = attnbias.sdpa(q, k, v, attn_mask=bias, **kwargs)
+    assert got.shape == q.shape and got.stride() == q.stride()  # the query's layout
+    oracle = attention(q, k, v, bias, **kwargs)
+    low = attention(q, k, v, bias, dtype=dtype, **kwargs)
+    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=scale)[:1]
+    assert_close_to_oracle([got], [oracle], [low], dtype, ("out",), rounding)
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_against_the_oracle(name: str) -> None:
@@ -222,23 +253,8 @@ def test_against_the_oracle(name: str) -> None:
     if problem is not None:
         pytest.skip(problem)
     batch, heads_q, heads_kv, length_q, length_kv, make, layout, dtype, dim = CASES[name]
-    bias = make()
-    generator = torch.Generator(device="cuda").manual_seed(0)
-
-    def draw(heads: int, length: int) -> Tensor:
-        x = torch.randn(batch, heads, length, dim, device="cuda", generator=generator)
-        return _laid_out(x.to(dtype), layout)
-
-    q, k, v = draw(heads_q, length_q), draw(heads_kv, length_kv), draw(heads_kv, length_kv)
-    gqa = heads_q != heads_kv
-    with use_backends("gluon"):
-        assert attnbias.explain(q, k, v, attn_mask=bias, enable_gqa=gqa).startswith("gluon")
-        got = attnbias.sdpa(q, k, v, attn_mask=bias, enable_gqa=gqa)
-    assert got.shape == q.shape and got.stride() == q.stride()  # the query's layout
-    oracle = attention(q, k, v, bias, enable_gqa=gqa)
-    low = attention(q, k, v, bias, enable_gqa=gqa, dtype=dtype)
-    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=None)[:1]
-    assert_close_to_oracle([got], [oracle], [low], dtype, ("out",), rounding)
+    shape = (batch, heads_q, heads_kv, length_q, length_kv, dim)
+    got = _pinned_against_the_oracle(shape, make(), layout, dtype, seed=0)
     if name == "rows that keep no key":
         empty = got[:, :, : length_q - length_kv]
         assert torch.equal(empty, torch.zeros_like(empty))
@@ -418,19 +434,6 @@ def test_drawn_calls_against_the_oracle(call: tuple[Any, ...]) -> None:
     problem = gluon.gluon_ready()
     if problem is not None:
         pytest.skip(problem)
-    (batch, heads_q, heads_kv, length_q, length_kv, dim), parts, layout, dtype, scale, seed = call
+    shape, parts, layout, dtype, scale, seed = call
     bias = sum(parts[1:], parts[0]) if parts else None
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-
-    def draw(heads: int, length: int) -> Tensor:
-        x = torch.randn(batch, heads, length, dim, device="cuda", generator=generator)
-        return _laid_out(x.to(dtype), layout)
-
-    q, k, v = draw(heads_q, length_q), draw(heads_kv, length_kv), draw(heads_kv, length_kv)
-    gqa = heads_q != heads_kv
-    with use_backends("gluon"):
-        got = attnbias.sdpa(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-    oracle = attention(q, k, v, bias, scale=scale, enable_gqa=gqa)
-    low = attention(q, k, v, bias, scale=scale, enable_gqa=gqa, dtype=dtype)
-    rounding = flash_rounding(q, k, v, bias, torch.ones_like(q), scale=scale)[:1]
-    assert_close_to_oracle([got], [oracle], [low], dtype, ("out",), rounding)
+    _pinned_against_the_oracle(shape, bias, layout, dtype, seed, scale)
