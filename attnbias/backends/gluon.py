@@ -140,14 +140,15 @@ class GluonForward(Backend):
     def how(self, spec: Spec) -> str:
         return (
             "the Gluon forward (warp-specialized, ping-pong, TMA), its key loop bounded to the "
-            "band's blocks"
+            "blocks the band and the documents keep"
         )
 
     def run(self, spec: Spec) -> Tensor:
         return self.prepare(spec)(spec.query, spec.key, spec.value)
 
     def prepare(self, spec: Spec) -> Prepared:
-        """The band and the scale bound once; a call launches with its tensors. The plan
+        """The band, the scale and the score terms bound once (the documents' ranges are read
+        at each call); a call launches with its tensors. The plan
         cache's key holds the shapes, dtypes and strides the reasons were checked on, not
         the data pointers' 16-byte alignment, which the TMA descriptors need: a call with a
         misaligned tensor runs on aligned copies of its inputs (the output then contiguous)."""
