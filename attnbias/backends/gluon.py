@@ -148,10 +148,10 @@ class GluonForward(Backend):
 
     def prepare(self, spec: Spec) -> Prepared:
         """The band, the scale and the score terms bound once (the documents' ranges are read
-        at each call); a call launches with its tensors. The plan
-        cache's key holds the shapes, dtypes and strides the reasons were checked on, not
-        the data pointers' 16-byte alignment, which the TMA descriptors need: a call with a
-        misaligned tensor runs on aligned copies of its inputs (the output then contiguous)."""
+        at each call); a call launches with its tensors. The plan cache's key holds the
+        shapes, dtypes and strides the reasons were checked on, not the data pointers' 16-byte
+        alignment, which the TMA descriptors need: a call with a misaligned tensor runs on
+        aligned copies of its inputs (the output then contiguous)."""
         from attnbias.kernels.gluon_forward import gluon_forward, plan_gluon_forward
 
         program = spec.program
