@@ -74,6 +74,23 @@ def _prepare_pinned(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Pr
     return Prepared(forward)
 
 
+def _prepare_pinned_forward(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Prepared:
+    """attnbias on one forward-only backend, called without gradients (no forward + backward
+    row)."""
+    bias = case.make_bias()
+    q, k, v = inputs.leaves()
+
+    def forward() -> Tensor:
+        with torch.no_grad(), attnbias.use_backends(backend):
+            return attnbias.sdpa(q, k, v, attn_mask=bias)
+
+    try:
+        forward()
+    except ValueError as exc:  # the backend cannot take this case: its reasons
+        raise Skipped(str(exc).split(". ", 1)[-1]) from exc
+    return Prepared(forward, note="forward only", has_backward=False)
+
+
 def _prepare_flex(
     case: Case, inputs: Inputs, cfg: Config, kernel_options: FlexKernelOptions | None = None
 ) -> Prepared:
@@ -287,6 +304,7 @@ CONTENDERS: dict[str, Callable[[Case, Inputs, Config], Prepared]] = {
     "attnbias": prepare_attnbias,
     "attnbias-fa4": functools.partial(_prepare_pinned, "fa4"),
     "attnbias-triton": functools.partial(_prepare_pinned, "triton"),
+    "attnbias-gluon": functools.partial(_prepare_pinned_forward, "gluon"),  # Hopper
     "flex": prepare_flex,
     "flex-flash": prepare_flex_flash,
     "fa4": prepare_fa4,

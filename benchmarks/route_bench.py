@@ -40,7 +40,7 @@ from attnbias import (
     use_backends,
 )
 
-BACKENDS = ("fa4", "triton-decode", "triton", "sdpa", "sdpa+mask")
+BACKENDS = ("fa4", "triton-decode", "triton", "gluon", "sdpa", "sdpa+mask")
 
 
 @dataclass
