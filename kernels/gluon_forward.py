@@ -152,16 +152,15 @@ def plan_gluon_forward(
     # base-2 scores: s2 = qk * score_scale, or cap_out * tanh(qk * cap_in) under a soft-cap;
     # the softmax then takes exp2(s2 * qk_scale - max), qk_scale = 1 where a term comes first
     modified = softcap is not None or slopes is not None
-    if slopes is None:
-        slopes_arg, slope_b, slope_h = query, 0, 0  # (a pointer never read)
-    else:
-        slopes_arg = slopes
-        slope_b = 0 if slopes.shape[0] == 1 else slopes.stride(0)
-        slope_h = slopes.stride(1)
     head = (
         1.0 if modified else scale * _LOG2E, length_q, length_kv, heads_q,
         heads_q // heads_kv, *q_steps, *k_steps, 0 if band_lo is None else band_lo,
-        0 if band_hi is None else band_hi, slopes_arg, slope_b, slope_h,
+        0 if band_hi is None else band_hi,
+    )  # fmt: skip
+    slope_steps = (0, 0) if slopes is None else (
+        0 if slopes.shape[0] == 1 else slopes.stride(0), slopes.stride(1),
+    )  # fmt: skip
+    score_terms = (
         scale * _LOG2E, 0.0 if softcap is None else scale / softcap,
         0.0 if softcap is None else softcap * _LOG2E,
     )  # fmt: skip
@@ -170,11 +169,10 @@ def plan_gluon_forward(
         "HAS_SOFTCAP": softcap is not None, "HAS_ALIBI": slopes is not None,
         "HAS_DOCS": documents is not None, "STAGES": stages, "num_warps": 4,
     }  # fmt: skip
-    no_documents = (query, query, 0)  # (pointers never read)
 
-    def ranges() -> tuple[Tensor, Tensor, int]:
+    def ranges(query: Tensor) -> tuple[Tensor, Tensor, int]:
         if documents is None:
-            return no_documents
+            return query, query, 0  # (pointers never read)
         found = _document_ranges(*documents, rows=True, cols=False)
         assert found.row_lo is not None and found.row_hi is not None
         return found.row_lo, found.row_hi, length_q if found.per_batch else 0
@@ -191,7 +189,12 @@ def plan_gluon_forward(
             _descriptor(query, BLOCK_M // 2)[0], _descriptor(key, block_n)[0],
             _descriptor(value, block_n)[0], _descriptor(out, BLOCK_M // 2)[0],
         )  # fmt: skip
-        scalars = (*head, *ranges())
+        # (the call's query stands for pointers the kernel does not read: the plan keeps no
+        # tensor of the call it was made for)
+        scalars = (
+            *head, query if slopes is None else slopes, *slope_steps, *score_terms,
+            *ranges(query),
+        )  # fmt: skip
         device = current_device()
         launch = kept.get(device)
         if launch is not None:

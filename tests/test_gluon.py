@@ -162,6 +162,27 @@ def test_layouts_it_describes() -> None:
     assert layout_of(heads) is None  # three heads of five: not (B, L, H * E) rows
 
 
+def test_a_plan_keeps_no_tensor_of_the_call_it_was_made_for() -> None:
+    """The plan cache holds prepared runs for as long as their calls repeat: a plan made from
+    a call's tensors (here on the CPU: planning launches nothing) must not keep them alive."""
+    import gc
+    import weakref
+
+    from attnbias.kernels.gluon_forward import plan_gluon_forward
+
+    query, key, value = (torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(3))
+    documents = (torch.zeros(1, 256, dtype=torch.int64), torch.zeros(1, 256, dtype=torch.int64))
+    planned = [
+        plan_gluon_forward(query, key, value, None, 0, 0.1, softcap=30.0),
+        plan_gluon_forward(query, key, value, -5, 5, 0.1, slopes=torch.ones(1, 2)),
+        plan_gluon_forward(query, key, value, None, None, 0.1, documents=documents),
+    ]
+    kept = [weakref.ref(t) for t in (query, key, value)]
+    del query, key, value
+    gc.collect()
+    assert planned and all(ref() is None for ref in kept)
+
+
 # ------------------------------------------------------------------------------------------
 # On a Hopper GPU
 
