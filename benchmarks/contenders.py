@@ -3,6 +3,7 @@ gradients are checked against the reference and then timed."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,37 +59,26 @@ def prepare_attnbias(case: Case, inputs: Inputs, cfg: Config) -> Prepared:
     return Prepared(lambda: attnbias.sdpa(q, k, v, attn_mask=bias))
 
 
-def _prepare_pinned(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Prepared:
-    """attnbias on one backend: the measurements behind the planner's priority lists."""
+def _prepare_pinned(
+    backend: str, case: Case, inputs: Inputs, cfg: Config, forward_only: bool = False
+) -> Prepared:
+    """attnbias on one backend: the measurements behind the planner's priority lists. A
+    ``forward_only`` backend is called without gradients (no forward + backward row)."""
     bias = case.make_bias()
     q, k, v = inputs.leaves()
+    grad = torch.no_grad if forward_only else contextlib.nullcontext
 
     def forward() -> Tensor:
-        with attnbias.use_backends(backend):
+        with grad(), attnbias.use_backends(backend):
             return attnbias.sdpa(q, k, v, attn_mask=bias)
 
     try:
         forward()
     except ValueError as exc:  # the backend cannot take this case: its reasons
         raise Skipped(str(exc).split(". ", 1)[-1]) from exc
+    if forward_only:
+        return Prepared(forward, note="forward only", has_backward=False)
     return Prepared(forward)
-
-
-def _prepare_pinned_forward(backend: str, case: Case, inputs: Inputs, cfg: Config) -> Prepared:
-    """attnbias on one forward-only backend, called without gradients (no forward + backward
-    row)."""
-    bias = case.make_bias()
-    q, k, v = inputs.leaves()
-
-    def forward() -> Tensor:
-        with torch.no_grad(), attnbias.use_backends(backend):
-            return attnbias.sdpa(q, k, v, attn_mask=bias)
-
-    try:
-        forward()
-    except ValueError as exc:  # the backend cannot take this case: its reasons
-        raise Skipped(str(exc).split(". ", 1)[-1]) from exc
-    return Prepared(forward, note="forward only", has_backward=False)
 
 
 def _prepare_flex(
@@ -304,7 +294,7 @@ CONTENDERS: dict[str, Callable[[Case, Inputs, Config], Prepared]] = {
     "attnbias": prepare_attnbias,
     "attnbias-fa4": functools.partial(_prepare_pinned, "fa4"),
     "attnbias-triton": functools.partial(_prepare_pinned, "triton"),
-    "attnbias-gluon": functools.partial(_prepare_pinned_forward, "gluon"),  # Hopper
+    "attnbias-gluon": functools.partial(_prepare_pinned, "gluon", forward_only=True),
     "flex": prepare_flex,
     "flex-flash": prepare_flex_flash,
     "fa4": prepare_fa4,
