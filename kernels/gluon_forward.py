@@ -98,14 +98,15 @@ def _shared_layout(rows: int, dim: int, bf16: bool) -> Any:
     return gl.NVMMASharedLayout.get_default_for([1, rows, dim], gl.bfloat16 if bf16 else gl.float16)
 
 
-def _descriptor(x: Tensor, rows: int) -> tuple[Any, tuple[int, int, int]]:
+def _descriptor(x: Tensor, rows: int, bhse: bool) -> tuple[Any, tuple[int, int, int]]:
     """A 3-D TMA descriptor of ``x`` ``(B, H, length, E)`` with blocks of ``rows`` positions
     of one head, and how a (batch, head) finds its block: ``(per batch, per head, column per
-    head)`` steps of the descriptor's first and last coordinates."""
+    head)`` steps of the descriptor's first and last coordinates. ``bhse``: whether
+    :func:`layout_of` finds ``x`` ``"bhse"`` (else ``"bshe"``; a plan works it out once)."""
     batch, heads, length, dim = x.shape
     s_b, s_h, s_l, _ = x.stride()
     layout = _shared_layout(rows, dim, x.dtype == torch.bfloat16)
-    if layout_of(x) == "bhse":
+    if bhse:
         shape, strides, steps = [batch * heads, length, dim], [s_h, s_l, 1], (heads, 1, 0)
     else:
         shape, strides, steps = [batch, length, heads * dim], [s_b, s_l, 1], (1, 0, dim)
@@ -145,10 +146,11 @@ def plan_gluon_forward(
     batch, heads_q, length_q, dim = query.shape
     heads_kv, length_kv = key.shape[1], key.shape[2]
     block_n, stages = CONFIGS[dim] if config is None else config
-    bhse = layout_of(query) == "bhse"
+    bhse = layout_of(query) == "bhse"  # the output's layout too
+    kv_bhse = layout_of(key) == "bhse"  # the values' too (the backend checked)
     grid = (math.ceil(length_q / BLOCK_M), batch * heads_q, 1)
-    _, q_steps = _descriptor(query, BLOCK_M // 2)
-    _, k_steps = _descriptor(key, block_n)
+    _, q_steps = _descriptor(query, BLOCK_M // 2, bhse)
+    _, k_steps = _descriptor(key, block_n, kv_bhse)
     # base-2 scores: s2 = qk * score_scale, or cap_out * tanh(qk * cap_in) under a soft-cap;
     # the softmax then takes exp2(s2 * qk_scale - max), qk_scale = 1 where a term comes first
     modified = softcap is not None or slopes is not None
@@ -186,8 +188,8 @@ def plan_gluon_forward(
         else:
             out = query.new_empty((batch, length_q, heads_q, dim)).transpose(1, 2)
         descriptors = (
-            _descriptor(query, BLOCK_M // 2)[0], _descriptor(key, block_n)[0],
-            _descriptor(value, block_n)[0], _descriptor(out, BLOCK_M // 2)[0],
+            _descriptor(query, BLOCK_M // 2, bhse)[0], _descriptor(key, block_n, kv_bhse)[0],
+            _descriptor(value, block_n, kv_bhse)[0], _descriptor(out, BLOCK_M // 2, bhse)[0],
         )  # fmt: skip
         # (the call's query stands for pointers the kernel does not read: the plan keeps no
         # tensor of the call it was made for)
